@@ -1,0 +1,1 @@
+"""harness: differential testing of fused vs unfused Transformers models."""
