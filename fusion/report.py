@@ -1,0 +1,66 @@
+"""What a fusion pass did: the records `fusion.fuse` and `fusion.plan` return."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One module instance rewritten by one fuser.
+
+    `original_source` / `rewritten_source` hold the forward's source before and after the
+    rewrite (None for fusers that replace the whole module instead of rewriting a forward),
+    so a bug report can show exactly what changed.
+    """
+
+    qualname: str
+    fuser: str
+    source_class: str
+    description: str
+    original_source: str | None = None
+    rewritten_source: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.qualname}: {self.description} ({self.source_class}) [{self.fuser}]"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One module instance a fuser (or every fuser, `fuser=None`) refused, and why."""
+
+    qualname: str
+    fuser: str | None
+    source_class: str
+    reason: str
+
+    def __str__(self) -> str:
+        who = self.fuser or "no fuser"
+        return f"{self.qualname} ({self.source_class}): {who} refused: {self.reason}"
+
+
+@dataclass
+class FusionReport:
+    """Applied and skipped records of one `fuse`/`plan` call, in model traversal order."""
+
+    applied: list[Applied] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    dry_run: bool = False
+
+    def counts(self) -> dict[str, int]:
+        """Number of applied fusions per fuser name."""
+        return dict(Counter(record.fuser for record in self.applied))
+
+    def __str__(self) -> str:
+        verb = "would apply" if self.dry_run else "applied"
+        lines = [f"FusionReport: {len(self.applied)} {verb}, {len(self.skipped)} skipped"]
+        for fuser, count in sorted(self.counts().items()):
+            lines.append(f"  {fuser}: {count}")
+        if self.applied:
+            lines.append("applied:")
+            lines.extend(f"  {record}" for record in self.applied)
+        if self.skipped:
+            lines.append("skipped:")
+            lines.extend(f"  {record}" for record in self.skipped)
+        return "\n".join(lines)
