@@ -1,0 +1,145 @@
+"""Small predicates and walks over a traced fx graph.
+
+Every function here is pure: it reads nodes and the module the graph was traced from, and
+changes neither. Walks stop at leaf calls (attention interfaces), because what crosses an
+attention call is consumed by attention, not projected by it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fusion.trace import LEAF_CALL
+
+DTYPE_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+"""Tensor methods that only change dtype (or device): `peel` looks through them."""
+
+_OP_NAMESPACES = (torch, F, operator)
+
+
+def is_fn(node: object, target: object) -> bool:
+    """Is `node` a call of exactly the function `target`?"""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+
+
+def is_method(node: object, name: str) -> bool:
+    """Is `node` a method call `.<name>(...)`?"""
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
+
+
+def is_op(node: object, name: str) -> bool:
+    """Is `node` the op `name` spelled as `torch.<name>`, `F.<name>`, `operator.<name>` or a
+    tensor method `x.<name>()`?"""
+    if any(is_fn(node, getattr(ns, name, None)) for ns in _OP_NAMESPACES):
+        return True
+    return hasattr(torch.Tensor, name) and is_method(node, name)
+
+
+def is_leaf_call(node: object) -> bool:
+    """Is `node` an opaque call recorded by `fusion.trace.leaf_call` (an attention call)?"""
+    return isinstance(node, fx.Node) and bool(node.meta.get(LEAF_CALL, False))
+
+
+def submodule(node: fx.Node, module: nn.Module) -> nn.Module | None:
+    """The child a `call_module` node calls, or None for any other node."""
+    if node.op != "call_module":
+        return None
+    try:
+        return module.get_submodule(str(node.target))
+    except AttributeError:
+        return None
+
+
+def is_linear(node: object, module: nn.Module) -> bool:
+    """Is `node` a call of an `nn.Linear` child of `module` (subclasses included; whether a
+    subclass is safe to merge is the fuser's question, not the graph's)."""
+    return isinstance(node, fx.Node) and isinstance(submodule(node, module), nn.Linear)
+
+
+def peel(node: object) -> object:
+    """`node` with dtype/device casts (`.to`, `.float()`, `.type_as`...) stripped."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in DTYPE_CASTS:
+        node = node.args[0]
+    return node
+
+
+def find_node(graph: fx.Graph, predicate: Callable[[fx.Node], bool]) -> fx.Node | None:
+    """The first node of `graph`, in trace order, satisfying `predicate`, or None."""
+    return next((node for node in graph.nodes if predicate(node)), None)
+
+
+def output_value(graph: fx.Graph) -> object | None:
+    """What the traced forward returns, or None when the trace did not reach the return."""
+    output = find_node(graph, lambda n: n.op == "output")
+    if output is None or not output.args:
+        return None
+    return output.args[0]
+
+
+def _node_inputs(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def upstream_linear(node: object, module: nn.Module) -> fx.Node | None:
+    """The nearest linear whose output flows into `node`, walking back through ops and
+    non-linear children (dropout after an output projection), never through a leaf call."""
+    stack: list[object] = [node]
+    seen: set[fx.Node] = set()
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, fx.Node) or current in seen:
+            continue
+        seen.add(current)
+        if is_linear(current, module):
+            return current
+        if current.op in ("call_function", "call_method", "call_module") and not is_leaf_call(
+            current
+        ):
+            stack.extend(_node_inputs(current))
+    return None
+
+
+def downstream_linear(node: fx.Node, module: nn.Module) -> fx.Node | None:
+    """The nearest linear consuming `node`'s value (breadth first, through ops and casts),
+    never through a leaf call."""
+    queue = list(node.users)
+    seen: set[fx.Node] = set()
+    while queue:
+        current = queue.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        if is_linear(current, module):
+            return current
+        if current.op in ("call_function", "call_method") and not is_leaf_call(current):
+            queue.extend(current.users)
+    return None
+
+
+def returned_linear(graph: fx.Graph, module: nn.Module) -> str | None:
+    """Name of the linear that produces the forward's (first) returned value, found by
+    dataflow; None if no linear does or the trace never reached the return."""
+    value = output_value(graph)
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    linear = upstream_linear(value, module)
+    return None if linear is None else str(linear.target)
+
+
+def linear_calls(graph: fx.Graph, module: nn.Module) -> list[fx.Node]:
+    """Every linear call node of `graph`, in trace order."""
+    return [node for node in graph.nodes if is_linear(node, module)]
+
+
+def calls_by_target(nodes: Iterable[fx.Node]) -> dict[str, list[fx.Node]]:
+    """`call_module` nodes grouped by the child they call (a child called twice shows twice)."""
+    groups: dict[str, list[fx.Node]] = {}
+    for node in nodes:
+        if node.op == "call_module":
+            groups.setdefault(str(node.target), []).append(node)
+    return groups

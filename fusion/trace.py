@@ -1,0 +1,293 @@
+"""Trace one module's own forward with torch.fx, tolerating what fx cannot follow.
+
+`trace(module)` returns the fx graph of `module.forward` with every submodule kept as one
+`call_module` leaf, so matching sees the module's own structure (an activation stays
+`act_fn(...)`, not `sigmoid(x) * x`). It never raises: an untraceable op ends the trace and
+the graph recorded so far is returned, because the fusers only need the dataflow between
+projections, which is usually complete long before the forward ends.
+
+Shape questions (`len`, iteration, `.shape` unpacking, `*`-splats) are answered by running
+every recorded op again on meta tensors. PyTorch's meta kernels are therefore the only shape
+rules: there is no per-op table to fall out of date.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import operator
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import Any
+from unittest import mock
+
+import torch
+from torch import fx, nn
+
+logger = logging.getLogger(__name__)
+
+_REAL_MODULE_CALL = nn.Module.__call__
+"""`nn.Module.__call__` before fx patches it; meta execution must call children for real."""
+
+UNKNOWN: Any = object()
+"""Meta value of a proxy whose value could not be inferred (distinct from a concrete None)."""
+
+CACHE_ARGUMENTS = ("past_key_values", "cache")
+"""Spellings of the KV-cache argument; Transformers 5.24 renamed the first to the second."""
+
+LEAF_CALL = "leaf_call"
+"""`node.meta` key marking an opaque call recorded by `leaf_call` (e.g. attention)."""
+
+
+def reference_weight(module: nn.Module) -> torch.Tensor | None:
+    """A weight whose trailing dimension is the width `module` reads.
+
+    The first linear's weight is `[out, in]` with `in` the input width; failing that, a 1-D
+    or 2-D parameter (a norm's `[hidden]`, a router's `[experts, hidden]`). None when the
+    module holds no such weight (a weightless norm): its input then stays unknown.
+    """
+    for child in module.modules():
+        if isinstance(child, nn.Linear):
+            return child.weight
+    for param in module.parameters():
+        if param.ndim in (1, 2):
+            return param
+    return None
+
+
+def forward_parameters(module: nn.Module) -> dict[str, inspect.Parameter]:
+    """The parameters of `type(module).forward` after unwrapping decorators, or {}."""
+    try:
+        return dict(inspect.signature(inspect.unwrap(type(module).forward)).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+class _MetaProxy(fx.Proxy):
+    """A proxy that also carries the value of its expression on meta tensors."""
+
+    meta: Any = UNKNOWN
+
+    def __len__(self) -> int:
+        if self.meta is not UNKNOWN:
+            return len(self.meta)
+        return super().__len__()  # type: ignore[misc]
+
+    def __getattr__(self, name: str) -> _MetaAttribute:
+        return _MetaAttribute(self, name)
+
+    def __setitem__(self, key: object, value: object) -> None:
+        # `obj[k] = v` (a container write such as a shared KV dict) is recorded as a node,
+        # so the trace goes on and the alias analysis can still see the write in source.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+class _MetaAttribute(_MetaProxy, fx.proxy.Attribute):
+    """`x.attr` as a proxy; fx builds these directly, so the meta value is grafted on here."""
+
+    def __init__(self, root: fx.Proxy, attr: str) -> None:
+        super().__init__(root, attr)
+        root_meta = getattr(root, "meta", UNKNOWN)
+        if root_meta is not UNKNOWN:
+            with contextlib.suppress(Exception):
+                self.meta = getattr(root_meta, attr)
+
+
+def _meta_state(child: nn.Module) -> dict[str, torch.Tensor]:
+    """Meta copies of `child`'s parameters and buffers, leaving `child` itself untouched."""
+    return {
+        name: torch.empty_like(tensor, device="meta")
+        for name, tensor in chain(child.named_parameters(), child.named_buffers())
+    }
+
+
+def _resolve_attr(root: nn.Module, target: str) -> Any:
+    """`root.<target>` read from the module dicts directly.
+
+    While fx traces, `nn.Module.__getattr__` is patched to emit `get_attr` nodes; reading a
+    parameter through it from inside meta execution would record (and recurse) again.
+    """
+    *path, leaf = target.split(".")
+    module = root
+    for part in path:
+        module = module._modules[part]
+    for table in ("_parameters", "_buffers", "_modules"):
+        entries = module.__dict__.get(table, {})
+        if leaf in entries:
+            return entries[leaf]
+    return object.__getattribute__(module, leaf)
+
+
+class LeafTracer(fx.Tracer):
+    """An fx tracer for which every submodule is a leaf and every op also runs on meta."""
+
+    def __init__(self, varkw: str | None = None, input_name: str | None = None) -> None:
+        super().__init__()
+        self.varkw = varkw
+        self.input_name = input_name
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _MetaProxy(node, self)
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        # Trace the undecorated forward: wrappers such as Transformers' `deprecate_kwarg`
+        # take `(*args, **kwargs)`, which fx cannot map back to the real parameters.
+        return super().create_args_for_root(inspect.unwrap(root_fn), is_module, concrete_args)
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **rest_kwargs):
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **rest_kwargs)
+        if isinstance(proxy, _MetaProxy) and proxy.meta is UNKNOWN:
+            # An op whose meta value fails stays unknown; only a shape question about it
+            # later ends the trace.
+            with contextlib.suppress(Exception):
+                proxy.meta = self._run_on_meta(kind, target, args, kwargs)
+        return proxy
+
+    def _run_on_meta(self, kind: str, target: object, args: tuple, kwargs: dict) -> Any:
+        if kind == "placeholder":
+            return self._placeholder_meta(str(target))
+        if kind == "get_attr":
+            value = _resolve_attr(self.root, str(target))
+            return torch.empty_like(value, device="meta") if torch.is_tensor(value) else value
+        unknown = False
+
+        def to_meta(arg: object) -> object:
+            nonlocal unknown
+            if isinstance(arg, fx.Proxy):
+                value = getattr(arg, "meta", UNKNOWN)
+                unknown = unknown or value is UNKNOWN
+                return value
+            return arg
+
+        meta_args = fx.node.map_aggregate(args, to_meta)
+        meta_kwargs = fx.node.map_aggregate(kwargs, to_meta)
+        if unknown:
+            return UNKNOWN
+        if kind == "call_function":
+            return target(*meta_args, **meta_kwargs)  # type: ignore[operator]
+        if kind == "call_method":
+            receiver, *rest = meta_args
+            return getattr(receiver, str(target))(*rest, **meta_kwargs)
+        if kind == "call_module":
+            child = self.root.get_submodule(str(target))
+            # fx patches `nn.Module.__call__` while tracing; the child must run for real
+            # (on meta state) without being recorded itself.
+            with mock.patch.object(nn.Module, "__call__", _REAL_MODULE_CALL):
+                return torch.func.functional_call(child, _meta_state(child), meta_args, meta_kwargs)
+        return UNKNOWN
+
+    def _placeholder_meta(self, name: str) -> Any:
+        # Serving engines feed [tokens..., hidden] activations; a [1, 8, hidden] stand-in in
+        # the dtype of a reference weight answers every shape question a forward asks.
+        if name != self.input_name:
+            return UNKNOWN
+        weight = reference_weight(self.root)
+        if weight is None:
+            return UNKNOWN
+        return torch.empty(1, 8, weight.shape[-1], dtype=weight.dtype, device="meta")
+
+    def _is_varkw(self, node: object) -> bool:
+        return (
+            isinstance(node, fx.Node)
+            and node.op == "placeholder"
+            and str(node.target).lstrip("*") == self.varkw
+        )
+
+    def iter(self, obj: fx.Proxy) -> Iterator:
+        node = obj.node
+        # `**kwargs` (and `kwargs.keys()`) iterate as empty: the fusers only care about the
+        # tensors a forward computes, and keyword extras are passed through untouched.
+        if self._is_varkw(node) or (
+            node.op == "call_method" and node.target == "keys" and self._is_varkw(node.args[0])
+        ):
+            return iter(())
+        value = getattr(obj, "meta", UNKNOWN)
+        if value is UNKNOWN:
+            return super().iter(obj)
+        return iter([obj[i] for i in range(len(value))])
+
+
+def leaf_call(fn: Callable, outputs: int | None = None) -> Callable:
+    """Wrap `fn` so that, while tracing, it is recorded as one opaque `call_function` node.
+
+    Only proxy arguments become the node's inputs. `outputs` declares how many values `fn`
+    returns so that unpacking the result traces too. Outside tracing (no proxy argument) the
+    wrapper simply calls `fn`, so patching it in is harmless to real execution.
+    """
+
+    def leaf(*args: Any, **kwargs: Any) -> Any:
+        proxies = tuple(arg for arg in args if isinstance(arg, fx.Proxy))
+        if not proxies:
+            return fn(*args, **kwargs)
+        proxy = proxies[0].tracer.create_proxy("call_function", fn, proxies, {})
+        proxy.node.meta[LEAF_CALL] = True
+        if outputs is not None:
+            proxy.meta = (UNKNOWN,) * outputs
+        return proxy
+
+    leaf.__wrapped_leaf__ = fn  # type: ignore[attr-defined]
+    return leaf
+
+
+def _attention_patches(forward_globals: dict[str, Any]) -> list[Any]:
+    """Patches that turn every attention-interface lookup into a two-output leaf call.
+
+    Transformers 5 resolves attention through `AttentionInterface.get_interface`; 4.x indexes
+    `ALL_ATTENTION_FUNCTIONS[...]`, and both fall back to a module-level
+    `eager_attention_forward`, patched here in the forward's own globals. Every attention
+    function returns `(attn_output, attn_weights)`.
+    """
+    patches: list[Any] = []
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except Exception:  # transformers missing or too old: nothing to patch
+        AttentionInterface = None
+    if AttentionInterface is not None:
+        for method in ("get_interface", "__getitem__", "get"):
+            original = getattr(AttentionInterface, method, None)
+            if original is None:
+                continue
+
+            def wrapped(self, *args, _original=original, **kwargs):
+                return leaf_call(_original(self, *args, **kwargs), outputs=2)
+
+            patches.append(mock.patch.object(AttentionInterface, method, wrapped))
+    for name, value in forward_globals.items():
+        if name.endswith("attention_forward") and inspect.isfunction(value):
+            patches.append(mock.patch.dict(forward_globals, {name: leaf_call(value, outputs=2)}))
+    return patches
+
+
+def trace(module: nn.Module) -> fx.Graph | None:
+    """The fx graph of `module.forward`: complete, partial, or None if nothing was recorded.
+
+    Never raises. The KV-cache argument (either spelling) is made a concrete `None`, as
+    serving engines never pass it to the module; `**kwargs` iterate as empty; attention
+    interfaces are opaque leaves. On any failure the reason is logged at debug level and
+    the partial graph is returned: matching on it is safe because every fuser still checks
+    the source it rewrites, and refuses what the graph does not show.
+    """
+    parameters = forward_parameters(module)
+    concrete = {name: None for name in CACHE_ARGUMENTS if name in parameters}
+    varkw = next(
+        (p.name for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+    )
+    positional = [
+        p.name
+        for p in list(parameters.values())[1:]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    tracer = LeafTracer(varkw=varkw, input_name=positional[0] if positional else None)
+    forward = inspect.unwrap(type(module).forward)
+    try:
+        with contextlib.ExitStack() as stack:
+            for patch in _attention_patches(getattr(forward, "__globals__", {})):
+                stack.enter_context(patch)
+            return tracer.trace(module, concrete_args=concrete or None)
+    except Exception as exc:
+        logger.debug("partial trace of %s: %s: %s", type(module).__name__, type(exc).__name__, exc)
+        return getattr(tracer, "graph", None)
