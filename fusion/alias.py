@@ -269,8 +269,14 @@ def _known_pure(call: ast.Call, module: nn.Module | None) -> bool:
     if not isinstance(func, ast.Attribute):
         return False
     if isinstance(func.value, ast.Name) and func.value.id == "self":
-        child = getattr(module, func.attr, None) if module is not None else None
-        if child is None or not isinstance(child, nn.Module):
+        if module is None:
+            return False
+        child = getattr(module, func.attr, None)
+        if child is None:
+            # Calling a missing or None attribute raises before anything is written (the
+            # branch of another configuration, e.g. `q_proj` on a q-LoRA layer).
+            return True
+        if not isinstance(child, nn.Module):
             return False
         return (
             type(child) in SAFE_CHILD_TYPES

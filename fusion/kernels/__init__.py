@@ -1,0 +1,100 @@
+"""Kernel backends behind one interface.
+
+A backend is an object with the `Kernels` methods. `torch` (reference, every device) is always
+available; others register themselves when their import succeeds on this machine. Fused
+modules store a backend *name* and resolve it per call with `get(name, device)`, so a model
+fused on CPU and moved to GPU picks the right implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from fusion.kernels.torch_ref import TorchKernels
+
+
+class Kernels(Protocol):
+    """What a backend provides. Each method computes exactly the function documented on the
+    torch reference (`fusion.kernels.torch_ref`); backends differ only in speed and rounding."""
+
+    name: str
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor: ...
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        *,
+        offset: float,
+        upcast: bool,
+        weight_after_cast: bool,
+    ) -> torch.Tensor: ...
+
+
+_FACTORIES: dict[str, Callable[[], Kernels | None]] = {"torch": TorchKernels}
+"""Backend name -> constructor; a constructor returns None when its dependency is missing."""
+
+_INSTANCES: dict[str, Kernels | None] = {}
+"""Explicit cache of constructed backends, keyed by name."""
+
+PREFERENCE = ("vllm", "triton", "torch")
+"""Order `auto` tries backends in for a device: fastest first, the reference last."""
+
+
+def register(name: str, factory: Callable[[], Kernels | None]) -> None:
+    """Make a backend available under `name` (used by optional GPU backends)."""
+    _FACTORIES[name] = factory
+    _INSTANCES.pop(name, None)
+
+
+def _instance(name: str) -> Kernels | None:
+    if name not in _INSTANCES:
+        try:
+            _INSTANCES[name] = _FACTORIES[name]()
+        except Exception:  # an optional backend that fails to initialise is unavailable
+            _INSTANCES[name] = None
+    return _INSTANCES[name]
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Names of the backends that import here (and support `device`, when given)."""
+    names = []
+    for name in _FACTORIES:
+        backend = _instance(name)
+        if backend is None:
+            continue
+        if device is not None and not backend.supports(torch.device(device)):
+            continue
+        names.append(name)
+    return names
+
+
+def get(name: str, device: torch.device | str) -> Kernels:
+    """The backend `name` for `device`; `auto` is the first of `PREFERENCE` that supports it.
+
+    Raises ValueError naming the backend when it is unknown or cannot run on `device`, so a
+    misconfigured fused model fails loudly instead of silently using another kernel.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        for candidate in PREFERENCE:
+            if candidate in _FACTORIES:
+                backend = _instance(candidate)
+                if backend is not None and backend.supports(device):
+                    return backend
+        raise ValueError(f"no kernel backend supports device {device}")
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown kernel backend {name!r}; known: {sorted(_FACTORIES)}")
+    backend = _instance(name)
+    if backend is None:
+        raise ValueError(f"kernel backend {name!r} is not available on this machine")
+    if not backend.supports(device):
+        raise ValueError(f"kernel backend {name!r} does not support device {device}")
+    return backend

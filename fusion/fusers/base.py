@@ -1,0 +1,273 @@
+"""What every fuser is, and the shared machinery of the projection-stacking fusers.
+
+A fuser's life has three steps, each fail-closed:
+
+1. `match(graph, module)` (once per class and child layout, cached by the registry) reads the
+   traced graph and returns a fuser describing the pattern, None when the pattern is not
+   there at all, or raises `RewriteRefused` when it is there but cannot be fused safely.
+   Rewriting fusers also rewrite and compile the forward here, so the source is analysed
+   once per class however many layers share it.
+2. `validate(module)` (per instance) raises `RewriteRefused` unless this instance has the
+   shapes, dtypes, types and hooks the rewrite assumes.
+3. `fuse(module, backend)` (per instance) performs it and returns the module to install at
+   that qualname (the same object for rewrites). `fusion.apply` makes it transactional.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import fx, nn
+from torch.nn.modules import module as nn_module
+
+from fusion import source
+from fusion.alias import check_input_stable
+from fusion.errors import RewriteRefused
+from fusion.modules import MergedLinear
+
+
+@dataclass
+class Fuser(ABC):
+    """A matched pattern in one module class, ready to be applied to its instances."""
+
+    name: ClassVar[str]
+    """Short name used in reports and the registry (`qkv`, `glu`, ...)."""
+
+    redefines_forward: ClassVar[bool] = True
+    """Whether fusing changes the module's forward (at most one such fuser per module)."""
+
+    source_class: str
+    """Name of the matched module's class."""
+
+    @classmethod
+    def candidate(cls, module: nn.Module) -> bool:
+        """Cheap class-level prefilter: could this pattern be in `module` at all? Tracing is
+        skipped for modules no fuser is a candidate for."""
+        return True
+
+    @classmethod
+    @abstractmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Fuser | None:
+        """The fuser for the pattern in `graph`, None when absent; raises RewriteRefused when
+        the pattern is present but unsafe to fuse."""
+
+    @abstractmethod
+    def validate(self, module: nn.Module) -> None:
+        """Raise RewriteRefused unless this instance can take the fusion."""
+
+    @abstractmethod
+    def fuse(self, module: nn.Module, backend: str) -> nn.Module:
+        """Apply the fusion to a validated `module`; return what to install in its place."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for the report, e.g. `q_proj + k_proj + v_proj -> qkv_proj`."""
+
+    original_source: str | None = field(default=None, init=False, repr=False)
+    rewritten_source: str | None = field(default=None, init=False, repr=False)
+
+
+def has_hooks(module: nn.Module) -> str | None:
+    """A description of the hooks on `module` (or installed globally), or None.
+
+    A fused module no longer calls its projections, so any hook on one would silently stop
+    firing: refuse instead."""
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        if getattr(module, attr, None):
+            return attr.strip("_").replace("_", " ")
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "global forward hooks"
+    return None
+
+
+def check_plain_linear(module: nn.Module, name: str) -> nn.Linear:
+    """`module.<name>` if it is an `nn.Linear` whose forward is `nn.Linear.forward` and that
+    carries no hooks; otherwise RewriteRefused naming the problem."""
+    child = getattr(module, name, None)
+    if not isinstance(child, nn.Linear):
+        raise RewriteRefused(f"{name} is {type(child).__name__}, not nn.Linear")
+    if type(child).forward is not nn.Linear.forward:
+        raise RewriteRefused(f"{name} is {type(child).__name__}, an nn.Linear with its own forward")
+    if "forward" in child.__dict__:
+        raise RewriteRefused(f"{name} has an instance-level forward")
+    hooks = has_hooks(child)
+    if hooks:
+        raise RewriteRefused(f"{name} has {hooks}")
+    return child
+
+
+def check_stackable(
+    module: nn.Module, names: tuple[str, ...], merged_name: str
+) -> dict[str, nn.Linear]:
+    """The named linears, once proven stackable into one `MergedLinear`: plain linears with
+    one in_features, one weight dtype and device (bias dtype too), and a free merged name."""
+    if hasattr(module, merged_name):
+        raise RewriteRefused(f"{type(module).__name__} already has an attribute {merged_name}")
+    linears = {name: check_plain_linear(module, name) for name in names}
+    first = next(iter(linears.values()))
+    for name, linear in linears.items():
+        if linear.in_features != first.in_features:
+            raise RewriteRefused(
+                f"{name} reads {linear.in_features} features, not {first.in_features}"
+            )
+        if linear.weight.dtype != first.weight.dtype:
+            raise RewriteRefused(f"mixed dtypes across projections ({name}: {linear.weight.dtype})")
+        if linear.weight.device != first.weight.device:
+            raise RewriteRefused(
+                f"mixed devices across projections ({name}: {linear.weight.device})"
+            )
+        if linear.bias is not None and (
+            linear.bias.dtype != linear.weight.dtype or linear.bias.device != linear.weight.device
+        ):
+            raise RewriteRefused(f"{name} has a bias of another dtype or device")
+    return linears
+
+
+def _pure_input(expr: ast.expr) -> bool:
+    """Is `expr` safe to evaluate once instead of several times (names, attributes, constant
+    subscripts only: no calls, no walrus, no lambdas)?"""
+    allowed = (ast.Name, ast.Attribute, ast.Load, ast.Subscript, ast.Constant, ast.Slice, ast.Tuple)
+    return all(isinstance(node, allowed) for node in ast.walk(expr))
+
+
+def _conditional_in_statement(stmt: ast.stmt, call: ast.Call) -> bool:
+    """Is `call` evaluated only on some paths through `stmt` (inside a ternary branch whose
+    test is not a constant, or beyond the first operand of `and`/`or`)?"""
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.IfExp):
+            if isinstance(node.test, ast.Constant):
+                dead = node.orelse if node.test.value else node.body
+                if source.contains(dead, call):
+                    return True
+                continue
+            if source.contains(node.body, call) or source.contains(node.orelse, call):
+                return True
+        if isinstance(node, ast.BoolOp) and any(source.contains(v, call) for v in node.values[1:]):
+            return True
+    return False
+
+
+_EXITS = (ast.Return, ast.Raise, ast.Break, ast.Continue, ast.Try, ast.Yield, ast.YieldFrom)
+
+
+def rewrite_stacked(
+    module: nn.Module, shards: tuple[str, ...], merged_name: str
+) -> tuple[Any, str, str]:
+    """Rewrite `type(module).forward` so the `shards` projections become one merged call.
+
+    Returns (compiled forward, original source, rewritten source). Refuses unless: each shard
+    is called exactly once as `self.<shard>(input)` with the same side-effect-free input,
+    every other reference to a shard is an existence guard (folded), the input is stable from
+    the first call to the last (alias analysis), and, when calls sit inside branches, one
+    call is reached unconditionally from the hoisting point, so the hoisted GEMM never runs on
+    a path where its input was not a valid projection input.
+    """
+    funcdef, fn = source.recover_forward(type(module))
+    original = source.unparse(funcdef)
+    calls = []
+    for name in shards:
+        call, refs = source.self_call_and_refs(funcdef, name)
+        for ref in refs:
+            source.fold_existence_guard(funcdef, ref, name)
+        calls.append(call)
+    inputs = [ast.dump(call.args[0]) for call in calls]
+    if len(set(inputs)) != 1:
+        raise RewriteRefused("projections are called on different input expressions")
+    if not _pure_input(calls[0].args[0]):
+        raise RewriteRefused("projection input expression has calls or side effects")
+    block, indices = source.dominating_block(funcdef, calls)
+    start = min(indices)
+    check_input_stable(funcdef, module, calls[0].args[0], block[start : max(indices) + 1])
+    anchors = [
+        index
+        for call, index in zip(calls, indices)
+        if source.block_chain(block, call)[0][0] is block
+        and len(source.block_chain(block, call)) == 1
+        and not _conditional_in_statement(block[index], call)
+    ]
+    if not anchors:
+        raise RewriteRefused("no projection is called unconditionally where the merged call goes")
+    if any(
+        isinstance(node, _EXITS) for stmt in block[start : min(anchors)] for node in ast.walk(stmt)
+    ):
+        raise RewriteRefused("control can leave before an unconditional projection call")
+    # Evaluation order: temporaries replace calls in source order, so the split order is the
+    # shard order given, whatever order the calls appear in.
+    source.splice_merged_call(funcdef, calls, block, start, merged_name)
+    compiled = source.compile_forward(funcdef, fn)
+    return compiled, original, source.unparse(funcdef)
+
+
+@dataclass
+class StackedFuser(Fuser):
+    """Merge sibling projections into one `MergedLinear`; the forward splits its output."""
+
+    shards: tuple[str, ...] = ()
+    merged_name: str = ""
+    forward_fn: Any = field(default=None, repr=False)
+
+    def prepare(self, module: nn.Module) -> None:
+        """Rewrite and compile the class's forward (once per class, by `match`)."""
+        self.forward_fn, self.original_source, self.rewritten_source = rewrite_stacked(
+            module, self.shards, self.merged_name
+        )
+
+    def validate(self, module: nn.Module) -> None:
+        check_stackable(module, self.shards, self.merged_name)
+
+    def fuse(self, module: nn.Module, backend: str) -> nn.Module:
+        linears = check_stackable(module, self.shards, self.merged_name)
+        merged = MergedLinear.from_linears(linears)
+        install_merged(module, self.merged_name, merged, self.shards)
+        module.forward = types.MethodType(self.forward_fn, module)
+        return module
+
+    def describe(self) -> str:
+        return f"{' + '.join(self.shards)} -> {self.merged_name}"
+
+
+def install_merged(
+    module: nn.Module, merged_name: str, merged: nn.Module, shards: tuple[str, ...]
+) -> None:
+    """Put `merged` on `module`, remove the `shards`, and teach `module` to load the unfused
+    checkpoint (see `fusion.checkpoint`)."""
+    from fusion.checkpoint import register_unfused_loader
+
+    for name in shards:
+        delattr(module, name)
+    setattr(module, merged_name, merged)
+    register_unfused_loader(module, merged_name)
+
+
+def linear_inputs(graph: fx.Graph, module: nn.Module) -> dict[fx.Node, list[fx.Node]]:
+    """Linear call nodes grouped by the node they read (single-argument calls only)."""
+    from fusion.graph import is_linear
+
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if is_linear(node, module) and len(node.args) == 1 and not node.kwargs:
+            arg = node.args[0]
+            if isinstance(arg, fx.Node):
+                groups.setdefault(arg, []).append(node)
+    return groups
+
+
+def unique_targets(nodes: list[fx.Node]) -> tuple[str, ...] | None:
+    """Targets of `nodes` in order, or None when one child is called more than once."""
+    targets = tuple(str(node.target) for node in nodes)
+    return targets if len(set(targets)) == len(targets) else None
+
+
+def width(module: nn.Module, name: str) -> int:
+    child = getattr(module, name)
+    return int(child.out_features) if isinstance(child, nn.Linear) else 0
+
+
+def dtype_of(module: nn.Module) -> torch.dtype | None:
+    param = next(module.parameters(), None)
+    return None if param is None else param.dtype

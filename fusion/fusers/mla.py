@@ -1,0 +1,71 @@
+"""MLA: DeepSeek V2/V3 attention's two input projections -> one `fused_qkv_a_proj` GEMM.
+
+Found by dataflow, never by name: exactly two linears read the attention input, and at
+least one of them is a low-rank "a" projection (its output reaches another linear, through
+splits and norms). With q-LoRA the pair is `q_a_proj` + `kv_a_proj_with_mqa`; without it,
+`q_proj` + `kv_a_proj_with_mqa`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import fx, nn
+
+from fusion.errors import RewriteRefused
+from fusion.fusers.base import StackedFuser, linear_inputs, unique_targets
+from fusion.graph import find_node, is_leaf_call, is_linear, returned_linear
+
+
+def _feeds_linear(node: fx.Node, module: nn.Module) -> bool:
+    """Does `node`'s value reach another linear through ops and non-linear children (norms),
+    without crossing an attention call?"""
+    queue, seen = list(node.users), set()
+    while queue:
+        current = queue.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        if is_linear(current, module):
+            return True
+        if current.op in ("call_function", "call_method", "call_module") and not is_leaf_call(
+            current
+        ):
+            queue.extend(current.users)
+    return False
+
+
+@dataclass
+class MLAFuser(StackedFuser):
+    """The two projections of the attention input, in trace order."""
+
+    name: ClassVar[str] = "mla"
+
+    @classmethod
+    def candidate(cls, module: nn.Module) -> bool:
+        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> MLAFuser | None:
+        if graph is None or find_node(graph, is_leaf_call) is None:
+            return None
+        output = returned_linear(graph, module)
+        placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+        if not placeholders:
+            return None
+        nodes = [
+            node
+            for node in linear_inputs(graph, module).get(placeholders[0], [])
+            if str(node.target) != output
+        ]
+        if len(nodes) != 2 or not any(_feeds_linear(node, module) for node in nodes):
+            return None
+        shards = unique_targets(nodes)
+        if shards is None:
+            raise RewriteRefused("a projection is called more than once")
+        fuser = cls(
+            source_class=type(module).__name__, shards=shards, merged_name="fused_qkv_a_proj"
+        )
+        fuser.prepare(module)
+        return fuser

@@ -1,0 +1,101 @@
+"""Fused nn.Modules that replace the matched Transformers submodules.
+
+Each holds exactly the state of what it replaces (stacked, never re-initialised) and calls
+its kernel through `fusion.kernels`, so a backend can be swapped without refusing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion import kernels
+
+
+class MergedLinear(nn.Module):
+    """Several linears reading one input, as one stacked weight and one GEMM.
+
+    `forward` returns the concatenated outputs; the rewritten forward splits them with
+    `output_sizes`. `shard_names` and `shard_bias` remember the original children so the
+    unfused checkpoint maps onto this module and back bit for bit. A shard without a bias
+    gets exact zeros in the stacked bias when any other shard has one: adding 0.0 changes
+    no value, and one GEMM with bias stays one GEMM.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        shard_names: Sequence[str],
+        shard_bias: Sequence[bool],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not (len(output_sizes) == len(shard_names) == len(shard_bias)):
+            raise ValueError("output_sizes, shard_names and shard_bias differ in length")
+        self.in_features = in_features
+        self.output_sizes = [int(size) for size in output_sizes]
+        self.shard_names = tuple(shard_names)
+        self.shard_bias = tuple(bool(b) for b in shard_bias)
+        total = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype, device=device))
+        if any(self.shard_bias):
+            self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linears(cls, linears: dict[str, nn.Linear]) -> MergedLinear:
+        """Stack `linears` (name -> module, in shard order) into one merged module.
+
+        The caller has checked they share in_features, dtype and device."""
+        first = next(iter(linears.values()))
+        merged = cls(
+            first.in_features,
+            [linear.out_features for linear in linears.values()],
+            list(linears),
+            [linear.bias is not None for linear in linears.values()],
+            dtype=first.weight.dtype,
+            device=first.weight.device,
+        )
+        with torch.no_grad():
+            merged.weight.copy_(torch.cat([lin.weight for lin in linears.values()], dim=0))
+            if merged.bias is not None:
+                merged.bias.copy_(torch.cat([_bias_or_zeros(lin) for lin in linears.values()]))
+        merged.weight.requires_grad_(first.weight.requires_grad)
+        return merged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        shards = ", ".join(
+            f"{name}={size}" for name, size in zip(self.shard_names, self.output_sizes)
+        )
+        return f"in_features={self.in_features}, shards=({shards}), bias={self.bias is not None}"
+
+
+def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:
+    if linear.bias is not None:
+        return linear.bias
+    return torch.zeros(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
+
+
+class ActAndMul(nn.Module):
+    """`act(x[..., :d]) * x[..., d:]`: the activation on the gate half, times the up half."""
+
+    def __init__(self, activation: str, backend: str = "auto") -> None:
+        super().__init__()
+        self.activation = activation
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.get(self.backend, x.device).act_and_mul(x, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}, backend={self.backend}"
