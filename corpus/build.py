@@ -1,0 +1,224 @@
+"""Turn an architecture name (or a stored config) into a deterministic tiny random model.
+
+``tiny_config`` = default config -> generic shrinker (``corpus.tiny``) -> overrides -> rebuilt
+through the constructor. ``build_from_config`` = seeded construction + targeted randomisation
+(``corpus.weights``), then dtype/device. ``build`` = both, with failures turned into
+:class:`~corpus.errors.BuildError` naming the architecture and the stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from corpus.catalog import (
+    all_types,
+    arch_for_config,
+    arch_for_config_type,
+    config_class,
+    entry,
+    model_class,
+)
+from corpus.errors import BuildError
+from corpus.inputs import make_inputs
+from corpus.overrides import deep_merge, override
+from corpus.tiny import is_config, shrink_kwargs
+from corpus.weights import deterministic_construction, randomise
+
+__all__ = [
+    "architectures",
+    "build",
+    "build_from_config",
+    "check",
+    "config_from_dict",
+    "tiny_config",
+    "tiny_kwargs",
+]
+
+
+def architectures() -> list[str]:
+    """Names of every causal-LM architecture of the installed Transformers that the corpus
+    builds: all of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` except those ``overrides.toml`` records
+    as broken (each with its reason; see ``corpus.entry(name).reason``)."""
+    return [n for n in all_types() if entry(n).status == "ok"]
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    first = next((m for m in msg if m.strip()), "")
+    # Strict-dataclass validation errors put the useful line second.
+    if "validation error" in first.lower() and len(msg) > 1:
+        first = f"{first} {msg[1].strip()}"
+    return f"{type(exc).__name__}: {first}"[:400]
+
+
+def _fail(arch: str, stage: str, exc: BaseException) -> BuildError:
+    reason = _one_line(exc)
+    known = entry(arch).reason if arch in all_types() else None
+    if known:
+        reason = f"{known} [{reason}]"
+    err = BuildError(arch, stage, reason)
+    err.__cause__ = exc
+    return err
+
+
+@functools.cache
+def tiny_kwargs(name: str) -> dict[str, Any]:
+    """Constructor kwargs of ``name``'s tiny config: shrinker output with overrides merged.
+
+    Cached; returns a fresh deep copy each call so callers may mutate it.
+    """
+    return _tiny_kwargs(name)
+
+
+def _tiny_kwargs(name: str) -> dict[str, Any]:
+    ov = override(name)
+    defaults = ov.get("defaults", {})
+    cls = config_class(name)
+    try:
+        default = cls(**copy.deepcopy(defaults))
+    except Exception as exc:
+        raise _fail(name, "config", exc) from exc
+    kw = deep_merge(defaults, shrink_kwargs(default))
+    return deep_merge(kw, ov.get("config", {}))
+
+
+def tiny_config(name: str) -> Any:
+    """Return the tiny config the model for ``name`` is built from (a new object each call).
+
+    For composite configs whose causal-LM class takes a sub-config (``MllamaForCausalLM`` takes
+    ``MllamaTextConfig``), that sub-config is returned, i.e. what ``model.config`` will be.
+    Raises :class:`BuildError` (stage ``config``) when the config cannot be constructed.
+    """
+    cls = config_class(name)
+    try:
+        config = cls(**copy.deepcopy(tiny_kwargs(name)))
+    except BuildError:
+        raise
+    except Exception as exc:
+        raise _fail(name, "config", exc) from exc
+    return _model_config(config, model_class(name))
+
+
+def _model_config(config: Any, mcls: type) -> Any:
+    want = getattr(mcls, "config_class", None)
+    if want is None or isinstance(config, want):
+        return config
+    for value in vars(config).values():
+        if is_config(value) and isinstance(value, want):
+            return value
+    return config
+
+
+def config_from_dict(model_type: str, d: dict[str, Any]) -> Any:
+    """Rebuild a config from ``config.to_dict()`` output (for instance a repro bundle's JSON).
+
+    ``model_type`` is the config's ``model_type`` (or a corpus architecture name). Goes through
+    ``from_dict``, i.e. the constructor, so the result equals the original config and builds
+    bit-identical weights with the same seed.
+    """
+    from transformers import CONFIG_MAPPING
+
+    d = json.loads(json.dumps(d))  # detach from the caller and normalise to JSON types
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        cls = config_class(arch_for_config_type(model_type))
+    return cls.from_dict(d)
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast to ``dtype`` like ``from_pretrained`` would: modules the class keeps in float32 stay
+    float32 in half precision."""
+    model.to(dtype=dtype)
+    if dtype in (torch.float16, torch.bfloat16):
+        keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        if keep:
+            for qual, module in model.named_modules():
+                if any(k in qual.split(".") or qual.endswith(k) for k in keep):
+                    module.to(dtype=torch.float32)
+
+
+def build_from_config(
+    config: Any,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    name: str | None = None,
+) -> nn.Module:
+    """Build the causal-LM model for ``config`` with deterministic random weights.
+
+    Same config + seed -> bit-identical weights on every call and every device: the model is
+    constructed in float32 on CPU under a private seeded RNG, norms and zero biases are redrawn
+    (``corpus.weights``), then it is cast and moved. Returned in eval mode. ``name`` picks the
+    architecture when the config alone is ambiguous. The caller's RNG state is left untouched.
+    Raises :class:`BuildError` (stage ``model``).
+    """
+    arch = name or arch_for_config(config)
+    mcls = model_class(arch)
+    config = copy.deepcopy(config)
+    try:
+        with deterministic_construction(seed):
+            model = mcls._from_config(config, dtype=torch.float32)
+        std = getattr(config, "initializer_range", None)
+        randomise(model, seed, std=std if isinstance(std, float) and std > 0 else 0.02)
+        model.eval()
+        _cast(model, dtype)
+        model.to(device)
+    except Exception as exc:
+        raise _fail(arch, "model", exc) from exc
+    return model
+
+
+def build(
+    name: str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Build architecture ``name`` as a tiny random model (see :func:`build_from_config`).
+
+    Raises :class:`BuildError` naming ``name`` and the stage when it cannot be built.
+    """
+    if name not in all_types():
+        raise BuildError(name, "unknown", "not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    return build_from_config(tiny_config(name), seed=seed, dtype=dtype, device=device, name=name)
+
+
+def check(
+    name: str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Any:
+    """Build ``name`` and run one forward on :func:`make_inputs`; return the model output.
+
+    Raises :class:`BuildError` (stage ``forward``) if the forward raises, or if the logits are
+    missing, misshapen or not finite.
+    """
+    model = build(name, seed=seed, dtype=dtype, device=device)
+    inputs = make_inputs(model, seed=seed, device=device)
+    try:
+        with torch.no_grad():
+            out = model(**inputs)
+        logits = getattr(out, "logits", None)
+        if logits is None and isinstance(out, tuple):
+            logits = out[0]
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"forward returned no logits ({type(out).__name__})")
+        if tuple(logits.shape[:2]) != tuple(inputs["input_ids"].shape):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match the inputs")
+        if not torch.isfinite(logits).all():
+            raise ValueError("logits are not finite")
+    except Exception as exc:
+        raise _fail(name, "forward", exc) from exc
+    return out

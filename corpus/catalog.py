@@ -1,0 +1,120 @@
+"""Enumerate the causal-LM architectures of the installed Transformers and resolve their classes.
+
+Nothing is hand-listed: the list is ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` of whatever Transformers
+is installed, and classes are resolved by name through the ``transformers`` package, so a new
+release's architectures appear here without code changes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from corpus.overrides import override
+
+__all__ = [
+    "Entry",
+    "all_types",
+    "arch_for_config",
+    "arch_for_config_type",
+    "config_class",
+    "entry",
+    "model_class",
+]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One causal-LM architecture.
+
+    ``name`` is the mapping key, ``config_class`` the class registered for it,
+    ``model_class_name`` the causal-LM class name, ``status`` is ``"ok"`` or ``"broken"`` (a
+    known reason, recorded in ``overrides.toml``, is in ``reason``).
+    """
+
+    name: str
+    config_class: type
+    model_class_name: str
+    status: str = "ok"
+    reason: str | None = None
+
+
+def _causal_lm_names() -> dict[str, Any]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@functools.cache
+def all_types() -> tuple[str, ...]:
+    """Every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config class resolves,
+    in mapping order (the order Transformers lists them)."""
+    from transformers import CONFIG_MAPPING
+
+    out = []
+    for name in _causal_lm_names():
+        try:
+            CONFIG_MAPPING[name]
+        except Exception:  # a mapping entry whose config module is missing in this install
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def config_class(name: str) -> type:
+    """The config class Transformers registers for ``name`` (KeyError if it is unknown)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[name]
+
+
+def model_class(name: str) -> type:
+    """The causal-LM class for ``name``, resolved by its class name in ``transformers``."""
+    import transformers
+
+    cls_name = _causal_lm_names()[name]
+    if isinstance(cls_name, (list, tuple)):  # some versions list alternatives; first is primary
+        cls_name = cls_name[0]
+    return getattr(transformers, cls_name)
+
+
+@functools.cache
+def entry(name: str) -> Entry:
+    """Return the :class:`Entry` for architecture ``name`` (KeyError if it is not a causal LM)."""
+    names = _causal_lm_names()
+    if name not in names:
+        raise KeyError(f"{name!r} is not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    cls_name = names[name]
+    if isinstance(cls_name, (list, tuple)):
+        cls_name = cls_name[0]
+    broken = override(name).get("broken")
+    return Entry(
+        name=name,
+        config_class=config_class(name),
+        model_class_name=cls_name,
+        status="broken" if broken else "ok",
+        reason=broken,
+    )
+
+
+def arch_for_config(config: Any) -> str:
+    """The corpus architecture a config belongs to: its ``model_type`` when that is a causal-LM
+    type, else the architecture whose causal-LM class takes this config class (text sub-configs
+    such as ``mllama_text_model``). KeyError when none does."""
+    names = all_types()
+    if config.model_type in names:
+        return config.model_type
+    for name in names:
+        if getattr(model_class(name), "config_class", None) is type(config):
+            return name
+    raise KeyError(f"no causal-LM architecture takes {type(config).__name__}")
+
+
+def arch_for_config_type(model_type: str) -> str:
+    """The architecture whose causal-LM class takes configs of ``model_type``."""
+    for name in all_types():
+        cc = getattr(model_class(name), "config_class", None)
+        if getattr(cc, "model_type", None) == model_type:
+            return name
+    raise KeyError(f"unknown config model_type {model_type!r}")

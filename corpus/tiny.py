@@ -1,0 +1,652 @@
+"""Generic tiny-config shrinker: one default config class in, constructor kwargs for a tiny one out.
+
+The shrinker never hand-lists architectures. It reads the attributes of a config class (its
+dataclass fields, or its ``__init__`` parameters on Transformers versions whose configs are not
+dataclasses), recognises size-like attributes by name family (hidden size, layers, heads, kv heads,
+head dims, intermediate sizes, vocab, positions, experts and top-k, MLA ranks, SSM dims, windows),
+and produces *constructor keyword arguments*. The caller rebuilds the config through its
+constructor with them, so every size the config derives itself (rotary dims, MLA head dims, mamba
+inner sizes, default ``layer_types``) is recomputed from the tiny values instead of going stale.
+
+Invariants kept (each one is tested in ``tests/corpus/test_tiny.py``):
+
+* values only ever shrink (``min(default, tiny)``), except ``None`` defaults that a config derives
+  from the others, which are filled so the tiny model keeps GQA / MoE paths alive;
+* heads divide the hidden size, kv heads divide the heads, experts divide the expert groups, and a
+  product relation found in the defaults (``ssm_heads * ssm_head_dim == expand * hidden``) is
+  re-established on the tiny values;
+* per-layer lists (``layer_types``, ``mlp_layer_types``, hybrid pattern strings, layer-index lists)
+  are resized to the new layer count keeping every distinct value, in original order, so hybrid
+  stacks keep at least one layer of each kind; there are always at least two layers;
+* numerics are untouched: no ``eps``, scale, softcap, theta or initializer attribute is changed;
+* special token ids that fall outside the tiny vocabulary are remapped, consistently across the
+  config and its sub-configs, to distinct ids at the top of the tiny vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "SIZES",
+    "Sizes",
+    "config_fields",
+    "is_config",
+    "shrink_kwargs",
+    "special_token_ids",
+]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Target sizes of a tiny model (small enough that build + forward takes milliseconds)."""
+
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    expert_intermediate: int = 32
+    vocab: int = 256
+    layers: int = 2
+    positions: int = 128
+    experts: int = 4
+    top_k: int = 2
+    shared_experts: int = 1
+    expert_groups: int = 2
+    lora_rank: int = 32
+    rope_head_dim: int = 8
+    nope_head_dim: int = 16
+    ssm_state: int = 16
+    low_rank: int = 8
+    window: int = 4
+    # Chunk / index sizes stay >= any input length the harness uses so chunked and sparse
+    # attention paths keep their single-chunk semantics (several models assume it).
+    chunk: int = 32
+    # Special tokens beyond the tiny vocabulary are remapped into its top `reserved_ids` slots.
+    reserved_ids: int = 32
+
+
+SIZES = Sizes()
+
+_KEEP = object()  # sentinel: leave the attribute at its default
+
+
+def is_config(value: Any) -> bool:
+    """True for a Transformers config instance (duck-typed, so it works across versions)."""
+    return hasattr(value, "to_dict") and hasattr(value, "model_type") and not isinstance(value, type)
+
+
+def config_fields(config_cls: type) -> list[str]:
+    """Return the names the config constructor accepts.
+
+    Dataclass configs (Transformers >= 5) expose their fields; older configs expose ``__init__``
+    parameters. Either way only names the constructor takes are returned, so the kwargs the
+    shrinker produces are always accepted.
+    """
+    if dataclasses.is_dataclass(config_cls):
+        return [f.name for f in dataclasses.fields(config_cls) if f.init]
+    params = inspect.signature(config_cls.__init__).parameters
+    return [
+        n
+        for n, p in params.items()
+        if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _cap(n: int) -> Callable[[Any, Sizes], Any]:
+    """Shrink an int default to at most ``n``; leave ``None`` and non-ints alone."""
+
+    def rule(d: Any, s: Sizes) -> Any:
+        return min(d, n) if _int(d) and d > 0 else _KEEP
+
+    return rule
+
+
+def _fill(n: int) -> Callable[[Any, Sizes], Any]:
+    """Like :func:`_cap`, and also fill a ``None`` class default (a size the config leaves for
+    the model to derive, or a feature such as GQA or MoE that is off by default)."""
+
+    def rule(d: Any, s: Sizes) -> Any:
+        if d is None:
+            return n
+        return min(d, n) if _int(d) and d > 0 else _KEEP
+
+    rule.fills = True  # type: ignore[attr-defined]
+    return rule
+
+
+# Rules are matched in order against the full attribute name (re.fullmatch); first match wins.
+# Names are families seen across Transformers configs; a rule only shrinks ints, so attributes
+# that share a name but hold something else (strings, floats, bools) are never touched.
+_KV_PATTERN = (
+    r"num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num|.*_num_key_value_heads|"
+    r"(index|indexer)_kv_heads"
+)
+_S = SIZES
+_RULES: list[tuple[str, Callable[[Any, Sizes], Any]]] = [
+    # Numerics and ids are never rules' business (eps, scales, softcaps, theta, init ranges, ...).
+    (r".*(eps|epsilon|scale|scaling|softcap|softcapping|theta|range|std|factor|multiplier|dropout|"
+     r"pdrop|coef|alpha|beta|clip|threshold|floor|min|max_value).*", lambda d, s: _KEEP),
+    (r".*token_(id|ids|index|idx)|.*_token", lambda d, s: _KEEP),
+    # MLA (multi-head latent attention) ranks and split head dims.
+    (r"qk_rope_head_dim", _cap(_S.rope_head_dim)),
+    (r"qk_nope_head_dim", _cap(_S.nope_head_dim)),
+    (r"qk_head_dim", _cap(_S.rope_head_dim + _S.nope_head_dim)),
+    (r"(q|kv|o)_lora_rank", _cap(_S.lora_rank)),
+    (r"rotary_dim|rotary_emb_dim", _cap(_S.head_dim // 2)),
+    # Linear-attention value heads are a multiple of key heads: handled as a ratio below.
+    (r"linear_num_(key|value)_heads", lambda d, s: _KEEP),
+    # SSM sizes.
+    (r"state_size|ssm_state_size|mamba_d_state|d_state", _cap(_S.ssm_state)),
+    (r"mamba_d_ssm", _cap(_S.intermediate)),
+    # Head dims before heads (both contain "head").
+    (r"head_dim", _fill(_S.head_dim)),
+    (r"dim_head|kv_channels|attention_head_size|.*_head_dim|.*_head_size|mamba_d_head",
+     _cap(_S.head_dim)),
+    # Key/value heads: MQA stays MQA, MHA stays MHA (see _kv_heads), GQA becomes 2.
+    (_KV_PATTERN, lambda d, s: _KEEP),
+    (r"num_attention_heads|n_head|n_heads|num_heads|.*_attention_heads|.*_num_attention_heads|"
+     r"(index|indexer)_n_heads|linear_num_heads|heads_per_.*|num_.*_heads|n_.*_heads|.*_n_heads|"
+     r".*_num_heads", _cap(_S.heads)),
+    # Experts and routing.
+    (r"num_experts|n_routed_experts|num_local_experts|moe_num_experts|num_routed_experts|n_experts",
+     _fill(_S.experts)),
+    (r"num_experts_per_tok|moe_topk|moe_k|top_k_experts|moe_top_k|num_experts_per_token|top_k",
+     _fill(_S.top_k)),
+    (r"n_shared_experts|num_shared_experts|moe_num_shared_experts", _fill(_S.shared_experts)),
+    (r"n_group", _cap(_S.expert_groups)),
+    (r"topk_group", _cap(1)),
+    (r"zero_expert_num", _cap(2)),
+    (r"num_centroids", _cap(16)),
+    (r"centroid_intermediate_top_k", _cap(4)),
+    # Intermediate sizes: expert/shared ones are smaller still.
+    (r".*(moe|expert|shared).*(intermediate|ffn|hidden_size).*", _cap(_S.expert_intermediate)),
+    (r".*intermediate_size.*|.*ffn_dim|n_inner|dff|dim_ff|ffn_hidden_size|intermediate_dim",
+     _cap(_S.intermediate)),
+    # Widths.
+    (r".*hidden_size_per_layer_input|ple_embed_dim", _cap(16)),
+    (r"hidden_size|d_model|n_embd|embed_dim|dim|model_dim|word_embed_proj_dim|embedding_size|"
+     r"backbone_hidden_size|hidden_dim|projection_dim|proj_dim|.*_hidden_size|hidden_size_.*|"
+     r"lru_width|d_inner",
+     _cap(_S.hidden)),
+    # Depth (the exact layer count is decided by the per-layer resizing below).
+    (r"num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers|encoder_layers|"
+     r"num_decoder_layers|num_encoder_layers|depth|num_blocks", _cap(_S.layers)),
+    (r"num_mtp_layers|num_nextn_predict_layers|n_input_layers|n_output_layers|n_recurrent_layers",
+     _cap(1)),
+    (r"num_kv_shared_layers", _cap(1)),
+    (r"first_k_dense_replace|num_dense_layers|moe_layer_start_index|max_window_layers", _cap(1)),
+    (r".*_period|global_attn_every_n_layers|no_rope_layer_interval|sliding_window_pattern|"
+     r"layer_group_size|interleave_moe_layer_step|decoder_sparse_step|n_layers_per_.*", _cap(2)),
+    (r".*_offset", _cap(1)),
+    # Vocabularies: the main one, then proportional for auxiliary ones.
+    (r"vocab_size", _cap(_S.vocab)),
+    (r"type_vocab_size|task_type_vocab_size", lambda d, s: _KEEP),
+    (r".*vocab.*", _cap(4 * _S.vocab)),
+    # Positions.
+    (r"max_position_embeddings|n_positions|n_ctx|max_seq_len|max_target_positions|"
+     r"max_source_positions|max_sequence_length", _cap(_S.positions)),
+    # Windows shrink below the input length so local attention really is local.
+    (r"sliding_window|sliding_window_size|window_size|local_attention|local_attention_window_len|"
+     r"attention_window", _cap(_S.window)),
+    # Chunk and index sizes stay >= the input length.
+    (r"chunk_size|mamba_chunk_size|attention_chunk_size|index_topk|index_block_size|"
+     r"split_ngram_parts|indexer_budget", _cap(_S.chunk)),
+    # Low ranks (LAUREL, loop gates, hyper-connections, gated norms).
+    (r".*_rank|.*_lowrank", _cap(_S.low_rank)),
+]
+_COMPILED = [(re.compile(p), f) for p, f in _RULES]
+
+_LAYER_COUNT_NAMES = (
+    "num_hidden_layers",
+    "n_layer",
+    "n_layers",
+    "num_layers",
+    "decoder_layers",
+    "num_decoder_layers",
+)
+_INDEX_LIST_SUFFIX = re.compile(r".*(_layers|_idxs|_indices|_ids|_layer_ids)")
+_HEADS_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+
+
+def _rule_for(name: str) -> Callable[[Any, Sizes], Any] | None:
+    for pat, rule in _COMPILED:
+        if pat.fullmatch(name):
+            return rule
+    return None
+
+
+def _first(values: Mapping[str, Any], names: Iterable[str]) -> tuple[str | None, Any]:
+    for n in names:
+        if _int(values.get(n)):
+            return n, values[n]
+    return None, None
+
+
+def _layer_count(values: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    return _first(values, _LAYER_COUNT_NAMES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer lists
+
+
+@dataclass
+class _PerLayer:
+    """A per-layer attribute: ``kind`` is 'list' (aligned values), 'str' (pattern) or 'index'."""
+
+    name: str
+    kind: str
+    value: Any
+
+
+def _per_layer_attrs(values: Mapping[str, Any], fields: Iterable[str], n: int) -> list[_PerLayer]:
+    out: list[_PerLayer] = []
+    for name in fields:
+        v = values.get(name)
+        if isinstance(v, (list, tuple)) and v:
+            ints = all(_int(x) for x in v)
+            increasing = ints and all(a < b for a, b in itertools.pairwise(v))
+            is_index_name = bool(_INDEX_LIST_SUFFIX.fullmatch(name))
+            if (
+                is_index_name
+                and increasing
+                and all(0 <= x < n for x in v)
+                and (len(v) < n or list(v) == list(range(n)))
+            ):
+                out.append(_PerLayer(name, "index", list(v)))
+            elif len(v) == n:
+                out.append(_PerLayer(name, "list", list(v)))
+        elif isinstance(v, str) and len(v) == n and n > 1 and len(set(v)) <= 4:
+            out.append(_PerLayer(name, "str", v))
+    return out
+
+
+def _keep_layers(attrs: list[_PerLayer], n: int, minimum: int) -> list[int]:
+    """Pick layer indices so every distinct value of every per-layer attribute survives.
+
+    Greedy in layer order: a layer is kept when it shows a (attribute, value) pair not yet
+    covered. Order is preserved, so "the first k layers are dense" style prefixes keep holding.
+    Always at least ``minimum`` layers (while the original has that many).
+    """
+
+    def sig(i: int) -> list[tuple[str, Any]]:
+        pairs = []
+        for a in attrs:
+            if a.kind == "index":
+                pairs.append((a.name, i in a.value))
+            else:
+                v = a.value[i]
+                pairs.append((a.name, repr(v)))
+        return pairs
+
+    seen: set[tuple[str, Any]] = set()
+    kept: list[int] = []
+    for i in range(n):
+        new = [p for p in sig(i) if p not in seen]
+        if new:
+            kept.append(i)
+            seen.update(new)
+    for i in range(n):
+        if len(kept) >= minimum:
+            break
+        if i not in kept:
+            kept.append(i)
+    return sorted(kept)
+
+
+def _resize(attr: _PerLayer, kept: list[int], sizes: Sizes) -> Any:
+    """Resize a per-layer attribute to the kept layers; per-layer *sizes* (a list-valued
+    ``intermediate_size``) also go through the attribute's shrink rule, element by element."""
+    if attr.kind == "index":
+        return [new for new, old in enumerate(kept) if old in attr.value]
+    if attr.kind == "str":
+        return "".join(attr.value[i] for i in kept)
+    out = [attr.value[i] for i in kept]
+    rule = _rule_for(attr.name)
+    if rule is not None:
+        shrunk = [rule(v, sizes) if _int(v) else _KEEP for v in out]
+        out = [v if new is _KEEP else new for v, new in zip(out, shrunk)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rope parameters
+
+
+def _rescale_sections(sections: list[int], total: int) -> list[int]:
+    """Rescale mrope sections to sum to ``total`` keeping each >= 1 where possible."""
+    old = sum(sections) or 1
+    out = [max(1, int(x * total / old)) if x else 0 for x in sections]
+    i = 0
+    while sum(out) > total and any(x > 1 for x in out):
+        j = max(range(len(out)), key=lambda k: out[k])
+        out[j] -= 1
+        i += 1
+    while sum(out) < total:
+        j = max(range(len(out)), key=lambda k: sections[k])
+        out[j] += 1
+    return out
+
+
+def _shrink_rope(rope: Any, half: int) -> Any:
+    """Return rope parameters with per-frequency lists sized for ``half`` rotary frequencies."""
+    if not isinstance(rope, dict):
+        return rope
+    out = {}
+    for k, v in rope.items():
+        if isinstance(v, dict):
+            out[k] = _shrink_rope(v, half)
+        elif k in ("mrope_section", "mrope_sections") and isinstance(v, list) and half > 0:
+            out[k] = _rescale_sections(v, half)
+        elif k in ("long_factor", "short_factor") and isinstance(v, list):
+            out[k] = list(v[:half])
+        else:
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Token ids
+
+
+_TOKEN_NAME = re.compile(r".*token_(id|ids|index|idx)|.*_token")
+
+
+def special_token_ids(config: Any) -> set[int]:
+    """Every special token id named in ``config`` and its sub-configs (recursively).
+
+    Used by input generation to keep special tokens (image/audio placeholders, pad, bos...)
+    out of random ``input_ids``: a stray image token without pixels breaks multimodal models.
+    """
+    found: set[int] = set()
+    values = config.to_dict() if is_config(config) else dict(config)
+
+    def walk(d: Any) -> None:
+        if isinstance(d, dict):
+            for k, v in d.items():
+                if isinstance(k, str) and _TOKEN_NAME.fullmatch(k):
+                    for x in v if isinstance(v, (list, tuple)) else [v]:
+                        if _int(x):
+                            found.add(x)
+                elif isinstance(v, dict):
+                    walk(v)
+
+    walk(values)
+    return found
+
+
+class _TokenMap:
+    """Consistent remapping of out-of-range special ids into the top of the tiny vocabulary."""
+
+    def __init__(self, vocab: int, reserved: int) -> None:
+        self.vocab = vocab
+        self.low = vocab - reserved
+        self.map: dict[int, int] = {}
+
+    def __call__(self, x: int) -> int:
+        if x < self.low or x < 0:
+            return x
+        if x not in self.map:
+            self.map[x] = self.vocab - 1 - len(self.map)
+        return self.map[x]
+
+    def remap(self, v: Any) -> Any:
+        if _int(v):
+            return self(v)
+        if isinstance(v, (list, tuple)) and all(_int(x) for x in v):
+            return type(v)(self(x) for x in v)
+        return v
+
+
+# ---------------------------------------------------------------------------------------------
+# The shrinker
+
+
+def _kv_heads(default: Any, default_heads: Any, tiny_heads: int, s: Sizes) -> Any:
+    """Tiny kv heads: MQA stays MQA, MHA stays MHA, GQA (or unset) becomes ``s.kv_heads``."""
+    if default is None:
+        return min(s.kv_heads, tiny_heads)
+    if not _int(default):
+        return default
+    if default == 1:
+        return 1
+    if _int(default_heads) and default == default_heads:
+        return tiny_heads
+    return min(s.kv_heads, tiny_heads)
+
+
+_MISSING = object()
+
+
+def class_defaults(config_cls: type) -> dict[str, Any]:
+    """Constructor defaults of a config class (``_MISSING`` where there is none)."""
+    out: dict[str, Any] = {}
+    if dataclasses.is_dataclass(config_cls):
+        for f in dataclasses.fields(config_cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = _MISSING  # a mutable default: never a derived size
+        return out
+    for n, p in inspect.signature(config_cls.__init__).parameters.items():
+        out[n] = _MISSING if p.default is inspect.Parameter.empty else p.default
+    return out
+
+
+def _values_of(config: Any) -> dict[str, Any]:
+    """Attribute values of a config instance (post-init, i.e. including derived values)."""
+    out = {}
+    for name in config_fields(type(config)):
+        try:
+            out[name] = getattr(config, name)
+        except Exception:  # an attribute some configs only define lazily
+            continue
+    return out
+
+
+def shrink_kwargs(
+    config: Any,
+    sizes: Sizes = SIZES,
+    *,
+    fill: bool = True,
+    tokens: _TokenMap | None = None,
+) -> dict[str, Any]:
+    """Return constructor kwargs that rebuild ``type(config)`` as a tiny config.
+
+    ``config`` is a default instance of the class: its values decide which rules fire and which
+    relations to keep. Only size-like attributes, per-layer lists, rope per-frequency lists,
+    out-of-range token ids and sub-configs appear in the result; everything else is left to the
+    constructor, so derived sizes are recomputed from the tiny ones. Attributes whose class
+    default is ``None`` are derived by the config, so they are left out too, except the "fill"
+    families (head_dim, kv heads, experts, top-k) when ``fill`` is true: those are set so the
+    tiny model keeps GQA / MoE paths and models that read an unset ``head_dim`` still build.
+    Sub-configs come back as dicts with their ``model_type`` (how composite configs accept
+    them). Pure: ``config`` is never mutated.
+    """
+    tokens = tokens or _TokenMap(sizes.vocab, sizes.reserved_ids)
+    fields = config_fields(type(config))
+    values = _values_of(config)
+    defaults = class_defaults(type(config))
+    kw: dict[str, Any] = {}
+
+    def derived(name: str) -> bool:
+        return name in defaults and defaults[name] is None
+
+    for name in fields:
+        d = values.get(name)
+        if is_config(d):
+            sub = shrink_kwargs(d, sizes, fill=fill, tokens=tokens)
+            sub["model_type"] = d.model_type
+            kw[name] = sub
+            continue
+        if _TOKEN_NAME.fullmatch(name):
+            new = tokens.remap(d)
+            if new != d:
+                kw[name] = new
+            continue
+        rule = _rule_for(name)
+        if rule is None:
+            continue
+        if derived(name):
+            if not (fill and getattr(rule, "fills", False)):
+                continue
+            d = None
+        new = rule(d, sizes)
+        if new is not _KEEP and new != values.get(name):
+            kw[name] = new
+
+    def tiny(name: str | None) -> Any:
+        return kw.get(name, values.get(name)) if name else None
+
+    # Key/value heads follow the (tiny) query heads they divide.
+    heads_name, default_heads = _first(values, _HEADS_NAMES)
+    tiny_heads = tiny(heads_name) if heads_name else sizes.heads
+    # MLA projects K/V per query head from a shared latent: its kv heads must stay == heads.
+    mla = _int(values.get("kv_lora_rank"))
+    for name in fields:
+        if not re.fullmatch(_KV_PATTERN, name):
+            continue
+        if derived(name) and (not fill or mla):
+            continue
+        other = _paired_heads(name, values)
+        d_heads = values.get(other) if other else default_heads
+        t_heads = tiny(other) if other and _int(tiny(other)) else tiny_heads
+        if not _int(t_heads):
+            continue
+        new = _kv_heads(None if derived(name) else values.get(name), d_heads, t_heads, sizes)
+        if new != values.get(name):
+            kw[name] = new
+    # Linear-attention value heads: keep the value/key ratio.
+    k, v = values.get("linear_num_key_heads"), values.get("linear_num_value_heads")
+    if _int(k) and _int(v) and k > 0:
+        tk = min(k, 2)
+        kw["linear_num_key_heads"] = tk
+        kw["linear_num_value_heads"] = tk * (v // k) if v % k == 0 else min(v, tk)
+
+    _auxiliary_vocabs(values, kw, fields)
+    _equal_head_dims(values, kw)
+    _restore_products(values, kw)
+
+    # Per-layer lists: decide the layer count so every distinct layer kind survives.
+    count_name, n = _layer_count(values)
+    if count_name and _int(n):
+        attrs = _per_layer_attrs(values, fields, n)
+        minimum = min(n, sizes.layers)
+        kept = _keep_layers(attrs, n, minimum) if attrs else list(range(minimum))
+        kw[count_name] = len(kept)
+        for a in attrs:
+            kw[a.name] = _resize(a, kept, sizes)
+
+    # Rope per-frequency lists follow the tiny rotary dimension.
+    rope_name = next((r for r in ("rope_parameters", "rope_scaling") if r in values), None)
+    if rope_name and isinstance(values.get(rope_name), dict):
+        hd = tiny("head_dim") if _int(tiny("head_dim")) else None
+        if hd is None:
+            h = tiny("hidden_size")
+            ok = _int(h) and _int(tiny_heads) and tiny_heads > 0
+            hd = h // tiny_heads if ok else sizes.head_dim
+        half = int(hd * _partial_factor(values[rope_name], values)) // 2
+        new_rope = _shrink_rope(values[rope_name], half)
+        if new_rope != values[rope_name]:
+            kw[rope_name] = new_rope
+    return kw
+
+
+def _paired_heads(kv_name: str, values: Mapping[str, Any]) -> str | None:
+    """The query-heads attribute a kv-heads attribute belongs to (``swa_num_key_value_heads`` ->
+    ``swa_num_attention_heads``), or None for the main one."""
+    for a, b in (("key_value_heads", "attention_heads"), ("kv_heads", "n_heads")):
+        if a in kv_name:
+            cand = kv_name.replace(a, b)
+            if cand != kv_name and cand in values and not cand.startswith("num_attention"):
+                return cand
+    return None
+
+
+def _partial_factor(rope: dict, values: Mapping[str, Any]) -> float:
+    f = values.get("partial_rotary_factor")
+    for d in [rope, *[v for v in rope.values() if isinstance(v, dict)]]:
+        if isinstance(d.get("partial_rotary_factor"), (int, float)):
+            f = d["partial_rotary_factor"]
+            break
+    return float(f) if isinstance(f, (int, float)) and f else 1.0
+
+
+def _auxiliary_vocabs(values: Mapping[str, Any], kw: dict[str, Any], fields: list[str]) -> None:
+    """Auxiliary vocabularies (``unpadded_vocab_size``, per-layer-input vocabs) shrink in
+    proportion to the main one, so "smaller than the vocab" relations keep holding."""
+    main = values.get("vocab_size")
+    tiny_main = kw.get("vocab_size", main)
+    if not (_int(main) and _int(tiny_main)) or main <= 0:
+        return
+    for name in fields:
+        d = values.get(name)
+        if name == "vocab_size" or name not in kw or not _int(d) or not re.search("vocab", name):
+            continue
+        if d <= main:
+            kw[name] = max(1, min(tiny_main, round(tiny_main * d / main)))
+
+
+_HEAD_DIM_FAMILY = re.compile(r"head_dim|.*_head_dim|dim_head|mamba_d_head|kv_channels")
+
+
+def _equal_head_dims(values: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """Head dims equal in the defaults stay equal (``head_dim == qk_rope_head_dim`` in models that
+    size their rotary embedding by ``head_dim``): each group takes its smallest tiny value."""
+    groups: dict[int, list[str]] = {}
+    for n, v in values.items():
+        if _int(v) and v > 0 and _HEAD_DIM_FAMILY.fullmatch(n):
+            groups.setdefault(v, []).append(n)
+    for names in groups.values():
+        tiny = [kw.get(n, values[n]) for n in names]
+        if len(names) > 1 and len(set(tiny)) > 1:
+            low = min(tiny)
+            for n in names:
+                kw[n] = low
+
+
+def _restore_products(values: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """Re-establish ``heads * head_dim == expand * hidden`` (or ``== d_ssm``) relations.
+
+    SSM configs tie their head count to an inner width (``mamba_n_heads * mamba_d_head ==
+    mamba_expand * hidden_size``). Shrinking each factor independently breaks that; here the
+    heads factor is recomputed from the tiny width. Plain attention (``heads * head_dim ==
+    hidden``) is left alone: the tiny sizes already satisfy it when it matters, and MLA models
+    satisfy it only by coincidence.
+    """
+
+    def tiny(n: str) -> Any:
+        return kw.get(n, values.get(n))
+
+    ints = {n: v for n, v in values.items() if _int(v) and v > 0}
+    heads = [n for n in ints if "heads" in n and "key_value" not in n and "kv" not in n]
+    dims = [n for n in ints if re.search(r"head_dim|d_head|head_size", n)]
+    hidden = next((h for h in ("hidden_size", "d_model", "n_embd") if h in ints), None)
+    targets: list[tuple[int, Any]] = []
+    if hidden:
+        for e in (n for n in ints if n.endswith("expand")):
+            targets.append((ints[e] * ints[hidden], tiny(e) * tiny(hidden)))
+    for n in ints:
+        if n.endswith(("d_ssm", "d_inner")):
+            targets.append((ints[n], tiny(n)))
+    for h in heads:
+        for d in dims:
+            td = tiny(d)
+            for default_t, tiny_t in targets:
+                if ints[h] * ints[d] != default_t or not (_int(tiny_t) and _int(td) and td > 0):
+                    continue
+                if tiny_t % td == 0:
+                    kw[h] = tiny_t // td
+                break
