@@ -14,7 +14,7 @@ Public API::
     corpus.BuildError
 """
 
-from corpus.build import (
+from corpus.builder import (
     architectures,
     build,
     build_from_config,

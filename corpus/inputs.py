@@ -66,8 +66,14 @@ def make_inputs(
     allowed = torch.tensor([i for i in range(vocab) if i not in specials], dtype=torch.long)
     if allowed.numel() == 0:
         allowed = torch.arange(vocab)
+    ov = override(arch) if arch else {}
+    rows = batch
+    # Multi-codebook decoders take one input row per codebook per sample.
+    per_sample = ov.get("inputs_rows_per_sample")
+    if isinstance(per_sample, str) and isinstance(getattr(config, per_sample, None), int):
+        rows = batch * getattr(config, per_sample)
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, allowed.numel(), (batch, seq), generator=gen)
+    idx = torch.randint(0, allowed.numel(), (rows, seq), generator=gen)
     input_ids = allowed[idx]
     mask = torch.ones(batch, seq, dtype=torch.long)
     pad = min(2, seq - 1)
@@ -76,7 +82,6 @@ def make_inputs(
     kwargs: dict[str, Any] = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
     if forward_owner is not None and _accepts(forward_owner, "use_cache"):
         kwargs["use_cache"] = False
-    arch_extra = override(arch).get("inputs", {}) if arch else {}
-    for k, v in {**arch_extra, **(extra or {})}.items():
+    for k, v in {**ov.get("inputs", {}), **(extra or {})}.items():
         kwargs[k] = v
     return kwargs

@@ -7,6 +7,8 @@ Each table is keyed by architecture (the ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` k
 ``config``    constructor kwargs merged over the shrinker's output (nested tables merge into
               sub-config dicts);
 ``inputs``    extra keyword arguments for the forward (merged into ``make_inputs``);
+``inputs_rows_per_sample``  a config attribute naming how many ``input_ids`` rows one sample
+              takes (multi-codebook audio decoders);
 ``broken``    a known reason the architecture cannot be built or run; it is still attempted, and
               the reason is quoted in the ``BuildError``.
 

@@ -80,7 +80,9 @@ _KEEP = object()  # sentinel: leave the attribute at its default
 
 def is_config(value: Any) -> bool:
     """True for a Transformers config instance (duck-typed, so it works across versions)."""
-    return hasattr(value, "to_dict") and hasattr(value, "model_type") and not isinstance(value, type)
+    return (
+        hasattr(value, "to_dict") and hasattr(value, "model_type") and not isinstance(value, type)
+    )
 
 
 def config_fields(config_cls: type) -> list[str]:
@@ -136,8 +138,11 @@ _KV_PATTERN = (
 _S = SIZES
 _RULES: list[tuple[str, Callable[[Any, Sizes], Any]]] = [
     # Numerics and ids are never rules' business (eps, scales, softcaps, theta, init ranges, ...).
-    (r".*(eps|epsilon|scale|scaling|softcap|softcapping|theta|range|std|factor|multiplier|dropout|"
-     r"pdrop|coef|alpha|beta|clip|threshold|floor|min|max_value).*", lambda d, s: _KEEP),
+    (
+        r".*(eps|epsilon|scale|scaling|softcap|softcapping|theta|range|std|factor|multiplier|dropout|"
+        r"pdrop|coef|alpha|beta|clip|threshold|floor|min|max_value).*",
+        lambda d, s: _KEEP,
+    ),
     (r".*token_(id|ids|index|idx)|.*_token", lambda d, s: _KEEP),
     # MLA (multi-head latent attention) ranks and split head dims.
     (r"qk_rope_head_dim", _cap(_S.rope_head_dim)),
@@ -152,18 +157,27 @@ _RULES: list[tuple[str, Callable[[Any, Sizes], Any]]] = [
     (r"mamba_d_ssm", _cap(_S.intermediate)),
     # Head dims before heads (both contain "head").
     (r"head_dim", _fill(_S.head_dim)),
-    (r"dim_head|kv_channels|attention_head_size|.*_head_dim|.*_head_size|mamba_d_head",
-     _cap(_S.head_dim)),
+    (
+        r"dim_head|kv_channels|attention_head_size|.*_head_dim|.*_head_size|mamba_d_head",
+        _cap(_S.head_dim),
+    ),
     # Key/value heads: MQA stays MQA, MHA stays MHA (see _kv_heads), GQA becomes 2.
     (_KV_PATTERN, lambda d, s: _KEEP),
-    (r"num_attention_heads|n_head|n_heads|num_heads|.*_attention_heads|.*_num_attention_heads|"
-     r"(index|indexer)_n_heads|linear_num_heads|heads_per_.*|num_.*_heads|n_.*_heads|.*_n_heads|"
-     r".*_num_heads", _cap(_S.heads)),
+    (
+        r"num_attention_heads|n_head|n_heads|num_heads|.*_attention_heads|.*_num_attention_heads|"
+        r"(index|indexer)_n_heads|linear_num_heads|heads_per_.*|num_.*_heads|n_.*_heads|.*_n_heads|"
+        r".*_num_heads",
+        _cap(_S.heads),
+    ),
     # Experts and routing.
-    (r"num_experts|n_routed_experts|num_local_experts|moe_num_experts|num_routed_experts|n_experts",
-     _fill(_S.experts)),
-    (r"num_experts_per_tok|moe_topk|moe_k|top_k_experts|moe_top_k|num_experts_per_token|top_k",
-     _fill(_S.top_k)),
+    (
+        r"num_experts|n_routed_experts|num_local_experts|moe_num_experts|num_routed_experts|n_experts",
+        _fill(_S.experts),
+    ),
+    (
+        r"num_experts_per_tok|moe_topk|moe_k|top_k_experts|moe_top_k|num_experts_per_token|top_k",
+        _fill(_S.top_k),
+    ),
     (r"n_shared_experts|num_shared_experts|moe_num_shared_experts", _fill(_S.shared_experts)),
     (r"n_group", _cap(_S.expert_groups)),
     (r"topk_group", _cap(1)),
@@ -172,37 +186,58 @@ _RULES: list[tuple[str, Callable[[Any, Sizes], Any]]] = [
     (r"centroid_intermediate_top_k", _cap(4)),
     # Intermediate sizes: expert/shared ones are smaller still.
     (r".*(moe|expert|shared).*(intermediate|ffn|hidden_size).*", _cap(_S.expert_intermediate)),
-    (r".*intermediate_size.*|.*ffn_dim|n_inner|dff|dim_ff|ffn_hidden_size|intermediate_dim",
-     _cap(_S.intermediate)),
+    (
+        r".*intermediate_size.*|.*ffn_dim|n_inner|dff|dim_ff|ffn_hidden_size|intermediate_dim",
+        _cap(_S.intermediate),
+    ),
     # Widths.
     (r".*hidden_size_per_layer_input|ple_embed_dim", _cap(16)),
-    (r"hidden_size|d_model|n_embd|embed_dim|dim|model_dim|word_embed_proj_dim|embedding_size|"
-     r"backbone_hidden_size|hidden_dim|projection_dim|proj_dim|.*_hidden_size|hidden_size_.*|"
-     r"lru_width|d_inner",
-     _cap(_S.hidden)),
+    (
+        r"hidden_size|d_model|n_embd|embed_dim|dim|model_dim|word_embed_proj_dim|embedding_size|"
+        r"backbone_hidden_size|hidden_dim|projection_dim|proj_dim|.*_hidden_size|hidden_size_.*|"
+        r"lru_width|d_inner",
+        _cap(_S.hidden),
+    ),
     # Depth (the exact layer count is decided by the per-layer resizing below).
-    (r"num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers|encoder_layers|"
-     r"num_decoder_layers|num_encoder_layers|depth|num_blocks", _cap(_S.layers)),
-    (r"num_mtp_layers|num_nextn_predict_layers|n_input_layers|n_output_layers|n_recurrent_layers",
-     _cap(1)),
+    (
+        r"num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers|encoder_layers|"
+        r"num_decoder_layers|num_encoder_layers|depth|num_blocks",
+        _cap(_S.layers),
+    ),
+    (
+        r"num_mtp_layers|num_nextn_predict_layers|n_input_layers|n_output_layers|n_recurrent_layers",
+        _cap(1),
+    ),
     (r"num_kv_shared_layers", _cap(1)),
     (r"first_k_dense_replace|num_dense_layers|moe_layer_start_index|max_window_layers", _cap(1)),
-    (r".*_period|global_attn_every_n_layers|no_rope_layer_interval|sliding_window_pattern|"
-     r"layer_group_size|interleave_moe_layer_step|decoder_sparse_step|n_layers_per_.*", _cap(2)),
+    (
+        r".*_period|global_attn_every_n_layers|no_rope_layer_interval|sliding_window_pattern|"
+        r"layer_group_size|interleave_moe_layer_step|decoder_sparse_step|n_layers_per_.*",
+        _cap(2),
+    ),
     (r".*_offset", _cap(1)),
     # Vocabularies: the main one, then proportional for auxiliary ones.
     (r"vocab_size", _cap(_S.vocab)),
     (r"type_vocab_size|task_type_vocab_size", lambda d, s: _KEEP),
     (r".*vocab.*", _cap(4 * _S.vocab)),
     # Positions.
-    (r"max_position_embeddings|n_positions|n_ctx|max_seq_len|max_target_positions|"
-     r"max_source_positions|max_sequence_length", _cap(_S.positions)),
+    (
+        r"max_position_embeddings|n_positions|n_ctx|max_seq_len|max_target_positions|"
+        r"max_source_positions|max_sequence_length",
+        _cap(_S.positions),
+    ),
     # Windows shrink below the input length so local attention really is local.
-    (r"sliding_window|sliding_window_size|window_size|local_attention|local_attention_window_len|"
-     r"attention_window", _cap(_S.window)),
+    (
+        r"sliding_window|sliding_window_size|window_size|local_attention|local_attention_window_len|"
+        r"attention_window",
+        _cap(_S.window),
+    ),
     # Chunk and index sizes stay >= the input length.
-    (r"chunk_size|mamba_chunk_size|attention_chunk_size|index_topk|index_block_size|"
-     r"split_ngram_parts|indexer_budget", _cap(_S.chunk)),
+    (
+        r"chunk_size|mamba_chunk_size|attention_chunk_size|index_topk|index_block_size|"
+        r"split_ngram_parts|indexer_budget",
+        _cap(_S.chunk),
+    ),
     # Low ranks (LAUREL, loop gates, hyper-connections, gated norms).
     (r".*_rank|.*_lowrank", _cap(_S.low_rank)),
 ]
@@ -447,12 +482,78 @@ def class_defaults(config_cls: type) -> dict[str, Any]:
 
 def _values_of(config: Any) -> dict[str, Any]:
     """Attribute values of a config instance (post-init, i.e. including derived values)."""
+    # Heterogeneous configs (per-layer overrides) refuse plain global reads of per-layer
+    # attributes; their raw global value is what the constructor takes, so read that.
+    raw = getattr(config, "_getattr_without_heterogeneous_validation", None)
     out = {}
     for name in config_fields(type(config)):
         try:
-            out[name] = getattr(config, name)
+            out[name] = raw(name) if raw is not None else getattr(config, name)
         except Exception:  # an attribute some configs only define lazily
             continue
+    return out
+
+
+_WIDTH_NAMES = ("hidden_size", "d_model", "n_embd")
+_WIDTH_LIKE = re.compile(
+    r"(?!.*(vocab|position|window|chunk|patch|image|sampling|hop|feature|bucket|length|token)).*"
+    r"(_dim|_size|_dims|_width|dim_.*|size_.*)"
+)
+
+
+def _default_widths(config: Any) -> frozenset[int]:
+    """Every hidden width (>= 64) in the default config tree, for :data:`_WIDTH_LIKE` ties."""
+    found: set[int] = set()
+
+    def walk(c: Any) -> None:
+        values = _values_of(c)
+        for n in _WIDTH_NAMES:
+            if _int(values.get(n)) and values[n] >= 64:
+                found.add(values[n])
+        for v in values.values():
+            if is_config(v):
+                walk(v)
+
+    walk(config)
+    return frozenset(found)
+
+
+def _per_layer_overrides(config: Any) -> dict[int, dict[str, Any]]:
+    """Explicit per-layer overrides of a heterogeneous config (``per_layer_config``), by layer."""
+    try:
+        d = config.to_dict().get("per_layer_config")
+    except Exception:
+        return {}
+    if not isinstance(d, dict):
+        return {}
+    return {int(k): dict(v) for k, v in d.items() if isinstance(v, dict)}
+
+
+def _shrink_layer_override(
+    layer: dict[str, Any], values: Mapping[str, Any], kw: Mapping[str, Any], sizes: Sizes
+) -> dict[str, Any]:
+    """Apply the same rules to one layer's overrides (its heads/kv heads/ranks/head dims)."""
+    out: dict[str, Any] = {}
+    for name, v in layer.items():
+        rule = _rule_for(name)
+        new = rule(v, sizes) if rule is not None else _KEEP
+        out[name] = v if new is _KEEP else new
+    # MLA layers whose head_dim is nope + rope (a per-layer nope with the global head_dim) keep
+    # that sum: the layer's nope dim absorbs the difference.
+    nope = layer.get("qk_nope_head_dim")
+    hd, rope = values.get("head_dim"), values.get("qk_rope_head_dim")
+    if _int(nope) and _int(hd) and _int(rope) and nope + layer.get("qk_rope_head_dim", rope) == hd:
+        t_hd = kw.get("head_dim", hd)
+        t_rope = out.get("qk_rope_head_dim", kw.get("qk_rope_head_dim", rope))
+        if t_hd - t_rope > 0:
+            out["qk_nope_head_dim"] = t_hd - t_rope
+    heads_name = next((h for h in _HEADS_NAMES if h in layer), None)
+    for name, v in layer.items():
+        if re.fullmatch(_KV_PATTERN, name) and _int(v):
+            d_heads = layer[heads_name] if heads_name else values.get("num_attention_heads")
+            t_heads = out[heads_name] if heads_name else kw.get("num_attention_heads", sizes.heads)
+            if _int(t_heads):
+                out[name] = _kv_heads(v, d_heads, t_heads, sizes)
     return out
 
 
@@ -462,6 +563,7 @@ def shrink_kwargs(
     *,
     fill: bool = True,
     tokens: _TokenMap | None = None,
+    widths: frozenset[int] | None = None,
 ) -> dict[str, Any]:
     """Return constructor kwargs that rebuild ``type(config)`` as a tiny config.
 
@@ -476,6 +578,8 @@ def shrink_kwargs(
     them). Pure: ``config`` is never mutated.
     """
     tokens = tokens or _TokenMap(sizes.vocab, sizes.reserved_ids)
+    if widths is None:
+        widths = _default_widths(config)
     fields = config_fields(type(config))
     values = _values_of(config)
     defaults = class_defaults(type(config))
@@ -487,7 +591,7 @@ def shrink_kwargs(
     for name in fields:
         d = values.get(name)
         if is_config(d):
-            sub = shrink_kwargs(d, sizes, fill=fill, tokens=tokens)
+            sub = shrink_kwargs(d, sizes, fill=fill, tokens=tokens, widths=widths)
             sub["model_type"] = d.model_type
             kw[name] = sub
             continue
@@ -498,6 +602,10 @@ def shrink_kwargs(
             continue
         rule = _rule_for(name)
         if rule is None:
+            # An unrecognised width that equals a model width somewhere in the config tree
+            # (adapter/projection dims that must match a hidden size) follows the tiny width.
+            if _int(d) and d in widths and _WIDTH_LIKE.fullmatch(name) and not derived(name):
+                kw[name] = sizes.hidden
             continue
         if derived(name):
             if not (fill and getattr(rule, "fills", False)):
@@ -518,9 +626,12 @@ def shrink_kwargs(
     for name in fields:
         if not re.fullmatch(_KV_PATTERN, name):
             continue
-        if derived(name) and (not fill or mla):
-            continue
         other = _paired_heads(name, values)
+        # Only the main kv-heads attribute is filled: an unset auxiliary one (an indexer's kv
+        # heads) usually means "feature off", and setting it alone switches a feature half on.
+        primary = other is None and not name.startswith(("index", "indexer"))
+        if derived(name) and (not fill or mla or not primary):
+            continue
         d_heads = values.get(other) if other else default_heads
         t_heads = tiny(other) if other and _int(tiny(other)) else tiny_heads
         if not _int(t_heads):
@@ -543,11 +654,22 @@ def shrink_kwargs(
     count_name, n = _layer_count(values)
     if count_name and _int(n):
         attrs = _per_layer_attrs(values, fields, n)
+        overrides = _per_layer_overrides(config)
+        if overrides:  # heterogeneous layers are a layer kind of their own
+            sig = [repr(sorted(overrides.get(i, {}).items())) for i in range(n)]
+            attrs.append(_PerLayer("per_layer_config", "list", sig))
         minimum = min(n, sizes.layers)
         kept = _keep_layers(attrs, n, minimum) if attrs else list(range(minimum))
         kw[count_name] = len(kept)
         for a in attrs:
-            kw[a.name] = _resize(a, kept, sizes)
+            if a.name != "per_layer_config":
+                kw[a.name] = _resize(a, kept, sizes)
+        if overrides:
+            kw["per_layer_config"] = {
+                new: _shrink_layer_override(overrides[old], values, kw, sizes)
+                for new, old in enumerate(kept)
+                if old in overrides
+            }
 
     # Rope per-frequency lists follow the tiny rotary dimension.
     rope_name = next((r for r in ("rope_parameters", "rope_scaling") if r in values), None)

@@ -84,8 +84,20 @@ def _tiny_kwargs(name: str) -> dict[str, Any]:
         default = cls(**copy.deepcopy(defaults))
     except Exception as exc:
         raise _fail(name, "config", exc) from exc
-    kw = deep_merge(defaults, shrink_kwargs(default))
-    return deep_merge(kw, ov.get("config", {}))
+    # First with the "fill" families set (GQA / MoE paths on); a config whose validator insists
+    # on its derived values (e.g. kv heads == heads) gets them left to the constructor instead.
+    first: Exception | None = None
+    for fill in (True, False):
+        kw = deep_merge(defaults, shrink_kwargs(default, fill=fill))
+        kw = deep_merge(kw, ov.get("config", {}))
+        try:
+            cls(**copy.deepcopy(kw))
+        except Exception as exc:
+            first = first or exc
+            continue
+        return kw
+    assert first is not None
+    raise _fail(name, "config", first) from first
 
 
 def tiny_config(name: str) -> Any:
