@@ -187,7 +187,8 @@ _RULES: list[tuple[str, Callable[[Any, Sizes], Any]]] = [
     # Intermediate sizes: expert/shared ones are smaller still.
     (r".*(moe|expert|shared).*(intermediate|ffn|hidden_size).*", _cap(_S.expert_intermediate)),
     (
-        r".*intermediate_size.*|.*ffn_dim|n_inner|dff|dim_ff|ffn_hidden_size|intermediate_dim",
+        r".*intermediate_size.*|.*ffn_dim|n_inner|dff|dim_ff|ffn_hidden_size|intermediate_dim|"
+        r"mlp_dim",
         _cap(_S.intermediate),
     ),
     # Widths.
@@ -195,7 +196,8 @@ _RULES: list[tuple[str, Callable[[Any, Sizes], Any]]] = [
     (
         r"hidden_size|d_model|n_embd|embed_dim|dim|model_dim|word_embed_proj_dim|embedding_size|"
         r"backbone_hidden_size|hidden_dim|projection_dim|proj_dim|.*_hidden_size|hidden_size_.*|"
-        r"lru_width|d_inner",
+        r"lru_width|d_inner|emb_dim|.*_emb_dim|.*embedding_size|.*_out_channels?|.*conv_channels|"
+        r"output_channels",
         _cap(_S.hidden),
     ),
     # Depth (the exact layer count is decided by the per-layer resizing below).
@@ -271,6 +273,16 @@ def _first(values: Mapping[str, Any], names: Iterable[str]) -> tuple[str | None,
 
 def _layer_count(values: Mapping[str, Any]) -> tuple[str | None, int | None]:
     return _first(values, _LAYER_COUNT_NAMES)
+
+
+def _implicit_layer_list(values: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """A config with no layer-count attribute whose depth is the length of a list of layer
+    kinds (Reformer's ``attn_layers``): return that list's name and length."""
+    for name, v in values.items():
+        if "layers" in name and isinstance(v, (list, tuple)) and len(v) > 1:
+            if all(isinstance(x, str) for x in v):
+                return name, len(v)
+    return None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -652,6 +664,9 @@ def shrink_kwargs(
 
     # Per-layer lists: decide the layer count so every distinct layer kind survives.
     count_name, n = _layer_count(values)
+    implicit = count_name is None
+    if implicit:
+        count_name, n = _implicit_layer_list(values)
     if count_name and _int(n):
         attrs = _per_layer_attrs(values, fields, n)
         overrides = _per_layer_overrides(config)
@@ -660,7 +675,8 @@ def shrink_kwargs(
             attrs.append(_PerLayer("per_layer_config", "list", sig))
         minimum = min(n, sizes.layers)
         kept = _keep_layers(attrs, n, minimum) if attrs else list(range(minimum))
-        kw[count_name] = len(kept)
+        if not implicit:
+            kw[count_name] = len(kept)
         for a in attrs:
             if a.name != "per_layer_config":
                 kw[a.name] = _resize(a, kept, sizes)
