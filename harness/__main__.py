@@ -1,5 +1,8 @@
+"""`python -m harness`: the same command as `fusion-harness`."""
+
 import sys
 
 from harness.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

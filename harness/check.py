@@ -1,0 +1,404 @@
+"""Check one architecture: build, fuse a deep copy, run three forwards, judge.
+
+This is the one per-architecture function: the sweep's workers, the conformance tests and repro
+replay all call it, so they can never disagree about what "green" means.
+
+Steps, each recorded with its own status when it fails (see harness.results.STATUSES):
+build (corpus) -> deep copies (fused; float64 reference) -> fusion.fuse(copy) -> unfused forward
+with hooks recording every fused module's inputs -> float64 reference forward -> fused forward ->
+model verdict on the logits -> per-module verdicts (harness.localise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness import architectures, localise, parity
+from harness.results import ArchResult, Failure, ModuleResult, Refusal
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+FuseFn = Callable[[nn.Module], Any]
+"""fusion.fuse's shape: fuse in place, return a FusionReport."""
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """How to build and run one architecture (everything a result depends on)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    batch: int = 2
+    seq: int = 6
+    plugins: tuple[str, ...] = ()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What a repro bundle needs beyond the Failure: how to rebuild exactly this model.
+
+    `config` is `model.config.to_dict()` round-tripped through JSON (None when the model has no
+    Transformers config); `applied` holds the fusion records with their forward sources.
+    """
+
+    architecture: str
+    model_type: str | None
+    config: dict[str, Any] | None
+    options: CheckOptions
+    applied: tuple = ()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A check's result, plus the subject when a model was built (for bundles)."""
+
+    result: ArchResult
+    subject: Subject | None = None
+
+
+@dataclass
+class _Forwards:
+    unfused: Any = None
+    reference: Any = None
+    fused: Any = None
+    reference_error: BaseException | None = None
+    fused_error: BaseException | None = None
+    calls: dict[str, list] = field(default_factory=dict)
+
+
+def check_architecture(name: str, options: CheckOptions, *, fuse: FuseFn | None = None) -> Checked:
+    """Build `name` and check it; never raises for a model-side problem (it is recorded).
+
+    `fuse` defaults to `fusion.fuse` (looked up at call time, so a patched fusion.fuse is used).
+    """
+    started = time.perf_counter()
+    try:
+        model = architectures.build(
+            name,
+            seed=options.seed,
+            dtype=options.torch_dtype,
+            device=options.device,
+            plugins=options.plugins,
+        )
+        inputs = make_inputs(model, options)
+    except Exception as exc:
+        return Checked(_result(name, options, started, "build-error", localise.one_line(exc)))
+    return check_model(name, model, inputs, options, fuse=fuse, started=started)
+
+
+def make_inputs(model: nn.Module, options: CheckOptions) -> dict[str, Any]:
+    """The corpus's seeded forward inputs for `model` under `options`."""
+    import corpus
+
+    return corpus.make_inputs(
+        model, seed=options.seed, batch=options.batch, seq=options.seq, device=options.device
+    )
+
+
+def check_model(
+    name: str,
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    options: CheckOptions,
+    *,
+    fuse: FuseFn | None = None,
+    started: float | None = None,
+) -> Checked:
+    """Check an already built model on `inputs` (see the module docstring for the steps).
+
+    `model` is left unfused (the fused model and the float64 reference are deep copies), so a
+    caller may inspect it afterwards.
+    """
+    started = time.perf_counter() if started is None else started
+    model.eval()
+    subject = _subject(name, model, options)
+    fused = copy.deepcopy(model)
+    reference = float64_reference(model)
+    try:
+        report = _fuse_with(fuse, fused)
+    except Exception as exc:
+        failure = _failure("fuse-error", None, None, None, exc)
+        result = _result(name, options, started, "fuse-error", failure.message, failures=[failure])
+        return Checked(result, subject)
+    subject = Subject(**{**subject.__dict__, "applied": tuple(report.applied)})
+    applied = _applied_by_qualname(report.applied)
+    fusion_fields = {
+        "applied": dict(report.counts()),
+        "refusals": group_refusals(report.skipped),
+    }
+
+    runs = _Forwards()
+    try:
+        with localise.record_calls(model, list(applied)) as runs.calls:
+            runs.unfused = _forward(model, inputs, options.torch_dtype)
+    except Exception as exc:
+        message = f"unfused model does not run: {localise.one_line(exc)}"
+        return Checked(
+            _result(name, options, started, "forward-error", message, **fusion_fields), subject
+        )
+    try:
+        with localise.default_dtype(torch.float64):
+            runs.reference = _forward(reference, inputs, torch.float64)
+    except Exception as exc:
+        runs.reference_error = exc
+    try:
+        runs.fused = _forward(fused, inputs, options.torch_dtype)
+    except Exception as exc:
+        runs.fused_error = exc
+
+    mask = parity.token_mask(inputs.get("attention_mask"))
+    checks = localise.check_modules(
+        runs.calls,
+        unfused=model,
+        fused=fused,
+        reference=reference,
+        dtype=options.torch_dtype,
+        mask=mask,
+    )
+    modules = [module_result(check, applied[check.qualname]) for check in checks]
+    failures = [_module_failure(check, applied[check.qualname]) for check in checks]
+    failures = [f for f in failures if f is not None]
+    verdict = None
+    if runs.fused_error is not None:
+        failures.insert(0, _failure("fused-forward-error", None, None, None, runs.fused_error))
+        status, message = "fused-error", failures[0].message
+    elif runs.reference_error is not None:
+        reason = f"float64 reference does not run: {localise.one_line(runs.reference_error)}"
+        verdict = parity.Verdict("inconclusive", math.nan, math.nan, math.nan, reason)
+        status, message = _overall(verdict, modules)
+    else:
+        verdict = parity.compare(
+            logits_of(runs.fused),
+            logits_of(runs.unfused),
+            logits_of(runs.reference),
+            dtype=options.torch_dtype,
+            mask=mask,
+        )
+        if verdict.status == "fail":
+            failures.insert(0, _model_failure(verdict))
+        status, message = _overall(verdict, modules)
+    result = _result(
+        name,
+        options,
+        started,
+        status,
+        message,
+        **fusion_fields,
+        unfused_error=verdict.unfused_error if verdict else None,
+        fused_error=verdict.fused_error if verdict else None,
+        tolerance=verdict.tolerance if verdict else None,
+        modules=modules,
+        failures=failures,
+    )
+    return Checked(result, subject)
+
+
+def float64_reference(model: nn.Module) -> nn.Module:
+    """A float64 deep copy of `model`: the same weights, upcast exactly, run as eager math.
+
+    Mixture-of-experts layers default to torch's grouped_mm, which has no float64 kernel, so
+    the copy is switched to the eager experts loop (the same function, computed per expert).
+    """
+    reference = copy.deepcopy(model).to(torch.float64)
+    config = getattr(reference, "config", None)
+    if getattr(config, "_experts_implementation", "eager") not in (None, "eager"):
+        # If it cannot switch, the reference forward fails and that is recorded.
+        with contextlib.suppress(Exception):
+            reference.set_experts_implementation("eager")
+    return reference
+
+
+def _fuse_with(fuse: FuseFn | None, model: nn.Module) -> Any:
+    if fuse is None:
+        import fusion
+
+        return fusion.fuse(model)
+    return fuse(model)
+
+
+def _forward(model: nn.Module, inputs: Mapping[str, Any], dtype: torch.dtype) -> Any:
+    """model(**inputs) without autograd, floating inputs cast to the model's compute dtype."""
+    cast = {
+        k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
+    with torch.no_grad():
+        return model(**cast)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a causal-LM output (`.logits`, or the first element of a tuple)."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"forward returned no logits ({type(output).__name__})")
+
+
+def _overall(verdict: parity.Verdict, modules: list[ModuleResult]) -> tuple[str, str]:
+    """Status and message of a run whose forwards all completed."""
+    if verdict.status == "fail":
+        return "fail", f"logits: {verdict.reason}"
+    bad = [m for m in modules if m.status == "fail"]
+    if bad:
+        return (
+            "fail",
+            f"{bad[0].qualname} ({bad[0].source_class}) [{bad[0].fuser}]: {bad[0].reason}",
+        )
+    if verdict.status == "inconclusive":
+        return "inconclusive", f"logits: {verdict.reason}"
+    unsure = [m for m in modules if m.status == "inconclusive"]
+    if unsure:
+        return "inconclusive", f"{unsure[0].qualname}: {unsure[0].reason}"
+    return "pass", ""
+
+
+def _applied_by_qualname(records) -> dict[str, list]:
+    """Applied records grouped by qualname, in report order."""
+    grouped: dict[str, list] = {}
+    for record in records:
+        grouped.setdefault(record.qualname, []).append(record)
+    return grouped
+
+
+def _fusers(records) -> str:
+    return "+".join(dict.fromkeys(r.fuser for r in records))
+
+
+def module_result(check: localise.ModuleCheck, records) -> ModuleResult:
+    """The recorded form of a module check, with the class and fuser(s) from the report.
+
+    A module the forward never called (a vision tower, cross-attention without encoder states)
+    is "unused": it cannot have changed these logits, so it does not make the run inconclusive.
+    """
+    v = check.verdict
+    return ModuleResult(
+        qualname=check.qualname,
+        source_class=records[0].source_class,
+        fuser=_fusers(records),
+        status="unused" if check.calls == 0 else v.status,
+        fused_error=v.fused_error,
+        unfused_error=v.unfused_error,
+        tolerance=v.tolerance,
+        reason=v.reason,
+        calls=check.calls,
+    )
+
+
+def group_refusals(skipped) -> list[Refusal]:
+    """Skipped records counted per (fuser, class, reason), first qualname as the example."""
+    groups: dict[tuple, list[str]] = {}
+    for record in skipped:
+        key = (record.fuser, record.source_class, record.reason)
+        groups.setdefault(key, []).append(record.qualname)
+    return [
+        Refusal(fuser=f, source_class=c, reason=r, count=len(q), example=q[0])
+        for (f, c, r), q in groups.items()
+    ]
+
+
+def signature(kind: str, fuser: str | None, source_class: str | None, message: str) -> str:
+    """What makes two failures "the same": kind, fuser, class and the message's shape.
+
+    Numbers, hex addresses and layer indices are folded so the same bug in layer 0 and layer 1
+    (or with another observed error) has one signature.
+    """
+    shape = re.sub(r"0x[0-9a-fA-F]+", "0x_", message)
+    shape = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", shape)
+    return f"{kind}|{fuser or '-'}|{source_class or '-'}|{shape}"
+
+
+def _failure(kind, qualname, fuser, source_class, exc: BaseException) -> Failure:
+    message = localise.one_line(exc)
+    return Failure(
+        kind=kind,
+        qualname=qualname,
+        fuser=fuser,
+        source_class=source_class,
+        message=message,
+        detail=localise.tail(exc),
+        signature=signature(kind, fuser, source_class, message),
+    )
+
+
+def _model_failure(verdict: parity.Verdict) -> Failure:
+    # The message shape (not the numbers) goes into the signature: NaN vs out-of-tolerance.
+    return Failure(
+        kind="model-parity",
+        qualname=None,
+        fuser=None,
+        source_class=None,
+        message=f"logits: {verdict.reason}",
+        observed=verdict.fused_error,
+        tolerance=verdict.tolerance,
+        signature=signature("model-parity", None, None, verdict.reason),
+    )
+
+
+def _module_failure(check: localise.ModuleCheck, records) -> Failure | None:
+    if check.verdict.status != "fail":
+        return None
+    fuser, source_class = _fusers(records), records[0].source_class
+    kind = "module-error" if check.raised else "module-parity"
+    message = check.raised or check.verdict.reason
+    return Failure(
+        kind=kind,
+        qualname=check.qualname,
+        fuser=fuser,
+        source_class=source_class,
+        message=message,
+        detail=check.detail,
+        observed=None if check.raised else check.verdict.fused_error,
+        tolerance=None if check.raised else check.verdict.tolerance,
+        signature=signature(kind, fuser, source_class, message),
+    )
+
+
+def _subject(name: str, model: nn.Module, options: CheckOptions) -> Subject:
+    config = getattr(model, "config", None)
+    config_dict = None
+    if config is not None and hasattr(config, "to_json_string"):
+        # Through JSON so the bundle holds exactly what replay will read back.
+        config_dict = json.loads(config.to_json_string(use_diff=False))
+    return Subject(name, getattr(config, "model_type", None), config_dict, options)
+
+
+def _result(
+    name: str, options: CheckOptions, started: float, status: str, message: str, **fields: Any
+) -> ArchResult:
+    return ArchResult(
+        architecture=name,
+        status=status,
+        dtype=options.dtype,
+        device=options.device,
+        seed=options.seed,
+        seconds=round(time.perf_counter() - started, 4),
+        message=message,
+        **fields,
+    )

@@ -1,0 +1,273 @@
+"""The parity oracle: is a fused output as close to the float64 reference as the unfused one?
+
+Pure functions on tensors and numbers; nothing here runs a model.
+
+The rule (DESIGN.md, oracle 1): rounding is allowed, a changed function is not. So the fused
+error against a float64 reference may not exceed a small multiple of the unfused error against
+the same reference, plus a dtype floor for the case where the unfused model happens to be almost
+exact::
+
+    tolerance = max(ERROR_MULTIPLE * unfused_error, dtype_floor(dtype))
+    pass  <=>  fused_error <= tolerance      (and the fused output is finite)
+
+Error measure: the largest absolute difference over the compared elements divided by the
+largest reference magnitude over the same elements (a max-normalised error). A single wrong
+element is enough to show, yet elements near zero do not blow the ratio up the way an
+element-wise relative error would.
+
+What is compared: tokens whose attention-mask entry is 1. The harness pads one row of its inputs;
+the outputs at padded positions are queries over no real key, which different kernels may
+legitimately fill with different (even non-finite) values, so they are undefined and excluded.
+Tensors whose leading dimensions are not (batch, seq) or (batch * seq) are compared whole.
+Where the reference is infinite (modules may return additive -inf masks) the output must hold
+the same infinity; a reference NaN makes the comparison inconclusive.
+
+Floors (float32 1e-6; bfloat16 and float16 2e-3): the tiny corpus models in float32 measure an
+unfused error of ~1e-7 (max-normalised, 6 tokens, 2 rows), so 1e-6 leaves a 10x margin for a
+kernel that reorders a sum, while any changed function (a wrong weight slice, a dropped bias, a
+swapped activation) errs by 1e-2 or more. Half precisions round to ~4e-3 relative per element;
+their unfused error is usually far above the floor, which only matters when it is not.
+
+NaN never passes: a non-finite fused output where the unfused output is finite is a failure;
+when the unfused output is non-finite too, the dtype cannot run that model at all and the verdict
+is `inconclusive` (neither passed nor blamed on fusion).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+ERROR_MULTIPLE = 2.0
+"""How much worse than the unfused model the fused model may round."""
+
+DTYPE_FLOORS: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-6,
+    torch.bfloat16: 2e-3,
+    torch.float16: 2e-3,
+}
+
+Status = Literal["pass", "fail", "inconclusive"]
+_SEVERITY: dict[str, int] = {"pass": 0, "inconclusive": 1, "fail": 2}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One parity judgement.
+
+    `fused_error`/`unfused_error` are max-normalised errors against the float64 reference
+    (NaN when that output is not finite); `tolerance` is what the fused error was held to.
+    `reason` is empty on a pass and says why otherwise.
+    """
+
+    status: Status
+    fused_error: float
+    unfused_error: float
+    tolerance: float
+    reason: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+
+def dtype_floor(dtype: torch.dtype) -> float:
+    """The smallest tolerance for outputs computed in `dtype` (see the module docstring)."""
+    try:
+        return DTYPE_FLOORS[dtype]
+    except KeyError:
+        raise ValueError(
+            f"no parity floor for dtype {dtype}; known: {list(DTYPE_FLOORS)}"
+        ) from None
+
+
+def tolerance(unfused_error: float, dtype: torch.dtype) -> float:
+    """max(ERROR_MULTIPLE x unfused error, dtype floor); infinite when the unfused error is NaN.
+
+    An infinite tolerance never passes a NaN output: `judge` checks for NaN before it compares
+    against the tolerance.
+    """
+    if math.isnan(unfused_error):
+        return math.inf
+    return max(ERROR_MULTIPLE * unfused_error, dtype_floor(dtype))
+
+
+def judge(fused_error: float, unfused_error: float, dtype: torch.dtype) -> Verdict:
+    """Apply the parity rule to two measured errors (NaN meaning "output not finite")."""
+    tol = tolerance(unfused_error, dtype)
+    if math.isnan(fused_error):
+        if math.isnan(unfused_error):
+            return Verdict(
+                "inconclusive",
+                fused_error,
+                unfused_error,
+                tol,
+                "neither fused nor unfused output is finite in this dtype",
+            )
+        return Verdict(
+            "fail", fused_error, unfused_error, tol, "fused output is not finite (NaN or inf)"
+        )
+    if math.isnan(unfused_error):
+        return Verdict(
+            "inconclusive",
+            fused_error,
+            unfused_error,
+            tol,
+            "unfused output is not finite in this dtype; nothing to hold the fused output to",
+        )
+    if fused_error <= tol:
+        return Verdict("pass", fused_error, unfused_error, tol)
+    return Verdict(
+        "fail",
+        fused_error,
+        unfused_error,
+        tol,
+        f"fused error {fused_error:.3g} exceeds tolerance {tol:.3g} "
+        f"(unfused error {unfused_error:.3g})",
+    )
+
+
+def token_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The boolean (batch, seq) mask of real tokens, or None when there is no 2-D mask."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return attention_mask != 0
+
+
+def defined_elements(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The elements of `tensor` at real-token positions (see module docstring), as a 2-D view.
+
+    Leading dims (batch, seq) select with the mask; a leading batch*seq dim (tokens flattened,
+    as MoE blocks do) selects with the flattened mask; any other shape is returned whole.
+    """
+    if mask is not None:
+        if tensor.dim() >= 2 and tuple(tensor.shape[:2]) == tuple(mask.shape):
+            return tensor[mask.to(tensor.device)]
+        if tensor.dim() >= 1 and tensor.shape[0] == mask.numel() != 1:
+            return tensor[mask.reshape(-1).to(tensor.device)]
+    return tensor.reshape(1, -1)
+
+
+def relative_error(
+    actual: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor | None = None
+) -> float:
+    """Max-normalised error of `actual` against `reference` over the defined elements.
+
+    Returns NaN when `actual` is NaN anywhere, or infinite where the reference is finite (so a
+    NaN can never hide behind a large tolerance). Where the reference itself is infinite (an
+    additive -inf mask is a legitimate output), `actual` must hold the same infinity, else the
+    error is inf. Otherwise: largest |actual - reference| over the finite reference elements
+    divided by their largest |reference| (the absolute error when those are all zero); 0.0 when
+    nothing is compared. Computed in float64 so the measure adds no rounding of its own.
+    Raises ValueError on a shape mismatch: that is a structural difference, not an error size.
+    """
+    if actual.shape != reference.shape:
+        raise ValueError(f"shape {tuple(actual.shape)} != reference {tuple(reference.shape)}")
+    a = defined_elements(actual, mask).to(torch.float64)
+    r = defined_elements(reference, mask).to(device=a.device, dtype=torch.float64)
+    finite = torch.isfinite(r)
+    if bool(torch.isnan(a).any()) or bool((torch.isinf(a) & finite).any()):
+        return math.nan
+    if not bool((a[~finite] == r[~finite]).all()):
+        return math.inf
+    a, r = a[finite], r[finite]
+    if a.numel() == 0:
+        return 0.0
+    diff = float((a - r).abs().max())
+    scale = float(r.abs().max())
+    return diff / scale if scale > 0 else diff
+
+
+def reference_is_defined(reference: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether the float64 reference has no NaN among its defined elements (inf is allowed)."""
+    return not bool(torch.isnan(defined_elements(reference, mask)).any())
+
+
+def compare(
+    fused: torch.Tensor,
+    unfused: torch.Tensor,
+    reference: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    mask: torch.Tensor | None = None,
+) -> Verdict:
+    """Judge one fused output against the unfused one, both measured against the reference.
+
+    A reference with NaN makes the comparison `inconclusive` (the function itself is undefined
+    there); a shape mismatch fails.
+    """
+    if not reference_is_defined(reference, mask):
+        return Verdict("inconclusive", math.nan, math.nan, math.nan, "float64 reference is NaN")
+    try:
+        unfused_error = relative_error(unfused, reference, mask)
+        fused_error = relative_error(fused, reference, mask)
+    except ValueError as exc:
+        return Verdict("fail", math.nan, math.nan, math.nan, f"output shape differs: {exc}")
+    return judge(fused_error, unfused_error, dtype)
+
+
+def flatten_tensors(output: object) -> list[torch.Tensor]:
+    """Every floating-point tensor in a module output, in a stable order.
+
+    Walks tensors, tuples/lists and mappings (HF ModelOutput is a mapping); None and
+    non-floating values (indices, masks) are dropped: integer outputs such as top-k expert ids
+    may legitimately flip on a near-tie and are judged through the float outputs they select.
+    """
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() else []
+    if isinstance(output, dict):
+        items: Iterable[object] = output.values()
+    elif isinstance(output, (tuple, list)):
+        items = output
+    else:
+        return []
+    return [t for item in items for t in flatten_tensors(item)]
+
+
+def compare_outputs(
+    fused: object,
+    unfused: object,
+    reference: object,
+    *,
+    dtype: torch.dtype,
+    mask: torch.Tensor | None = None,
+) -> Verdict:
+    """Judge whole module outputs: every floating tensor pairwise, worst verdict wins."""
+    f, u, r = flatten_tensors(fused), flatten_tensors(unfused), flatten_tensors(reference)
+    if not len(f) == len(u) == len(r):
+        return Verdict(
+            "fail",
+            math.nan,
+            math.nan,
+            math.nan,
+            f"output structure differs: fused has {len(f)} float tensors, unfused {len(u)}, "
+            f"reference {len(r)}",
+        )
+    return worst(compare(a, b, c, dtype=dtype, mask=mask) for a, b, c in zip(f, u, r))
+
+
+def worst(verdicts: Iterable[Verdict]) -> Verdict:
+    """The most severe verdict (fail > inconclusive > pass); among passes the largest error.
+
+    An empty sequence passes with zero error (nothing to disagree about).
+    """
+    chosen: Verdict | None = None
+    for verdict in verdicts:
+        if chosen is None or _rank(verdict) > _rank(chosen):
+            chosen = verdict
+    return chosen or Verdict("pass", 0.0, 0.0, 0.0)
+
+
+def _rank(verdict: Verdict) -> tuple[int, float]:
+    error = verdict.fused_error
+    return (_SEVERITY[verdict.status], math.inf if math.isnan(error) else error)
+
+
+def worst_status(statuses: Sequence[Status]) -> Status:
+    """The most severe of several statuses ("pass" for none)."""
+    return max(statuses, key=_SEVERITY.__getitem__, default="pass")

@@ -1,0 +1,180 @@
+"""Run the corpus through `harness.check` in isolated worker processes.
+
+Each architecture is one task in `harness.pool` (long-lived workers, per-architecture timeout,
+a crashed or hung worker replaced and its architecture recorded as crashed/timeout). Every result
+is appended to the JSONL results file the moment it arrives, so an interrupted sweep keeps all
+finished work and `resume=True` skips it next time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness import architectures, check, pool, repro
+from harness.results import ArchResult, ResultsError, ResultsWriter, from_dict, read_results
+
+DEFAULT_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """A sweep: which architectures, how to check them, where results go."""
+
+    architectures: Sequence[str]
+    check: check.CheckOptions = field(default_factory=check.CheckOptions)
+    jobs: int = 1
+    timeout: float = DEFAULT_TIMEOUT
+    results: Path = Path("fusion-harness-results.jsonl")
+    resume: bool = False
+    repro_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """The results of the selected architectures (earlier ones from a resume included), in
+    selection order, and whether the sweep was interrupted before finishing."""
+
+    results: list[ArchResult]
+    interrupted: bool
+    wall: float
+
+
+def threads_per_worker(jobs: int) -> int:
+    """Intra-op threads per worker: the machine's cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // max(1, jobs))
+
+
+def setup_worker(plugins: tuple[str, ...], threads: int) -> None:
+    """Run once per worker: import the heavy modules and test plugins, quiet the libraries."""
+    import torch
+    import transformers
+
+    import corpus  # noqa: F401  (imported here, once, rather than in the first task)
+    import fusion  # noqa: F401
+
+    torch.set_num_threads(threads)
+    # Library warnings from hundreds of tiny configs would drown the progress output; the
+    # results record everything that matters.
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    architectures.plugin_architectures(plugins)
+
+
+def check_task(payload: tuple[str, check.CheckOptions, str | None]) -> dict:
+    """Worker side of one architecture: check it, write its repro bundles, return the record.
+
+    Returns the result as a dict (what travels back over the pipe and into the JSONL file).
+    Bundles are written here, where the model, config and fusion sources are at hand; their
+    directory names de-duplicate identical failures across workers and runs.
+    """
+    from harness.results import to_dict
+
+    name, options, repro_dir = payload
+    checked = check.check_architecture(name, options)
+    result = checked.result
+    if repro_dir and result.failures and checked.subject is not None:
+        result = repro.write_bundles(result, checked.subject, Path(repro_dir))
+    return to_dict(result)
+
+
+def build_task(payload: tuple[str, check.CheckOptions]) -> str:
+    """Worker side of `fusion-harness list`: "ok (class, parameters)" or "error: why"."""
+    from harness.localise import one_line
+
+    name, options = payload
+    try:
+        model = architectures.build(
+            name,
+            seed=options.seed,
+            dtype=options.torch_dtype,
+            device=options.device,
+            plugins=options.plugins,
+        )
+    except Exception as exc:
+        return f"error: {one_line(exc)}"
+    parameters = sum(p.numel() for p in model.parameters())
+    return f"ok ({type(model).__name__}, {parameters:,} parameters)"
+
+
+def result_of(outcome: pool.Outcome, options: check.CheckOptions) -> ArchResult:
+    """The ArchResult for a pool outcome (a crash or timeout gets a result of its own)."""
+    if outcome.status == "done":
+        return from_dict(outcome.value)
+    if outcome.status == "error":  # check_architecture records model failures; this is a bug
+        last = outcome.detail.strip().splitlines()[-1] if outcome.detail.strip() else ""
+        status, message = "crashed", f"harness error in the worker: {last}"
+    else:
+        status, message = outcome.status, outcome.detail
+    return ArchResult(
+        architecture=outcome.key,
+        status=status,
+        dtype=options.dtype,
+        device=options.device,
+        seed=options.seed,
+        seconds=outcome.seconds,
+        message=message,
+    )
+
+
+def previous_results(path: Path, options: check.CheckOptions) -> dict[str, ArchResult]:
+    """The results already in `path` by architecture (empty if the file does not exist).
+
+    Raises ResultsError if they were computed with another dtype, device or seed: mixing them
+    into one table would compare unlike with unlike.
+    """
+    if not path.exists():
+        return {}
+    done = {}
+    for result in read_results(path):
+        ours = (options.dtype, options.device, options.seed)
+        theirs = (result.dtype, result.device, result.seed)
+        if theirs != ours:
+            raise ResultsError(
+                f"{path} holds {result.architecture} for dtype/device/seed {theirs}, "
+                f"this run is {ours}; resume with the same options or use another file"
+            )
+        done[result.architecture] = result
+    return done
+
+
+def sweep(
+    options: SweepOptions, *, on_result: Callable[[ArchResult], None] | None = None
+) -> SweepRun:
+    """Check every selected architecture not already done; return all their results.
+
+    Ctrl-C (KeyboardInterrupt) stops the sweep: workers are killed, the results file keeps
+    every finished line, and the partial run is returned with `interrupted=True`.
+    """
+    started = time.perf_counter()
+    done = previous_results(options.results, options.check) if options.resume else {}
+    todo = [name for name in options.architectures if name not in done]
+    repro_dir = str(options.repro_dir) if options.repro_dir else None
+    tasks = [(name, (name, options.check, repro_dir)) for name in todo]
+    interrupted = False
+    with ResultsWriter(options.results, append=options.resume) as writer:
+        outcomes = pool.run_tasks(
+            tasks,
+            check_task,
+            jobs=options.jobs,
+            timeout=options.timeout,
+            setup=setup_worker,
+            setup_args=(tuple(options.check.plugins), threads_per_worker(options.jobs)),
+        )
+        try:
+            with contextlib.closing(outcomes):
+                for outcome in outcomes:
+                    result = result_of(outcome, options.check)
+                    writer.write(result)
+                    done[result.architecture] = result
+                    if on_result is not None:
+                        on_result(result)
+        except KeyboardInterrupt:
+            interrupted = True
+    results = [done[name] for name in options.architectures if name in done]
+    return SweepRun(results, interrupted, time.perf_counter() - started)
