@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from fusion.errors import RewriteRefused
 
@@ -236,6 +236,7 @@ def splice_merged_call(
     index: int,
     merged_name: str,
     prefix: str = "_fused",
+    contiguous: Sequence[bool] = (),
 ) -> list[str]:
     """Insert `t0, t1, ... = self.<merged>(arg).split(self.<merged>.output_sizes, -1)` before
     `block[index]` and replace each of `calls` (in order) by its temporary.
@@ -244,6 +245,10 @@ def splice_merged_call(
     with different widths share one compiled forward. `calls` must share one input
     expression (the caller proves it, and that the input is stable up to the last call).
     Refuses when a temporary would shadow an existing name. Returns the temporaries.
+
+    A split piece is a strided view of the merged output, while the original projection
+    returned a contiguous tensor; where `contiguous[i]` is set, call `i` is replaced by
+    `temp.contiguous()` so code that needs contiguity (a flattening `.view`) keeps working.
     """
     temps = [f"{prefix}_{merged_name}_{i}" for i in range(len(calls))]
     taken = bound_names(funcdef)
@@ -265,8 +270,18 @@ def splice_merged_call(
     for node in ast.walk(split):
         ast.copy_location(node, block[index])
     block.insert(index, split)
-    for call, temp in zip(calls, temps):
-        replace_expr(funcdef, call, ast.copy_location(ast.Name(id=temp, ctx=ast.Load()), call))
+    flags = list(contiguous) + [False] * (len(calls) - len(contiguous))
+    for call, temp, flag in zip(calls, temps, flags):
+        value: ast.expr = ast.Name(id=temp, ctx=ast.Load())
+        if flag:
+            value = ast.Call(
+                func=ast.Attribute(value=value, attr="contiguous", ctx=ast.Load()),
+                args=[],
+                keywords=[],
+            )
+        for node in ast.walk(value):
+            ast.copy_location(node, call)
+        replace_expr(funcdef, call, value)
     return temps
 
 

@@ -36,6 +36,9 @@ UNKNOWN: Any = object()
 CACHE_ARGUMENTS = ("past_key_values", "cache")
 """Spellings of the KV-cache argument; Transformers 5.24 renamed the first to the second."""
 
+META_VALUE = "fusion_meta"
+"""`node.meta` key holding the node's value computed on meta tensors, when it is known."""
+
 LEAF_CALL = "leaf_call"
 """`node.meta` key marking an opaque call recorded by `leaf_call` (e.g. attention)."""
 
@@ -145,6 +148,9 @@ class LeafTracer(fx.Tracer):
             # later ends the trace.
             with contextlib.suppress(Exception):
                 proxy.meta = self._run_on_meta(kind, target, args, kwargs)
+        if isinstance(proxy, _MetaProxy) and proxy.meta is not UNKNOWN:
+            # Kept on the node too, so analyses after tracing can re-run ops on meta values.
+            proxy.node.meta[META_VALUE] = proxy.meta
         return proxy
 
     def _run_on_meta(self, kind: str, target: object, args: tuple, kwargs: dict) -> Any:

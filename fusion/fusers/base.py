@@ -28,6 +28,7 @@ from torch.nn.modules import module as nn_module
 from fusion import source
 from fusion.alias import check_input_stable
 from fusion.errors import RewriteRefused
+from fusion.fusers.layout import needs_contiguous
 from fusion.modules import MergedLinear
 
 
@@ -156,7 +157,10 @@ _EXITS = (ast.Return, ast.Raise, ast.Break, ast.Continue, ast.Try, ast.Yield, as
 
 
 def rewrite_stacked(
-    module: nn.Module, shards: tuple[str, ...], merged_name: str
+    module: nn.Module,
+    shards: tuple[str, ...],
+    merged_name: str,
+    contiguous: tuple[bool, ...] = (),
 ) -> tuple[Any, str, str]:
     """Rewrite `type(module).forward` so the `shards` projections become one merged call.
 
@@ -198,7 +202,7 @@ def rewrite_stacked(
         raise RewriteRefused("control can leave before an unconditional projection call")
     # Evaluation order: temporaries replace calls in source order, so the split order is the
     # shard order given, whatever order the calls appear in.
-    source.splice_merged_call(funcdef, calls, block, start, merged_name)
+    source.splice_merged_call(funcdef, calls, block, start, merged_name, contiguous=contiguous)
     compiled = source.compile_forward(funcdef, fn)
     return compiled, original, source.unparse(funcdef)
 
@@ -211,10 +215,23 @@ class StackedFuser(Fuser):
     merged_name: str = ""
     forward_fn: Any = field(default=None, repr=False)
 
-    def prepare(self, module: nn.Module) -> None:
-        """Rewrite and compile the class's forward (once per class, by `match`)."""
+    def prepare(self, module: nn.Module, graph: fx.Graph) -> None:
+        """Rewrite and compile the class's forward (once per class, by `match`).
+
+        Refuses a shard that is an `nn.Linear` subclass with its own forward up front (child
+        types are part of the cache key, so this holds for every instance sharing the match),
+        and makes contiguous the split pieces whose uses need it (`fusion.fusers.layout`)."""
+        for name in self.shards:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear) and type(child).forward is not nn.Linear.forward:
+                raise RewriteRefused(
+                    f"{name} is {type(child).__name__}, an nn.Linear with its own forward"
+                )
+        by_target = {str(n.target): n for n in graph.nodes if n.op == "call_module"}
+        nodes = [by_target[name] for name in self.shards]
+        contiguous = needs_contiguous(graph, module, nodes)
         self.forward_fn, self.original_source, self.rewritten_source = rewrite_stacked(
-            module, self.shards, self.merged_name
+            module, self.shards, self.merged_name, contiguous
         )
 
     def validate(self, module: nn.Module) -> None:

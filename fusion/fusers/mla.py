@@ -67,5 +67,5 @@ class MLAFuser(StackedFuser):
         fuser = cls(
             source_class=type(module).__name__, shards=shards, merged_name="fused_qkv_a_proj"
         )
-        fuser.prepare(module)
+        fuser.prepare(module, graph)
         return fuser

@@ -49,5 +49,5 @@ class QKVFuser(StackedFuser):
         q = max(targets, key=lambda name: (width(module, name), -targets.index(name)))
         k, v = (name for name in targets if name != q)
         fuser = cls(source_class=type(module).__name__, shards=(q, k, v), merged_name="qkv_proj")
-        fuser.prepare(module)
+        fuser.prepare(module, graph)
         return fuser

@@ -67,5 +67,5 @@ class SiblingFuser(StackedFuser):
             shards=shards,
             merged_name="_".join(shards) + "_merged",
         )
-        fuser.prepare(module)
+        fuser.prepare(module, graph)
         return fuser

@@ -1,0 +1,267 @@
+"""Hand-written attention and MLP forwards, each with one hazard for the projection fusers.
+
+They live in a real file so `inspect.getsource` works exactly as it does for Transformers
+code. `Attention` / `MLP` are the safe baselines; every subclass changes only `forward`.
+"""
+
+# ruff: noqa: B018  (statements with discarded results are the point of some hazards)
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def eager_attention_forward(module, query, key, value):
+    """Stand-in attention interface (the tracer makes any `*attention_forward` a leaf)."""
+    scores = query[..., : key.shape[-1]] @ key.transpose(-1, -2)
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ value, weights
+
+
+def helper(projection, x):
+    return projection(x)
+
+
+def bump(t):
+    t.add_(1.0)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int = 32, q: int = 32, kv: int = 16, bias: bool = False):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, q, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv, bias=bias)
+        self.o_proj = nn.Linear(kv, hidden, bias=False)
+        self.use_k = True
+
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class InplaceMethod(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        hidden_states.mul_(2.0)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class OutKeyword(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        torch.mul(hidden_states, 2.0, out=hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class InplaceKeyword(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        r = F.relu(hidden_states, inplace=True)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k + 0 * r[..., :16], v)
+        return self.o_proj(out)
+
+
+class TorchUnderscore(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        torch.relu_(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ItemAssignment(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        hidden_states[..., 0] = 0.0
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ViewAlias(Attention):
+    def forward(self, hidden_states):
+        flat = hidden_states.view(-1)
+        q = self.q_proj(hidden_states)
+        flat.add_(1.0)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class Rebinding(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        hidden_states = hidden_states * 2.0
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class CalledTwice(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states) + self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class InLoop(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        for _ in range(1):
+            k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class InGenerator(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = sum(self.k_proj(h) for h in [hidden_states])
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class WeightRead(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states) * self.k_proj.weight.mean()
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class PassedOn(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = helper(self.v_proj, hidden_states) + 0 * self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ComparedEqual(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states) if self.v_proj != None else None  # noqa: E711
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class DifferentInputs(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states * 2.0)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class DiscardedCall(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        bump(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+# -- forwards that are safe to fuse ---------------------------------------------------------
+
+
+class Guarded(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states) if self.k_proj is not None else None
+        v = self.v_proj(hidden_states) if self.v_proj else None
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class Branchy(Attention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        if self.use_k:
+            k = self.k_proj(hidden_states)
+        else:
+            k = torch.zeros_like(q[..., :16])
+        v = self.v_proj(hidden_states).view(-1).view(hidden_states.shape[:-1] + (-1,))
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ShapeReads(Attention):
+    def forward(self, hidden_states):
+        shape = hidden_states.shape[:-1]
+        q = self.q_proj(hidden_states).view(*shape, -1)
+        n = hidden_states.size(-1)
+        k = self.k_proj(hidden_states) * (n / n)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class LinearWithForward(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 32, inter: int = 48, act: nn.Module | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = act if act is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLPSwapped(MLP):
+    def forward(self, x):
+        return self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))
+
+
+class MLPNoDown(MLP):
+    def forward(self, x):
+        return self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+
+
+class MLPSplitStatements(MLP):
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        up = self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class MLPInplaceBetween(MLP):
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        x.mul_(2.0)
+        up = self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
