@@ -4,7 +4,6 @@ They live in a real file so `inspect.getsource` works exactly as it does for Tra
 code. `Attention` / `MLP` are the safe baselines; every subclass changes only `forward`.
 """
 
-# ruff: noqa: B018  (statements with discarded results are the point of some hazards)
 
 from __future__ import annotations
 
@@ -209,7 +208,7 @@ class Branchy(Attention):
             k = self.k_proj(hidden_states)
         else:
             k = torch.zeros_like(q[..., :16])
-        v = self.v_proj(hidden_states).view(-1).view(hidden_states.shape[:-1] + (-1,))
+        v = self.v_proj(hidden_states).view(-1).view((*hidden_states.shape[:-1], -1))
         out, _ = eager_attention_forward(self, q, k, v)
         return self.o_proj(out)
 
