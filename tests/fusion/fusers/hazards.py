@@ -4,7 +4,6 @@ They live in a real file so `inspect.getsource` works exactly as it does for Tra
 code. `Attention` / `MLP` are the safe baselines; every subclass changes only `forward`.
 """
 
-
 from __future__ import annotations
 
 import torch
@@ -222,6 +221,27 @@ class ShapeReads(Attention):
         v = self.v_proj(hidden_states)
         out, _ = eager_attention_forward(self, q, k, v)
         return self.o_proj(out)
+
+
+class LatentAttention(nn.Module):
+    """MLA-shaped attention with made-up names: low-rank "a" projections found by dataflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Linear(32, 12, bias=False)
+        self.alpha_norm = nn.LayerNorm(12)
+        self.alpha_up = nn.Linear(12, 32, bias=False)
+        self.beta = nn.Linear(32, 24, bias=False)
+        self.beta_up = nn.Linear(16, 32, bias=False)
+        self.out = nn.Linear(32, 32, bias=False)
+
+    def forward(self, hidden_states):
+        q = self.alpha_up(self.alpha_norm(self.alpha(hidden_states)))
+        latent = self.beta(hidden_states)
+        kv, rope = torch.split(latent, [16, 8], dim=-1)
+        kv = self.beta_up(kv)
+        out, _ = eager_attention_forward(self, q, kv + rope.sum(-1, keepdim=True), kv)
+        return self.out(out)
 
 
 class LinearWithForward(nn.Linear):

@@ -1,0 +1,102 @@
+"""GLU fuser: activation identification, operand order, refusals, parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from fusion.errors import RewriteRefused
+from fusion.fusers.glu import activation_kind
+from fusion.modules import ActAndMul, MergedLinear
+from tests.fusion.fusers import hazards
+from tests.fusion.fusers.helpers import fuse_copy, outputs_match, reasons
+
+
+@pytest.mark.parametrize(
+    ("act", "kind"),
+    [
+        (nn.SiLU(), "silu"),
+        (nn.GELU(), "gelu"),
+        (nn.GELU(approximate="tanh"), "gelu_tanh"),
+        (ACT2FN["silu"], "silu"),
+        (ACT2FN["swish"], "silu"),
+        (ACT2FN["gelu"], "gelu"),
+        (ACT2FN["gelu_pytorch_tanh"], "gelu_tanh"),
+        (ACT2FN["gelu_new"], "gelu_tanh"),
+    ],
+)
+def test_activation_identified(act: nn.Module, kind: str) -> None:
+    assert activation_kind(act) == kind
+    module = hazards.MLP(act=act)
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"glu": 1}, str(report)
+    assert isinstance(fused.gate_up_proj, MergedLinear)
+    assert fused.gate_up_proj.shard_names == ("gate_proj", "up_proj")  # gate is shard 0
+    assert isinstance(fused.act_and_mul, ActAndMul) and fused.act_and_mul.activation == kind
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu_python", "gelu_fast", "quick_gelu", "tanh"])
+def test_unknown_activation_refused(name: str) -> None:
+    with pytest.raises(RewriteRefused, match="not one ActAndMul reproduces exactly"):
+        activation_kind(ACT2FN[name])
+    module = hazards.MLP(act=ACT2FN[name])
+    fused, report = fuse_copy(module)
+    assert "glu" not in report.counts()
+    assert "reproduces exactly" in reasons(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+@pytest.mark.parametrize("cls", [hazards.MLPSwapped, hazards.MLPNoDown])
+def test_operand_order_and_no_down_projection(cls: type[nn.Module]) -> None:
+    module = cls()
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"glu": 1}, str(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+def test_split_statements_fall_back_to_sibling_merge() -> None:
+    module = hazards.MLPSplitStatements()
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"sibling": 1}, str(report)
+    assert "not one expression" in reasons(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+def test_inplace_write_between_gate_and_up_refused() -> None:
+    module = hazards.MLPInplaceBetween()
+    fused, report = fuse_copy(module)
+    assert not report.applied, str(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+def test_per_instance_activation() -> None:
+    silu, gelu = hazards.MLP(act=nn.SiLU()), hazards.MLP(act=nn.GELU(approximate="tanh"))
+    model = nn.ModuleList([silu, gelu])
+    original = [hazards.MLP(act=nn.SiLU()), hazards.MLP(act=nn.GELU(approximate="tanh"))]
+    for o, m in zip(original, model):
+        o.load_state_dict(m.state_dict())
+    fused, report = fuse_copy(model)
+    assert report.counts() == {"glu": 2}
+    assert [m.act_and_mul.activation for m in fused] == ["silu", "gelu_tanh"]
+    for o, f in zip(original, fused):
+        assert outputs_match(o, f, 2, 5, 32)
+
+
+def test_broadcast_gate_refused() -> None:
+    # A width-1 gate broadcasts over up: a valid function that ActAndMul cannot compute.
+    module = hazards.MLP()
+    module.gate_proj = nn.Linear(32, 1, bias=False)
+    fused, report = fuse_copy(module)
+    assert "glu" not in report.counts()
+    assert "gate width 1 != up width 48" in reasons(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+def test_act_and_mul_matches_reference() -> None:
+    x = torch.randn(3, 10)
+    for kind, fn in [("silu", torch.nn.functional.silu), ("gelu", torch.nn.functional.gelu)]:
+        expected = fn(x[:, :5]) * x[:, 5:]
+        assert torch.equal(ActAndMul(kind)(x), expected)

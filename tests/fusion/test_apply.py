@@ -1,0 +1,127 @@
+"""fusion.fuse / fusion.plan: transactional application, handover, reports."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fusion
+from fusion import apply, registry
+from fusion.fusers.qkv import QKVFuser
+from tests.fusion.fusers import hazards
+from tests.fusion.fusers.helpers import outputs_match
+from tests.fusion.tiny_models import tiny_model
+
+
+def test_fuse_rejects_misuse() -> None:
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        fusion.fuse("not a model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown or unavailable backend"):
+        fusion.fuse(nn.Linear(2, 2), backend="no-such-backend")
+
+
+def test_plan_leaves_model_untouched() -> None:
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = fusion.plan(model)
+    assert report.dry_run and report.counts() == {"qkv": 2, "glu": 2}
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert "would apply" in str(report)
+
+
+def test_report_str_summarises() -> None:
+    report = fusion.fuse(tiny_model("llama"))
+    text = str(report)
+    assert text.splitlines()[0] == "FusionReport: 4 applied, 0 skipped"
+    assert "  glu: 2" in text and "  qkv: 2" in text
+    assert (
+        "model.layers.0.self_attn: q_proj + k_proj + v_proj -> qkv_proj (LlamaAttention) [qkv]"
+        in text
+    )
+
+
+def test_failure_part_way_leaves_module_exactly_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = hazards.Attention()
+    reference = copy.deepcopy(module)
+    children_before = dict(module.named_children())
+
+    def broken_fuse(self, target, backend):
+        del target.q_proj  # a partial change, then a crash
+        target.junk = nn.Linear(1, 1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(QKVFuser, "fuse", broken_fuse)
+    report = apply.run(module, fusers=(QKVFuser,))
+    assert dict(module.named_children()) == children_before
+    assert "forward" not in module.__dict__ and not hasattr(module, "junk")
+    assert not report.applied
+    assert "fuse failed, module left unchanged: RuntimeError: boom" in report.skipped[0].reason
+    assert outputs_match(reference, module, 2, 5, 32)
+
+    # With the full registry the next candidate takes over: the plain assignments qualify
+    # for the sibling merge.
+    report = fusion.fuse(module)
+    assert any("RuntimeError: boom" in r.reason and r.fuser == "qkv" for r in report.skipped)
+    assert report.counts() == {"sibling": 1}
+    assert outputs_match(reference, module, 2, 5, 32)
+
+
+def test_replacing_fuser_installs_in_parent_and_rolls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    parent = nn.Sequential(hazards.Attention())
+    original_child = parent[0]
+
+    def replacing_fuse(self, target, backend):
+        return nn.Identity()
+
+    monkeypatch.setattr(QKVFuser, "fuse", replacing_fuse)
+    registry.clear_cache()
+    apply.run(parent)
+    assert isinstance(parent[0], nn.Identity)
+
+    parent = nn.Sequential(hazards.Attention())
+    original_child = parent[0]
+
+    def replacing_then_failing(self, target, backend):
+        raise RewriteRefusedLike("late refusal")
+
+    class RewriteRefusedLike(Exception):
+        pass
+
+    monkeypatch.setattr(QKVFuser, "fuse", replacing_then_failing)
+    monkeypatch.setattr(registry, "FUSERS", (QKVFuser,))
+    registry.clear_cache()
+    report = apply.run(parent)
+    registry.clear_cache()
+    assert parent[0] is original_child
+    assert not report.applied and "late refusal" in report.skipped[0].reason
+
+
+def test_one_class_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    original_trace = registry.trace
+
+    def counting_trace(module):
+        calls.append(type(module).__name__)
+        return original_trace(module)
+
+    monkeypatch.setattr(registry, "trace", counting_trace)
+    registry.clear_cache()
+    fusion.plan(tiny_model("llama", num_hidden_layers=4))
+    registry.clear_cache()
+    assert calls.count("LlamaAttention") == 1
+    assert calls.count("LlamaMLP") == 1
+
+
+def test_fused_model_still_trains_and_backprops() -> None:
+    model = tiny_model("qwen3")
+    fusion.fuse(model)
+    ids = torch.randint(0, 128, (2, 5))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    grad = model.model.layers[0].self_attn.qkv_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all()

@@ -1,0 +1,37 @@
+"""The fuser registry: priority, cache keys, refusals recorded per class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fusion import registry
+from fusion.fusers.glu import GLUFuser
+from fusion.fusers.mla import MLAFuser
+from fusion.fusers.qkv import QKVFuser
+from fusion.fusers.sibling import SiblingFuser
+from tests.fusion.fusers import hazards
+
+
+def test_priority_order() -> None:
+    assert registry.FUSERS[:4] == (MLAFuser, GLUFuser, QKVFuser, SiblingFuser)
+
+
+def test_cache_key_includes_child_types() -> None:
+    a, b = hazards.Attention(), hazards.Attention()
+    assert registry.cache_key(a) == registry.cache_key(b)
+    b.k_proj = hazards.LinearWithForward(32, 16)
+    assert registry.cache_key(a) != registry.cache_key(b)
+
+
+def test_candidates_cached_and_refusals_kept() -> None:
+    registry.clear_cache()
+    module = hazards.InplaceMethod()
+    first = registry.candidates(module)
+    assert registry.candidates(hazards.InplaceMethod()) is first
+    qkv = next(c for c in first if c.fuser_name == "qkv")
+    assert qkv.fuser is None and "may change" in (qkv.reason or "")
+
+
+def test_modules_without_candidates_are_not_traced() -> None:
+    registry.clear_cache()
+    assert registry.candidates(nn.Linear(2, 2)) == ()
