@@ -67,15 +67,16 @@ def _fail(arch: str, stage: str, exc: BaseException) -> BuildError:
     return err
 
 
-@functools.cache
 def tiny_kwargs(name: str) -> dict[str, Any]:
     """Constructor kwargs of ``name``'s tiny config: shrinker output with overrides merged.
 
-    Cached; returns a fresh deep copy each call so callers may mutate it.
+    Computed once per architecture; each call returns a fresh deep copy, so callers may mutate
+    it without affecting later builds.
     """
-    return _tiny_kwargs(name)
+    return copy.deepcopy(_tiny_kwargs(name))
 
 
+@functools.cache
 def _tiny_kwargs(name: str) -> dict[str, Any]:
     ov = override(name)
     defaults = ov.get("defaults", {})
@@ -88,7 +89,7 @@ def _tiny_kwargs(name: str) -> dict[str, Any]:
     # on its derived values (e.g. kv heads == heads) gets them left to the constructor instead.
     first: Exception | None = None
     for fill in (True, False):
-        kw = deep_merge(defaults, shrink_kwargs(default, fill=fill))
+        kw = deep_merge(defaults, shrink_kwargs(default, fill=fill, explicit=defaults))
         kw = deep_merge(kw, ov.get("config", {}))
         try:
             cls(**copy.deepcopy(kw))
@@ -109,7 +110,7 @@ def tiny_config(name: str) -> Any:
     """
     cls = config_class(name)
     try:
-        config = cls(**copy.deepcopy(tiny_kwargs(name)))
+        config = cls(**tiny_kwargs(name))
     except BuildError:
         raise
     except Exception as exc:

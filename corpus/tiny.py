@@ -279,9 +279,9 @@ def _implicit_layer_list(values: Mapping[str, Any]) -> tuple[str | None, int | N
     """A config with no layer-count attribute whose depth is the length of a list of layer
     kinds (Reformer's ``attn_layers``): return that list's name and length."""
     for name, v in values.items():
-        if "layers" in name and isinstance(v, (list, tuple)) and len(v) > 1:
-            if all(isinstance(x, str) for x in v):
-                return name, len(v)
+        is_list = isinstance(v, (list, tuple)) and len(v) > 1
+        if "layers" in name and is_list and all(isinstance(x, str) for x in v):
+            return name, len(v)
     return None, None
 
 
@@ -576,6 +576,7 @@ def shrink_kwargs(
     fill: bool = True,
     tokens: _TokenMap | None = None,
     widths: frozenset[int] | None = None,
+    explicit: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return constructor kwargs that rebuild ``type(config)`` as a tiny config.
 
@@ -586,6 +587,8 @@ def shrink_kwargs(
     default is ``None`` are derived by the config, so they are left out too, except the "fill"
     families (head_dim, kv heads, experts, top-k) when ``fill`` is true: those are set so the
     tiny model keeps GQA / MoE paths and models that read an unset ``head_dim`` still build.
+    ``explicit`` is the kwargs ``config`` was constructed with (if any): those attributes were
+    given, not derived, so their values are shrunk like any other.
     Sub-configs come back as dicts with their ``model_type`` (how composite configs accept
     them). Pure: ``config`` is never mutated.
     """
@@ -597,13 +600,18 @@ def shrink_kwargs(
     defaults = class_defaults(type(config))
     kw: dict[str, Any] = {}
 
+    explicit = explicit or {}
+
     def derived(name: str) -> bool:
-        return name in defaults and defaults[name] is None
+        return name not in explicit and name in defaults and defaults[name] is None
 
     for name in fields:
         d = values.get(name)
         if is_config(d):
-            sub = shrink_kwargs(d, sizes, fill=fill, tokens=tokens, widths=widths)
+            sub_explicit = explicit.get(name) if isinstance(explicit.get(name), Mapping) else None
+            sub = shrink_kwargs(
+                d, sizes, fill=fill, tokens=tokens, widths=widths, explicit=sub_explicit
+            )
             sub["model_type"] = d.model_type
             kw[name] = sub
             continue

@@ -1,0 +1,55 @@
+"""The shared forward inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import corpus
+from corpus.tiny import special_token_ids
+
+pytest.importorskip("transformers")
+
+
+def test_shape_padding_and_cache_flag():
+    m = corpus.build("llama", seed=0)
+    inp = corpus.make_inputs(m, seed=0)
+    assert inp["input_ids"].shape == (2, 6)
+    mask = inp["attention_mask"]
+    assert mask[0].tolist() == [1] * 6
+    assert mask[1].tolist() == [1, 1, 1, 1, 0, 0]  # right padding: no fully masked query row
+    assert inp["use_cache"] is False
+
+
+def test_deterministic_and_seed_dependent():
+    cfg = corpus.tiny_config("llama")
+    a = corpus.make_inputs(cfg, seed=1)
+    b = corpus.make_inputs(cfg, seed=1)
+    c = corpus.make_inputs(cfg, seed=2)
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert not torch.equal(a["input_ids"], c["input_ids"])
+    # a config alone gives the same kwargs as the model built from it
+    assert a.keys() == corpus.make_inputs(corpus.build("llama"), seed=1).keys()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "llama"])
+def test_special_tokens_never_drawn(name):
+    cfg = corpus.tiny_config(name)
+    ids = corpus.make_inputs(cfg, seed=0, batch=8, seq=64)["input_ids"]
+    specials = special_token_ids(cfg)
+    assert not (set(ids.flatten().tolist()) & specials)
+    assert int(ids.max()) < cfg.get_text_config().vocab_size
+
+
+def test_codebook_rows_for_musicgen():
+    cfg = corpus.tiny_config("musicgen")
+    inp = corpus.make_inputs(cfg, seed=0)
+    assert inp["input_ids"].shape == (2 * cfg.num_codebooks, 6)
+    assert inp["attention_mask"].shape == (2, 6)
+
+
+def test_extra_kwargs_merge():
+    inp = corpus.make_inputs(
+        corpus.tiny_config("llama"), seed=0, extra={"output_hidden_states": True}
+    )
+    assert inp["output_hidden_states"] is True
