@@ -38,7 +38,23 @@ class Kernels(Protocol):
     ) -> torch.Tensor: ...
 
 
-_FACTORIES: dict[str, Callable[[], Kernels | None]] = {"torch": TorchKernels}
+def _triton() -> Kernels | None:
+    from fusion.kernels import triton_backend  # imports triton only when first asked for
+
+    return triton_backend.create()
+
+
+def _vllm() -> Kernels | None:
+    from fusion.kernels import vllm_backend  # imports vllm only when first asked for
+
+    return vllm_backend.create()
+
+
+_FACTORIES: dict[str, Callable[[], Kernels | None]] = {
+    "torch": TorchKernels,
+    "triton": _triton,
+    "vllm": _vllm,
+}
 """Backend name -> constructor; a constructor returns None when its dependency is missing."""
 
 _INSTANCES: dict[str, Kernels | None] = {}
@@ -77,7 +93,8 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 
 def get(name: str, device: torch.device | str) -> Kernels:
-    """The backend `name` for `device`; `auto` is the first of `PREFERENCE` that supports it.
+    """The backend `name` for `device`; `auto` is the first of `PREFERENCE` that supports it
+    (skipping a backend that runs `interpreted`, e.g. Triton's CPU interpreter: correct but slow).
 
     Raises ValueError naming the backend when it is unknown or cannot run on `device`, so a
     misconfigured fused model fails loudly instead of silently using another kernel.
@@ -87,7 +104,11 @@ def get(name: str, device: torch.device | str) -> Kernels:
         for candidate in PREFERENCE:
             if candidate in _FACTORIES:
                 backend = _instance(candidate)
-                if backend is not None and backend.supports(device):
+                if (
+                    backend is not None
+                    and not getattr(backend, "interpreted", False)
+                    and backend.supports(device)
+                ):
                     return backend
         raise ValueError(f"no kernel backend supports device {device}")
     if name not in _FACTORIES:
