@@ -200,20 +200,21 @@ if triton is not None:
             act = gate / (1.0 + tl.exp(-gate))
         elif ACTIVATION == 1:  # gelu (erf)
             act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-        else:  # gelu, tanh approximation; tanh(y) = 1 - 2 / (exp(2y) + 1)
+        else:  # gelu, tanh approximation: 0.5 * (1 + tanh(y)) == sigmoid(2y), no cancellation
             inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+            act = gate / (1.0 + tl.exp(-2.0 * inner))
         value = _rnd(act, XDT) * up
         tl.store(out_ptr + row * out_row_stride + cols, _to(value, XDT), mask=mask)
 
 
 def _launch_context() -> contextlib.AbstractContextManager:
     """Around a kernel launch: in interpreter mode, numpy's overflow warnings silenced (an
-    `exp` overflowing to inf is intended: the formulas saturate correctly); else nothing."""
+    `exp` overflowing to inf is intended: the formulas saturate correctly; NaN inputs give
+    NaN outputs, as in the reference); else nothing."""
     if INTERPRETED:
         import numpy as np
 
-        return np.errstate(over="ignore", under="ignore")
+        return np.errstate(over="ignore", under="ignore", invalid="ignore")
     return contextlib.nullcontext()
 
 
@@ -266,9 +267,10 @@ class TritonKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float,
-        upcast: bool,
-        weight_after_cast: bool,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
     ) -> torch.Tensor:
         """`torch_ref.rms_norm` in one kernel: one read of `x`, one write of the result.
 
@@ -286,9 +288,18 @@ class TritonKernels:
             or x.dim() == 0
             or x.numel() == 0
             or (weight is not None and (weight.dim() != 1 or weight.shape[0] != n_cols))
+            # T5's cast to the weight's dtype is not a kernel variant yet (added to the
+            # reference later); with equal dtypes it is Llama's, which the kernel covers.
+            or (cast_to_weight and weight is not None and weight.dtype != x.dtype)
         ):
             return torch_ref.rms_norm(
-                x, weight, eps, offset=offset, upcast=upcast, weight_after_cast=weight_after_cast
+                x,
+                weight,
+                eps,
+                offset=offset,
+                upcast=upcast,
+                weight_after_cast=weight_after_cast,
+                cast_to_weight=cast_to_weight,
             )
         if weight is not None and weight_after_cast:
             out_dtype = torch.promote_types(weight.dtype, x.dtype)
@@ -332,6 +343,19 @@ class TritonKernels:
                 num_warps=_num_warps(block_m * block_n),
             )
         return out
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
+        """`torch_ref.moe_experts` (no Triton kernel yet: the grouped reference runs on any
+        device, with this backend's `act_and_mul` not used so the function stays the reference's)."""
+        return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
 
     def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`torch_ref.act_and_mul` in one kernel: reads gate and up once, writes the product.
