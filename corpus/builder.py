@@ -145,17 +145,36 @@ def config_from_dict(model_type: str, d: dict[str, Any]) -> Any:
     return cls.from_dict(d)
 
 
+def _construct(mcls: type, config: Any) -> nn.Module:
+    """Construct in float32 whatever ``config.dtype`` says, so weights never depend on it.
+
+    Transformers >= 4.56 takes ``dtype``; older releases only ``torch_dtype``.
+    """
+    try:
+        return mcls._from_config(config, dtype=torch.float32)
+    except TypeError as exc:
+        if "dtype" not in str(exc):
+            raise
+        return mcls._from_config(config, torch_dtype=torch.float32)
+
+
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast to ``dtype`` like ``from_pretrained`` would: modules the class keeps in float32 stay
-    float32 in half precision."""
+    """Cast to ``dtype`` like ``from_pretrained`` would: tensors named by the class's
+    ``_keep_in_fp32_modules`` (float16 only) and ``_keep_in_fp32_modules_strict`` (float16 and
+    bfloat16) stay float32. Entries are dotted name fragments (``"wo"``, ``"gate.weight"``)."""
     model.to(dtype=dtype)
+    keep: set[str] = set()
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or [])
     if dtype in (torch.float16, torch.bfloat16):
-        keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
         keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-        if keep:
-            for qual, module in model.named_modules():
-                if any(k in qual.split(".") or qual.endswith(k) for k in keep):
-                    module.to(dtype=torch.float32)
+    if not keep:
+        return
+    with torch.no_grad():
+        for qual, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            dotted = f".{qual}."
+            if tensor.is_floating_point() and any(f".{k}." in dotted for k in keep):
+                tensor.data = tensor.data.to(torch.float32)
 
 
 def build_from_config(
@@ -179,7 +198,7 @@ def build_from_config(
     config = copy.deepcopy(config)
     try:
         with deterministic_construction(seed):
-            model = mcls._from_config(config, dtype=torch.float32)
+            model = _construct(mcls, config)
         std = getattr(config, "initializer_range", None)
         randomise(model, seed, std=std if isinstance(std, float) and std > 0 else 0.02)
         model.eval()

@@ -1,24 +1,29 @@
-"""Generic tiny-config shrinker: one default config class in, constructor kwargs for a tiny one out.
+"""Generic tiny-config shrinker: a default config in, constructor kwargs for a tiny one out.
 
 The shrinker never hand-lists architectures. It reads the attributes of a config class (its
 dataclass fields, or its ``__init__`` parameters on Transformers versions whose configs are not
-dataclasses), recognises size-like attributes by name family (hidden size, layers, heads, kv heads,
-head dims, intermediate sizes, vocab, positions, experts and top-k, MLA ranks, SSM dims, windows),
-and produces *constructor keyword arguments*. The caller rebuilds the config through its
-constructor with them, so every size the config derives itself (rotary dims, MLA head dims, mamba
-inner sizes, default ``layer_types``) is recomputed from the tiny values instead of going stale.
+dataclasses), shrinks size-like attributes by name family (the rules in ``corpus.rules``: hidden
+size, layers, heads, kv heads, head dims, intermediate sizes, vocab, positions, experts and top-k,
+MLA ranks, SSM dims, windows) and returns *constructor keyword arguments*. The caller rebuilds
+the config through its constructor with them, so every size the config derives itself (rotary
+dims, MLA head dims, mamba inner sizes, default ``layer_types``) is recomputed from the tiny
+values instead of going stale.
 
-Invariants kept (each one is tested in ``tests/corpus/test_tiny.py``):
+Invariants kept (tested in ``tests/corpus/test_tiny.py`` and, on every architecture, in
+``tests/corpus/test_all_architectures.py``):
 
-* values only ever shrink (``min(default, tiny)``), except ``None`` defaults that a config derives
-  from the others, which are filled so the tiny model keeps GQA / MoE paths alive;
-* heads divide the hidden size, kv heads divide the heads, experts divide the expert groups, and a
-  product relation found in the defaults (``ssm_heads * ssm_head_dim == expand * hidden``) is
-  re-established on the tiny values;
-* per-layer lists (``layer_types``, ``mlp_layer_types``, hybrid pattern strings, layer-index lists)
-  are resized to the new layer count keeping every distinct value, in original order, so hybrid
-  stacks keep at least one layer of each kind; there are always at least two layers;
-* numerics are untouched: no ``eps``, scale, softcap, theta or initializer attribute is changed;
+* values only ever shrink (``min(default, tiny)``); ``None`` defaults the config derives are left
+  to it, except the "fill" families (head_dim, kv heads, experts, top-k) so GQA / MoE paths stay on;
+* heads divide the hidden size, kv heads divide the heads (MQA stays MQA, MHA and MLA stay MHA),
+  expert groups divide the experts with >= 2 experts per group; relations found in the defaults
+  are re-established on the tiny values (``ssm_heads * ssm_head_dim == expand * hidden``, equal
+  head dims stay equal, MLA ``head_dim == nope + rope`` per layer, adapter widths equal to a
+  hidden size follow it, value heads stay a multiple of key heads);
+* per-layer lists (``layer_types``, ``mlp_layer_types``, hybrid pattern strings, layer-index
+  lists, heterogeneous ``per_layer_config``) are resized to the new layer count keeping every
+  distinct value, in original order, so hybrid stacks keep one layer of each kind; there are
+  always at least two layers;
+* numerics are untouched: no eps, scale, softcap, theta or initializer attribute is changed;
 * special token ids that fall outside the tiny vocabulary are remapped, consistently across the
   config and its sub-configs, to distinct ids at the top of the tiny vocabulary.
 """
@@ -29,9 +34,11 @@ import dataclasses
 import inspect
 import itertools
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from corpus.rules import KEEP, KV_PATTERN, SIZES, Sizes, is_int, rule_for
 
 __all__ = [
     "SIZES",
@@ -41,41 +48,6 @@ __all__ = [
     "shrink_kwargs",
     "special_token_ids",
 ]
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Target sizes of a tiny model (small enough that build + forward takes milliseconds)."""
-
-    hidden: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
-    intermediate: int = 128
-    expert_intermediate: int = 32
-    vocab: int = 256
-    layers: int = 2
-    positions: int = 128
-    experts: int = 4
-    top_k: int = 2
-    shared_experts: int = 1
-    expert_groups: int = 2
-    lora_rank: int = 32
-    rope_head_dim: int = 8
-    nope_head_dim: int = 16
-    ssm_state: int = 16
-    low_rank: int = 8
-    window: int = 4
-    # Chunk / index sizes stay >= any input length the harness uses so chunked and sparse
-    # attention paths keep their single-chunk semantics (several models assume it).
-    chunk: int = 32
-    # Special tokens beyond the tiny vocabulary are remapped into its top `reserved_ids` slots.
-    reserved_ids: int = 32
-
-
-SIZES = Sizes()
-
-_KEEP = object()  # sentinel: leave the attribute at its default
 
 
 def is_config(value: Any) -> bool:
@@ -102,149 +74,6 @@ def config_fields(config_cls: type) -> list[str]:
     ]
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _cap(n: int) -> Callable[[Any, Sizes], Any]:
-    """Shrink an int default to at most ``n``; leave ``None`` and non-ints alone."""
-
-    def rule(d: Any, s: Sizes) -> Any:
-        return min(d, n) if _int(d) and d > 0 else _KEEP
-
-    return rule
-
-
-def _fill(n: int) -> Callable[[Any, Sizes], Any]:
-    """Like :func:`_cap`, and also fill a ``None`` class default (a size the config leaves for
-    the model to derive, or a feature such as GQA or MoE that is off by default)."""
-
-    def rule(d: Any, s: Sizes) -> Any:
-        if d is None:
-            return n
-        return min(d, n) if _int(d) and d > 0 else _KEEP
-
-    rule.fills = True  # type: ignore[attr-defined]
-    return rule
-
-
-# Rules are matched in order against the full attribute name (re.fullmatch); first match wins.
-# Names are families seen across Transformers configs; a rule only shrinks ints, so attributes
-# that share a name but hold something else (strings, floats, bools) are never touched.
-_KV_PATTERN = (
-    r"num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num|.*_num_key_value_heads|"
-    r"(index|indexer)_kv_heads"
-)
-_S = SIZES
-_RULES: list[tuple[str, Callable[[Any, Sizes], Any]]] = [
-    # Numerics and ids are never rules' business (eps, scales, softcaps, theta, init ranges, ...).
-    (
-        r".*(eps|epsilon|scale|scaling|softcap|softcapping|theta|range|std|factor|multiplier|dropout|"
-        r"pdrop|coef|alpha|beta|clip|threshold|floor|min|max_value).*",
-        lambda d, s: _KEEP,
-    ),
-    (r".*token_(id|ids|index|idx)|.*_token", lambda d, s: _KEEP),
-    # MLA (multi-head latent attention) ranks and split head dims.
-    (r"qk_rope_head_dim", _cap(_S.rope_head_dim)),
-    (r"qk_nope_head_dim", _cap(_S.nope_head_dim)),
-    (r"qk_head_dim", _cap(_S.rope_head_dim + _S.nope_head_dim)),
-    (r"(q|kv|o)_lora_rank", _cap(_S.lora_rank)),
-    (r"rotary_dim|rotary_emb_dim", _cap(_S.head_dim // 2)),
-    # Linear-attention value heads are a multiple of key heads: handled as a ratio below.
-    (r"linear_num_(key|value)_heads", lambda d, s: _KEEP),
-    # SSM sizes.
-    (r"state_size|ssm_state_size|mamba_d_state|d_state", _cap(_S.ssm_state)),
-    (r"mamba_d_ssm", _cap(_S.intermediate)),
-    # Head dims before heads (both contain "head").
-    (r"head_dim", _fill(_S.head_dim)),
-    (
-        r"dim_head|kv_channels|attention_head_size|.*_head_dim|.*_head_size|mamba_d_head",
-        _cap(_S.head_dim),
-    ),
-    # Key/value heads: MQA stays MQA, MHA stays MHA (see _kv_heads), GQA becomes 2.
-    (_KV_PATTERN, lambda d, s: _KEEP),
-    (
-        r"num_attention_heads|n_head|n_heads|num_heads|.*_attention_heads|.*_num_attention_heads|"
-        r"(index|indexer)_n_heads|linear_num_heads|heads_per_.*|num_.*_heads|n_.*_heads|.*_n_heads|"
-        r".*_num_heads",
-        _cap(_S.heads),
-    ),
-    # Experts and routing.
-    (
-        r"num_experts|n_routed_experts|num_local_experts|moe_num_experts|num_routed_experts|n_experts",
-        _fill(_S.experts),
-    ),
-    (
-        r"num_experts_per_tok|moe_topk|moe_k|top_k_experts|moe_top_k|num_experts_per_token|top_k",
-        _fill(_S.top_k),
-    ),
-    (r"n_shared_experts|num_shared_experts|moe_num_shared_experts", _fill(_S.shared_experts)),
-    (r"n_group", _cap(_S.expert_groups)),
-    (r"topk_group", _cap(1)),
-    (r"zero_expert_num", _cap(2)),
-    (r"num_centroids", _cap(16)),
-    (r"centroid_intermediate_top_k", _cap(4)),
-    # Intermediate sizes: expert/shared ones are smaller still.
-    (r".*(moe|expert|shared).*(intermediate|ffn|hidden_size).*", _cap(_S.expert_intermediate)),
-    (
-        r".*intermediate_size.*|.*ffn_dim|n_inner|dff|dim_ff|ffn_hidden_size|intermediate_dim|"
-        r"mlp_dim",
-        _cap(_S.intermediate),
-    ),
-    # Widths.
-    (r".*hidden_size_per_layer_input|ple_embed_dim", _cap(16)),
-    (
-        r"hidden_size|d_model|n_embd|embed_dim|dim|model_dim|word_embed_proj_dim|embedding_size|"
-        r"backbone_hidden_size|hidden_dim|projection_dim|proj_dim|.*_hidden_size|hidden_size_.*|"
-        r"lru_width|d_inner|emb_dim|.*_emb_dim|.*embedding_size|.*_out_channels?|.*conv_channels|"
-        r"output_channels",
-        _cap(_S.hidden),
-    ),
-    # Depth (the exact layer count is decided by the per-layer resizing below).
-    (
-        r"num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers|encoder_layers|"
-        r"num_decoder_layers|num_encoder_layers|depth|num_blocks",
-        _cap(_S.layers),
-    ),
-    (
-        r"num_mtp_layers|num_nextn_predict_layers|n_input_layers|n_output_layers|n_recurrent_layers",
-        _cap(1),
-    ),
-    (r"num_kv_shared_layers", _cap(1)),
-    (r"first_k_dense_replace|num_dense_layers|moe_layer_start_index|max_window_layers", _cap(1)),
-    (
-        r".*_period|global_attn_every_n_layers|no_rope_layer_interval|sliding_window_pattern|"
-        r"layer_group_size|interleave_moe_layer_step|decoder_sparse_step|n_layers_per_.*",
-        _cap(2),
-    ),
-    (r".*_offset", _cap(1)),
-    # Vocabularies: the main one, then proportional for auxiliary ones.
-    (r"vocab_size", _cap(_S.vocab)),
-    (r"type_vocab_size|task_type_vocab_size", lambda d, s: _KEEP),
-    (r".*vocab.*", _cap(4 * _S.vocab)),
-    # Positions.
-    (
-        r"max_position_embeddings|n_positions|n_ctx|max_seq_len|max_target_positions|"
-        r"max_source_positions|max_sequence_length",
-        _cap(_S.positions),
-    ),
-    # Windows shrink below the input length so local attention really is local.
-    (
-        r"sliding_window|sliding_window_size|window_size|local_attention|local_attention_window_len|"
-        r"attention_window",
-        _cap(_S.window),
-    ),
-    # Chunk and index sizes stay >= the input length.
-    (
-        r"chunk_size|mamba_chunk_size|attention_chunk_size|index_topk|index_block_size|"
-        r"split_ngram_parts|indexer_budget",
-        _cap(_S.chunk),
-    ),
-    # Low ranks (LAUREL, loop gates, hyper-connections, gated norms).
-    (r".*_rank|.*_lowrank", _cap(_S.low_rank)),
-]
-_COMPILED = [(re.compile(p), f) for p, f in _RULES]
-
 _LAYER_COUNT_NAMES = (
     "num_hidden_layers",
     "n_layer",
@@ -257,16 +86,9 @@ _INDEX_LIST_SUFFIX = re.compile(r".*(_layers|_idxs|_indices|_ids|_layer_ids)")
 _HEADS_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 
 
-def _rule_for(name: str) -> Callable[[Any, Sizes], Any] | None:
-    for pat, rule in _COMPILED:
-        if pat.fullmatch(name):
-            return rule
-    return None
-
-
 def _first(values: Mapping[str, Any], names: Iterable[str]) -> tuple[str | None, Any]:
     for n in names:
-        if _int(values.get(n)):
+        if is_int(values.get(n)):
             return n, values[n]
     return None, None
 
@@ -303,7 +125,7 @@ def _per_layer_attrs(values: Mapping[str, Any], fields: Iterable[str], n: int) -
     for name in fields:
         v = values.get(name)
         if isinstance(v, (list, tuple)) and v:
-            ints = all(_int(x) for x in v)
+            ints = all(is_int(x) for x in v)
             increasing = ints and all(a < b for a, b in itertools.pairwise(v))
             is_index_name = bool(_INDEX_LIST_SUFFIX.fullmatch(name))
             if (
@@ -361,10 +183,10 @@ def _resize(attr: _PerLayer, kept: list[int], sizes: Sizes) -> Any:
     if attr.kind == "str":
         return "".join(attr.value[i] for i in kept)
     out = [attr.value[i] for i in kept]
-    rule = _rule_for(attr.name)
+    rule = rule_for(attr.name)
     if rule is not None:
-        shrunk = [rule(v, sizes) if _int(v) else _KEEP for v in out]
-        out = [v if new is _KEEP else new for v, new in zip(out, shrunk)]
+        shrunk = [rule(v, sizes) if is_int(v) else KEEP for v in out]
+        out = [v if new is KEEP else new for v, new in zip(out, shrunk)]
     return out
 
 
@@ -425,7 +247,7 @@ def special_token_ids(config: Any) -> set[int]:
             for k, v in d.items():
                 if isinstance(k, str) and _TOKEN_NAME.fullmatch(k):
                     for x in v if isinstance(v, (list, tuple)) else [v]:
-                        if _int(x):
+                        if is_int(x):
                             found.add(x)
                 elif isinstance(v, dict):
                     walk(v)
@@ -450,9 +272,9 @@ class _TokenMap:
         return self.map[x]
 
     def remap(self, v: Any) -> Any:
-        if _int(v):
+        if is_int(v):
             return self(v)
-        if isinstance(v, (list, tuple)) and all(_int(x) for x in v):
+        if isinstance(v, (list, tuple)) and all(is_int(x) for x in v):
             return type(v)(self(x) for x in v)
         return v
 
@@ -465,11 +287,11 @@ def _kv_heads(default: Any, default_heads: Any, tiny_heads: int, s: Sizes) -> An
     """Tiny kv heads: MQA stays MQA, MHA stays MHA, GQA (or unset) becomes ``s.kv_heads``."""
     if default is None:
         return min(s.kv_heads, tiny_heads)
-    if not _int(default):
+    if not is_int(default):
         return default
     if default == 1:
         return 1
-    if _int(default_heads) and default == default_heads:
+    if is_int(default_heads) and default == default_heads:
         return tiny_heads
     return min(s.kv_heads, tiny_heads)
 
@@ -520,7 +342,7 @@ def _default_widths(config: Any) -> frozenset[int]:
     def walk(c: Any) -> None:
         values = _values_of(c)
         for n in _WIDTH_NAMES:
-            if _int(values.get(n)) and values[n] >= 64:
+            if is_int(values.get(n)) and values[n] >= 64:
                 found.add(values[n])
         for v in values.values():
             if is_config(v):
@@ -547,24 +369,29 @@ def _shrink_layer_override(
     """Apply the same rules to one layer's overrides (its heads/kv heads/ranks/head dims)."""
     out: dict[str, Any] = {}
     for name, v in layer.items():
-        rule = _rule_for(name)
-        new = rule(v, sizes) if rule is not None else _KEEP
-        out[name] = v if new is _KEEP else new
+        rule = rule_for(name)
+        new = rule(v, sizes) if rule is not None else KEEP
+        out[name] = v if new is KEEP else new
     # MLA layers whose head_dim is nope + rope (a per-layer nope with the global head_dim) keep
     # that sum: the layer's nope dim absorbs the difference.
     nope = layer.get("qk_nope_head_dim")
     hd, rope = values.get("head_dim"), values.get("qk_rope_head_dim")
-    if _int(nope) and _int(hd) and _int(rope) and nope + layer.get("qk_rope_head_dim", rope) == hd:
+    if (
+        is_int(nope)
+        and is_int(hd)
+        and is_int(rope)
+        and nope + layer.get("qk_rope_head_dim", rope) == hd
+    ):
         t_hd = kw.get("head_dim", hd)
         t_rope = out.get("qk_rope_head_dim", kw.get("qk_rope_head_dim", rope))
         if t_hd - t_rope > 0:
             out["qk_nope_head_dim"] = t_hd - t_rope
     heads_name = next((h for h in _HEADS_NAMES if h in layer), None)
     for name, v in layer.items():
-        if re.fullmatch(_KV_PATTERN, name) and _int(v):
+        if re.fullmatch(KV_PATTERN, name) and is_int(v):
             d_heads = layer[heads_name] if heads_name else values.get("num_attention_heads")
             t_heads = out[heads_name] if heads_name else kw.get("num_attention_heads", sizes.heads)
-            if _int(t_heads):
+            if is_int(t_heads):
                 out[name] = _kv_heads(v, d_heads, t_heads, sizes)
     return out
 
@@ -620,11 +447,11 @@ def shrink_kwargs(
             if new != d:
                 kw[name] = new
             continue
-        rule = _rule_for(name)
+        rule = rule_for(name)
         if rule is None:
             # An unrecognised width that equals a model width somewhere in the config tree
             # (adapter/projection dims that must match a hidden size) follows the tiny width.
-            if _int(d) and d in widths and _WIDTH_LIKE.fullmatch(name) and not derived(name):
+            if is_int(d) and d in widths and _WIDTH_LIKE.fullmatch(name) and not derived(name):
                 kw[name] = sizes.hidden
             continue
         if derived(name):
@@ -632,7 +459,7 @@ def shrink_kwargs(
                 continue
             d = None
         new = rule(d, sizes)
-        if new is not _KEEP and new != values.get(name):
+        if new is not KEEP and new != values.get(name):
             kw[name] = new
 
     def tiny(name: str | None) -> Any:
@@ -642,9 +469,9 @@ def shrink_kwargs(
     heads_name, default_heads = _first(values, _HEADS_NAMES)
     tiny_heads = tiny(heads_name) if heads_name else sizes.heads
     # MLA projects K/V per query head from a shared latent: its kv heads must stay == heads.
-    mla = _int(values.get("kv_lora_rank"))
+    mla = is_int(values.get("kv_lora_rank"))
     for name in fields:
-        if not re.fullmatch(_KV_PATTERN, name):
+        if not re.fullmatch(KV_PATTERN, name):
             continue
         other = _paired_heads(name, values)
         # Only the main kv-heads attribute is filled: an unset auxiliary one (an indexer's kv
@@ -653,15 +480,15 @@ def shrink_kwargs(
         if derived(name) and (not fill or mla or not primary):
             continue
         d_heads = values.get(other) if other else default_heads
-        t_heads = tiny(other) if other and _int(tiny(other)) else tiny_heads
-        if not _int(t_heads):
+        t_heads = tiny(other) if other and is_int(tiny(other)) else tiny_heads
+        if not is_int(t_heads):
             continue
         new = _kv_heads(None if derived(name) else values.get(name), d_heads, t_heads, sizes)
         if new != values.get(name):
             kw[name] = new
     # Linear-attention value heads: keep the value/key ratio.
     k, v = values.get("linear_num_key_heads"), values.get("linear_num_value_heads")
-    if _int(k) and _int(v) and k > 0:
+    if is_int(k) and is_int(v) and k > 0:
         tk = min(k, 2)
         kw["linear_num_key_heads"] = tk
         kw["linear_num_value_heads"] = tk * (v // k) if v % k == 0 else min(v, tk)
@@ -675,7 +502,7 @@ def shrink_kwargs(
     implicit = count_name is None
     if implicit:
         count_name, n = _implicit_layer_list(values)
-    if count_name and _int(n):
+    if count_name and is_int(n):
         attrs = _per_layer_attrs(values, fields, n)
         overrides = _per_layer_overrides(config)
         if overrides:  # heterogeneous layers are a layer kind of their own
@@ -698,10 +525,10 @@ def shrink_kwargs(
     # Rope per-frequency lists follow the tiny rotary dimension.
     rope_name = next((r for r in ("rope_parameters", "rope_scaling") if r in values), None)
     if rope_name and isinstance(values.get(rope_name), dict):
-        hd = tiny("head_dim") if _int(tiny("head_dim")) else None
+        hd = tiny("head_dim") if is_int(tiny("head_dim")) else None
         if hd is None:
             h = tiny("hidden_size")
-            ok = _int(h) and _int(tiny_heads) and tiny_heads > 0
+            ok = is_int(h) and is_int(tiny_heads) and tiny_heads > 0
             hd = h // tiny_heads if ok else sizes.head_dim
         half = int(hd * _partial_factor(values[rope_name], values)) // 2
         new_rope = _shrink_rope(values[rope_name], half)
@@ -735,11 +562,11 @@ def _auxiliary_vocabs(values: Mapping[str, Any], kw: dict[str, Any], fields: lis
     proportion to the main one, so "smaller than the vocab" relations keep holding."""
     main = values.get("vocab_size")
     tiny_main = kw.get("vocab_size", main)
-    if not (_int(main) and _int(tiny_main)) or main <= 0:
+    if not (is_int(main) and is_int(tiny_main)) or main <= 0:
         return
     for name in fields:
         d = values.get(name)
-        if name == "vocab_size" or name not in kw or not _int(d) or not re.search("vocab", name):
+        if name == "vocab_size" or name not in kw or not is_int(d) or not re.search("vocab", name):
             continue
         if d <= main:
             kw[name] = max(1, min(tiny_main, round(tiny_main * d / main)))
@@ -753,7 +580,7 @@ def _equal_head_dims(values: Mapping[str, Any], kw: dict[str, Any]) -> None:
     size their rotary embedding by ``head_dim``): each group takes its smallest tiny value."""
     groups: dict[int, list[str]] = {}
     for n, v in values.items():
-        if _int(v) and v > 0 and _HEAD_DIM_FAMILY.fullmatch(n):
+        if is_int(v) and v > 0 and _HEAD_DIM_FAMILY.fullmatch(n):
             groups.setdefault(v, []).append(n)
     for names in groups.values():
         tiny = [kw.get(n, values[n]) for n in names]
@@ -776,7 +603,7 @@ def _restore_products(values: Mapping[str, Any], kw: dict[str, Any]) -> None:
     def tiny(n: str) -> Any:
         return kw.get(n, values.get(n))
 
-    ints = {n: v for n, v in values.items() if _int(v) and v > 0}
+    ints = {n: v for n, v in values.items() if is_int(v) and v > 0}
     heads = [n for n in ints if "heads" in n and "key_value" not in n and "kv" not in n]
     dims = [n for n in ints if re.search(r"head_dim|d_head|head_size", n)]
     hidden = next((h for h in ("hidden_size", "d_model", "n_embd") if h in ints), None)
@@ -791,7 +618,7 @@ def _restore_products(values: Mapping[str, Any], kw: dict[str, Any]) -> None:
         for d in dims:
             td = tiny(d)
             for default_t, tiny_t in targets:
-                if ints[h] * ints[d] != default_t or not (_int(tiny_t) and _int(td) and td > 0):
+                if ints[h] * ints[d] != default_t or not (is_int(tiny_t) and is_int(td) and td > 0):
                     continue
                 if tiny_t % td == 0:
                     kw[h] = tiny_t // td

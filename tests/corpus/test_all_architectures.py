@@ -15,7 +15,8 @@ import torch
 import corpus
 from corpus.catalog import config_class
 from corpus.overrides import override
-from corpus.tiny import SIZES, is_config
+from corpus.rules import SIZES
+from corpus.tiny import is_config
 
 pytest.importorskip("transformers")
 
