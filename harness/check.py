@@ -262,15 +262,19 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def _overall(verdict: parity.Verdict, modules: list[ModuleResult]) -> tuple[str, str]:
-    """Status and message of a run whose forwards all completed."""
-    if verdict.status == "fail":
-        return "fail", f"logits: {verdict.reason}"
+    """Status and message of a run whose forwards all completed.
+
+    A failing module is named first (it says where to look); the logits verdict follows.
+    """
     bad = [m for m in modules if m.status == "fail"]
     if bad:
-        return (
-            "fail",
-            f"{bad[0].qualname} ({bad[0].source_class}) [{bad[0].fuser}]: {bad[0].reason}",
-        )
+        m = bad[0]
+        message = f"{m.qualname} ({m.source_class}) [{m.fuser}]: {m.reason}"
+        more = f"; {len(bad) - 1} more module(s) fail" if len(bad) > 1 else ""
+        logits = f"; logits: {verdict.reason}" if verdict.status == "fail" else ""
+        return "fail", message + more + logits
+    if verdict.status == "fail":
+        return "fail", f"logits: {verdict.reason}"
     if verdict.status == "inconclusive":
         return "inconclusive", f"logits: {verdict.reason}"
     unsure = [m for m in modules if m.status == "inconclusive"]

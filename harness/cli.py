@@ -178,8 +178,9 @@ def _selected(args: argparse.Namespace, plugins: Sequence[str]) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness import progress, sweep
+    from harness import pool, progress, sweep
 
+    pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     if args.resume and args.results and args.resume != args.results:
         raise ResultsError(
             "--resume FILE is also the results file; do not pass a different --results"
@@ -232,6 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from harness import pool, sweep
 
+    pool.start_server()
     options = _check_options(args)
     unbuildable = architectures.unbuildable()
     chosen = architectures.select(
@@ -245,7 +247,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         timeout=args.timeout,
         setup=sweep.setup_worker,
-        setup_args=(options.plugins, sweep.threads_per_worker(args.jobs)),
+        setup_args=(options.plugins,),
     )
     for outcome in outcomes:
         failed = f"{outcome.status}: {outcome.detail}"

@@ -6,8 +6,9 @@ every pipe and every process sentinel at once, so it notices a result, a death (
 abort, OOM kill) or an overrun (per-task timeout) as soon as it happens. A dead or killed worker
 is replaced and its task reported as "crashed" or "timeout"; no other task is affected.
 
-Workers come from a forkserver that has already imported torch and Transformers (spawn where
-forkserver is unavailable), so a replacement starts in milliseconds, not seconds. They ignore
+Workers come from a forkserver that has already imported torch, Transformers and this project
+(`harness.preload`; spawn where forkserver is unavailable), so a replacement starts in
+milliseconds, not seconds. They ignore
 SIGINT: Ctrl-C is the parent's to handle, and closing the `run_tasks` generator (or an exception
 in the consumer) kills every worker.
 """
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-PRELOAD = ["torch", "transformers"]
-"""Imported once by the forkserver; every worker forked from it starts with them loaded."""
+PRELOAD = ["harness.preload"]
+"""Imported once by the forkserver; every worker forked from it starts with it loaded."""
 
 START_TIMEOUT = 300.0
 """Seconds a worker may take to import and run `setup` before the pool gives up."""
@@ -61,6 +62,7 @@ class _Worker:
     key: str | None = None
     payload: Any = None
     started: float = 0.0
+    dead: bool = False  # set once its death was seen and accounted for; then it is replaced
 
 
 def context() -> Any:
@@ -70,6 +72,15 @@ def context() -> Any:
         ctx.set_forkserver_preload(PRELOAD)  # a no-op once this process's forkserver runs
         return ctx
     return mp.get_context("spawn")
+
+
+def start_server() -> None:
+    """Start the forkserver now, so its preload runs while the caller does other work."""
+    if "forkserver" in mp.get_all_start_methods():
+        context()
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -158,7 +169,7 @@ def run_tasks(
                 outcome = _service(worker, timeout, start_timeout)
                 if outcome is not None:
                     yield outcome
-                if not worker.process.is_alive():
+                if worker.dead:
                     workers.remove(worker)
     finally:
         _stop(workers)
@@ -198,6 +209,7 @@ def _service(worker: _Worker, timeout: float, start_timeout: float) -> Outcome |
     now = time.monotonic()
     if not alive:
         worker.process.join()
+        worker.dead = True
         how = describe_exit(worker.process.exitcode)
         if not worker.ready:
             raise PoolError(f"a worker died while starting: {how}")
@@ -228,6 +240,7 @@ def _finish(worker: _Worker, status: str, value: Any, detail: str) -> Outcome:
 def _kill(worker: _Worker) -> None:
     worker.process.kill()
     worker.process.join()
+    worker.dead = True
 
 
 def _stop(workers: list[_Worker]) -> None:

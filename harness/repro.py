@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import check
+from harness import architectures, check
 from harness.results import ArchResult, Failure
 
 BUNDLE_FORMAT = 1
@@ -331,7 +331,12 @@ def replay(bundle: Bundle, *, fuse: check.FuseFn | None = None) -> Replay:
 
 
 def replay_main(path: Path, *, fuse: check.FuseFn | None = None) -> int:
-    """Replay the bundle at `path`, print the outcome; 1 reproduces, 0 does not, 2 unusable."""
+    """Replay the bundle at `path`, print the outcome; 1 reproduces, 0 does not, 2 unusable.
+
+    Test plugins named in the environment are imported first, like every harness entry point
+    does (see harness.architectures), so a test can inject a fault into a replay subprocess.
+    """
+    architectures.plugin_architectures(architectures.plugins_from_env())
     try:
         bundle = load_bundle(path)
         print(f"bundle: {bundle.where()}")
