@@ -80,8 +80,8 @@ def tiny_kwargs(name: str) -> dict[str, Any]:
 def _tiny_kwargs(name: str) -> dict[str, Any]:
     ov = override(name)
     defaults = ov.get("defaults", {})
-    cls = config_class(name)
     try:
+        cls = config_class(name)
         default = cls(**copy.deepcopy(defaults))
     except Exception as exc:
         raise _fail(name, "config", exc) from exc
@@ -108,14 +108,16 @@ def tiny_config(name: str) -> Any:
     ``MllamaTextConfig``), that sub-config is returned, i.e. what ``model.config`` will be.
     Raises :class:`BuildError` (stage ``config``) when the config cannot be constructed.
     """
-    cls = config_class(name)
+    if name not in all_types():
+        raise BuildError(name, "unknown", "not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
     try:
+        cls, mcls = config_class(name), model_class(name)
         config = cls(**tiny_kwargs(name))
     except BuildError:
         raise
     except Exception as exc:
         raise _fail(name, "config", exc) from exc
-    return _model_config(config, model_class(name))
+    return _model_config(config, mcls)
 
 
 def _model_config(config: Any, mcls: type) -> Any:
@@ -194,9 +196,9 @@ def build_from_config(
     Raises :class:`BuildError` (stage ``model``).
     """
     arch = name or arch_for_config(config)
-    mcls = model_class(arch)
     config = copy.deepcopy(config)
     try:
+        mcls = model_class(arch)
         with deterministic_construction(seed):
             model = _construct(mcls, config)
         std = getattr(config, "initializer_range", None)

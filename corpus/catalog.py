@@ -28,13 +28,14 @@ __all__ = [
 class Entry:
     """One causal-LM architecture.
 
-    ``name`` is the mapping key, ``config_class`` the class registered for it,
-    ``model_class_name`` the causal-LM class name, ``status`` is ``"ok"`` or ``"broken"`` (a
-    known reason, recorded in ``overrides.toml``, is in ``reason``).
+    ``name`` is the mapping key, ``config_class`` the class registered for it (None when it does
+    not import in this install), ``model_class_name`` the causal-LM class name, ``status`` is
+    ``"ok"`` or ``"broken"``; ``reason`` says why a broken one is (recorded in
+    ``overrides.toml``, or the import error).
     """
 
     name: str
-    config_class: type
+    config_class: type | None
     model_class_name: str
     status: str = "ok"
     reason: str | None = None
@@ -48,18 +49,9 @@ def _causal_lm_names() -> dict[str, Any]:
 
 @functools.cache
 def all_types() -> tuple[str, ...]:
-    """Every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config class resolves,
-    in mapping order (the order Transformers lists them)."""
-    from transformers import CONFIG_MAPPING
-
-    out = []
-    for name in _causal_lm_names():
-        try:
-            CONFIG_MAPPING[name]
-        except Exception:  # a mapping entry whose config module is missing in this install
-            continue
-        out.append(name)
-    return tuple(out)
+    """Every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, in mapping order (the order
+    Transformers lists them), buildable or not."""
+    return tuple(_causal_lm_names())
 
 
 def config_class(name: str) -> type:
@@ -89,9 +81,15 @@ def entry(name: str) -> Entry:
     if isinstance(cls_name, (list, tuple)):
         cls_name = cls_name[0]
     broken = override(name).get("broken")
+    cfg_cls: type | None = None
+    try:
+        cfg_cls = config_class(name)
+        model_class(name)
+    except Exception as exc:  # a mapping entry whose modules do not import in this install
+        broken = broken or f"does not import: {type(exc).__name__}: {exc}"
     return Entry(
         name=name,
-        config_class=config_class(name),
+        config_class=cfg_cls,
         model_class_name=cls_name,
         status="broken" if broken else "ok",
         reason=broken,
@@ -106,7 +104,7 @@ def arch_for_config(config: Any) -> str:
     if config.model_type in names:
         return config.model_type
     for name in names:
-        if getattr(model_class(name), "config_class", None) is type(config):
+        if _model_config_class(name) is type(config):
             return name
     raise KeyError(f"no causal-LM architecture takes {type(config).__name__}")
 
@@ -114,7 +112,15 @@ def arch_for_config(config: Any) -> str:
 def arch_for_config_type(model_type: str) -> str:
     """The architecture whose causal-LM class takes configs of ``model_type``."""
     for name in all_types():
-        cc = getattr(model_class(name), "config_class", None)
+        cc = _model_config_class(name)
         if getattr(cc, "model_type", None) == model_type:
             return name
     raise KeyError(f"unknown config model_type {model_type!r}")
+
+
+def _model_config_class(name: str) -> type | None:
+    """The config class the causal-LM class of ``name`` declares (None if it does not import)."""
+    try:
+        return getattr(model_class(name), "config_class", None)
+    except Exception:
+        return None
