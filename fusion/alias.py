@@ -14,6 +14,9 @@ unknown callee receiving a tracked name, `exec`, a lambda) counts as a write.
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
+import inspect
 from collections.abc import Iterable
 
 from torch import nn
@@ -66,7 +69,47 @@ hands back bound methods that can)."""
 OPAQUE_BUILTINS = frozenset(
     {"exec", "eval", "locals", "globals", "vars", "setattr", "delattr", "__import__", "compile"}
 )
-"""Callables that can reach any local by name: a region calling one writes everything."""
+"""Callables that can reach any local by name: a region calling one writes everything, and
+a value built from one (`d = locals()`) may alias anything."""
+
+FRAME_ATTRS = frozenset({"_getframe", "currentframe", "f_locals", "f_globals", "f_back", "stack"})
+"""Attributes that reach frames (`sys._getframe().f_locals`): as opaque as `locals()`."""
+
+INPLACE_DUNDERS = frozenset(
+    {
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__imatmul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__ilshift__",
+        "__irshift__",
+        "__iand__",
+        "__ixor__",
+        "__ior__",
+        "__setitem__",
+        "__delitem__",
+        "__setattr__",
+        "__delattr__",
+        "__setstate__",
+        "__init__",
+        "__set__",
+    }
+)
+"""Dunder methods that mutate their receiver (`x.__iadd__(1)`, `x.__setitem__(i, v)`)."""
+
+MUTATING_OPERATORS = frozenset(
+    {"setitem", "delitem", "iconcat"}
+    | {name.strip("_") for name in INPLACE_DUNDERS if name.startswith("__i")}
+)
+"""`operator` functions that write through their first argument (`operator.iadd(x, 1)`)."""
+
+IMPURE_TORCH_NAMESPACES = frozenset({"ops", "distributed", "library", "cuda", "_C", "classes"})
+"""`torch.<ns>` namespaces whose functions may write arguments without an in-place spelling
+(`torch.distributed.all_reduce(x)`, custom ops in `torch.ops`)."""
 
 SAFE_CHILD_TYPES: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -86,6 +129,18 @@ EVERYTHING = "*"
 # -- alias reads ---------------------------------------------------------------------------
 
 
+def _has_hooks(child: nn.Module) -> bool:
+    """Can a hook change what calling `child` reads or returns (its own or a global one)?"""
+    from torch.nn.modules import module as module_globals
+
+    return bool(
+        child._forward_hooks
+        or child._forward_pre_hooks
+        or module_globals._global_forward_hooks
+        or module_globals._global_forward_pre_hooks
+    )
+
+
 def _is_self_child_call(node: ast.Call, module: nn.Module | None, types: tuple[type, ...]) -> bool:
     func = node.func
     if not (
@@ -96,19 +151,24 @@ def _is_self_child_call(node: ast.Call, module: nn.Module | None, types: tuple[t
     ):
         return False
     child = getattr(module, func.attr, None)
-    return child is None or type(child) in types
+    if child is None:
+        return True
+    # A forward hook may return (or a pre-hook substitute) any tensor it can reach.
+    return type(child) in types and not _has_hooks(child)
 
 
 def returns_fresh(node: ast.expr, module: nn.Module | None = None) -> bool:
     """Does evaluating `node` yield storage that aliases nothing already bound?
 
-    True for literals, for a call of a `self.<child>` that is an exact `nn.Linear` (a GEMM
-    writes a new tensor) or absent/None (the call cannot run at all, so the branch holding
-    it never executes), for a view chain on such a call, and for tuples or ternaries whose
-    every part is fresh. Everything else is conservatively not fresh.
+    True for literals (and expressions of literals alone), for a call of a `self.<child>` that is an exact, hook-free
+    `nn.Linear` (a GEMM writes a new tensor) or absent/None (the call cannot run at all, so
+    the branch holding it never executes), for a method chain on such a call whose arguments
+    are themselves fresh (`.view(-1)`, `.transpose(1, 2)`; not `.set_(y)` or `.new(y)`,
+    which return storage of their argument), and for tuples or ternaries whose every part is
+    fresh. Everything else is conservatively not fresh (`alias_reads` then looks inside).
     """
-    if isinstance(node, ast.Constant):
-        return True
+    if not any(isinstance(child, ast.Name) for child in ast.walk(node)):
+        return True  # built from literals alone (`1.5`, `-1`, `(2, 3)`): nothing to share
     if isinstance(node, ast.IfExp):
         if isinstance(node.test, ast.Constant):
             return returns_fresh(node.body if node.test.value else node.orelse, module)
@@ -118,6 +178,9 @@ def returns_fresh(node: ast.expr, module: nn.Module | None = None) -> bool:
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         if _is_self_child_call(node, module, (nn.Linear,)):
             return True
+        arguments = [*node.args, *(keyword.value for keyword in node.keywords)]
+        if not all(returns_fresh(argument, module) for argument in arguments):
+            return False
         node = node.func.value
     return False
 
@@ -128,7 +191,8 @@ def alias_reads(node: ast.AST, module: nn.Module | None = None) -> set[str]:
     Metadata (`x.shape`, `x.size(0)`, `x.dtype`) yields plain Python values, and a fresh
     sub-expression (`returns_fresh`) yields new storage, so names reached only through those
     are excluded; every other name read counts. Names bound inside a lambda or comprehension
-    are still counted when read: over-approximation is the safe direction.
+    are still counted when read: over-approximation is the safe direction. `EVERYTHING` is
+    included when the value may be built from locals reached by name (`locals()`, `eval`).
     """
     names: set[str] = set()
     stack: list[ast.AST] = [node]
@@ -147,10 +211,21 @@ def alias_reads(node: ast.AST, module: nn.Module | None = None) -> set[str]:
             stack.extend(current.args)
             stack.extend(keyword.value for keyword in current.keywords)
             continue
+        if _is_opaque(current):
+            names.add(EVERYTHING)
         if isinstance(current, ast.Name) and isinstance(current.ctx, ast.Load):
             names.add(current.id)
         stack.extend(ast.iter_child_nodes(current))
     return names
+
+
+def _is_opaque(node: ast.AST) -> bool:
+    """Does `node` name something that reaches locals by name (`locals`, `exec`, a frame)?"""
+    if isinstance(node, ast.Name):
+        return node.id in OPAQUE_BUILTINS
+    return isinstance(node, ast.Attribute) and (
+        node.attr in OPAQUE_BUILTINS or node.attr in FRAME_ATTRS
+    )
 
 
 def _store_names(target: ast.AST) -> set[str]:
@@ -161,12 +236,54 @@ def _store_names(target: ast.AST) -> set[str]:
     }
 
 
-def _bindings(tree: ast.AST) -> list[tuple[set[str], ast.AST | None]]:
-    """Every (names bound, value expression) pair in `tree`, whatever the binding form."""
+def _written_through(target: ast.AST, module: nn.Module | None) -> set[str]:
+    """Names of the objects a store or `del` into `target` writes through: `c[k] = v` and
+    `o.a = v` write `c` and `o`, and whatever the written object may alias
+    (`torch.flatten(x)[0] = v` writes `x`, `(a if c else b)[0] = v` writes both)."""
+    names: set[str] = set()
+    for node in ast.walk(target):
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(
+            node.ctx, (ast.Store, ast.Del)
+        ):
+            names |= alias_reads(node.value, module)
+            root = _root_name(node)
+            if root:
+                names.add(root)
+    return names
+
+
+def _targets(target: ast.AST, module: nn.Module | None) -> set[str]:
+    """Names a binding to `target` may make alias the bound value: the names it binds and
+    the containers or objects it stores into (`lst[0] = x` makes `lst` hold `x`)."""
+    return _store_names(target) | _written_through(target, module)
+
+
+def _match_captures(pattern: ast.AST) -> set[str]:
+    """Names a `match` case pattern binds (`case y`, `case [*rest]`, `case {**rest}`)."""
+    names: set[str] = set()
+    for node in ast.walk(pattern):
+        if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+    return names
+
+
+def _bindings(
+    tree: ast.AST, module: nn.Module | None = None, shadowed: Iterable[str] = ()
+) -> list[tuple[set[str], ast.AST | None]]:
+    """Every (names bound, value expression) pair in `tree`, whatever the binding form.
+
+    Besides plain bindings this includes stores into containers and objects (`lst[0] = x`,
+    `self.saved = x`), `match` captures, nested functions and classes, and every call not
+    known to be pure: such a call may store any of its arguments into its receiver or into
+    another argument (`lst.append(x)`, `d.update(k=x)`), so they all may alias each other.
+    """
+    shadowed = frozenset(shadowed)
     pairs: list[tuple[set[str], ast.AST | None]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
-            pairs.append((set().union(*(_store_names(t) for t in node.targets)), node.value))
+            pairs.append((set().union(*(_targets(t, module) for t in node.targets)), node.value))
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
             value = node.value
             if isinstance(node, ast.AugAssign):
@@ -175,17 +292,52 @@ def _bindings(tree: ast.AST) -> list[tuple[set[str], ast.AST | None]]:
                     elts=[ast.Name(id=_root_name(node.target) or "", ctx=ast.Load()), node.value],
                     ctx=ast.Load(),
                 )
-            pairs.append((_store_names(node.target), value))
+            pairs.append((_targets(node.target, module), value))
         elif isinstance(node, ast.NamedExpr):
             pairs.append((_store_names(node.target), node.value))
         elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-            pairs.append((_store_names(node.target), node.iter))
+            pairs.append((_targets(node.target, module), node.iter))
         elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            pairs.append((_store_names(node.optional_vars), node.context_expr))
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node is not tree:
+            pairs.append((_targets(node.optional_vars, module), node.context_expr))
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                pairs.append((_match_captures(case.pattern), node.subject))
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and node is not tree
+        ):
             # A nested function closes over (so aliases) whatever its body reads.
             pairs.append(({node.name}, node))
+        elif isinstance(node, ast.Call) and not _known_pure(node, module, shadowed):
+            pairs.append((_call_reads(node, module) - {EVERYTHING}, node))
     return pairs
+
+
+def local_names(funcdef: ast.FunctionDef) -> set[str]:
+    """Every name `funcdef` binds locally, in any binding form (so a builtin or namespace
+    such as `min` or `F` spelled in its body may not be the one the analysis knows)."""
+    names: set[str] = set()
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and node is not funcdef
+        ):
+            names.add(node.name)
+        elif isinstance(node, ast.pattern):
+            names |= _match_captures(node)
+    return names
+
+
+def _shadowed(funcdef: ast.FunctionDef) -> frozenset[str]:
+    return frozenset(local_names(funcdef) & (PURE_BUILTINS | PURE_NAMESPACES))
 
 
 def aliasing_names(
@@ -194,18 +346,26 @@ def aliasing_names(
     """`seed` plus every name of `funcdef` that may alias one of them, to a fixed point.
 
     A binding whose value may alias (`alias_reads`) a tracked name taints every name it
-    binds: `h = x.view(-1)`, `a, b = x.chunk(2)`, `lst = [x]`, `for t in (x,)`, `f = x.add_`.
-    Flow-insensitive on purpose: a name tainted anywhere is tainted everywhere.
+    binds: `h = x.view(-1)`, `a, b = x.chunk(2)`, `lst = [x]`, `lst.append(x)`,
+    `for t in (x,)`, `f = x.add_`, `match x: case h:`. A value built from locals reached by
+    name (`d = locals()`) taints whatever it binds. Flow-insensitive on purpose: a name
+    tainted anywhere is tainted everywhere.
     """
     names = set(seed)
-    bindings = [(stores, value) for stores, value in _bindings(funcdef) if value is not None]
+    shadowed = _shadowed(funcdef)
+    bindings = [
+        (stores, value)
+        for stores, value in _bindings(funcdef, module, shadowed)
+        if value is not None
+    ]
     changed = True
     while changed:
         changed = False
         for stores, value in bindings:
             if stores <= names:
                 continue
-            if alias_reads(value, module) & names:
+            reads = alias_reads(value, module)
+            if EVERYTHING in reads or reads & names:
                 names |= stores
                 changed = True
     return names
@@ -235,20 +395,82 @@ def _call_name(call: ast.Call) -> str:
     return func.id if isinstance(func, ast.Name) else ""
 
 
+def is_inplace_name(name: str) -> bool:
+    """Is `name` spelled as an in-place operation: a trailing underscore (`add_`, `relu_`)
+    or a mutating dunder (`__iadd__`, `__setitem__`)?"""
+    return (name.endswith("_") and not name.endswith("__")) or name in INPLACE_DUNDERS
+
+
+def _func_chain(func: ast.expr) -> list[str]:
+    """Attribute names along `func` from its root outwards (`torch.ops.aten.add_.Scalar` ->
+    `["ops", "aten", "add_", "Scalar"]`), stopping at anything that is not an attribute."""
+    attrs: list[str] = []
+    node = func
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return attrs[::-1]
+
+
+_NAMESPACE_MODULES = {
+    "torch": "torch",
+    "F": "torch.nn.functional",
+    "functional": "torch.nn.functional",
+    "nn": "torch.nn",
+}
+
+
+@functools.cache
+def _inplace_position(root: str, chain: tuple[str, ...]) -> int | None:
+    """Position of the `inplace` parameter of the function `root.<chain>` resolves to
+    (`F.relu` -> 1), or None when it has none or does not resolve."""
+    module_name = _NAMESPACE_MODULES.get(root)
+    if module_name is None:
+        return None
+    try:
+        target: object = importlib.import_module(module_name)
+        for attr in chain:
+            target = getattr(target, attr)
+        parameters = list(inspect.signature(target).parameters.values())  # type: ignore[arg-type]
+    except (AttributeError, ImportError, TypeError, ValueError):
+        return None
+    for position, parameter in enumerate(parameters):
+        if parameter.name == "inplace":
+            return position if parameter.kind is parameter.POSITIONAL_OR_KEYWORD else None
+    return None
+
+
+def _is_false(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is False
+
+
 def writes_through_args(call: ast.Call) -> bool:
     """Is `call` spelled to write through an argument: `out=`, `inplace=` (anything but a
-    literal False), or a trailing-underscore name (`x.add_`, `torch.relu_`)?"""
+    literal False, by keyword or by position: `F.relu(x, True)`), a `**options` splat, or an
+    in-place name anywhere along the callee (`x.add_`, `torch.relu_`, `x.__iadd__`,
+    `torch.ops.aten.add_.Scalar`)?"""
     for keyword in call.keywords:
         if keyword.arg == "out":
             return True
-        if keyword.arg == "inplace" and not (
-            isinstance(keyword.value, ast.Constant) and keyword.value.value is False
-        ):
+        if keyword.arg == "inplace" and not _is_false(keyword.value):
             return True
         if keyword.arg is None:  # `**options` may carry `out=` or `inplace=True`
             return True
-    name = _call_name(call)
-    return name.endswith("_") and not name.endswith("__")
+    chain = _func_chain(call.func)
+    if isinstance(call.func, ast.Name):
+        chain = [call.func.id]
+    if any(is_inplace_name(attr) for attr in chain):
+        return True
+    root = _namespace_root(call.func)
+    if root is not None:
+        position = _inplace_position(root, tuple(chain))
+        if position is not None:
+            leading = call.args[: position + 1]
+            if any(isinstance(arg, ast.Starred) for arg in leading):
+                return True
+            if len(call.args) > position and not _is_false(call.args[position]):
+                return True
+    return False
 
 
 def _namespace_root(func: ast.expr) -> str | None:
@@ -259,13 +481,17 @@ def _namespace_root(func: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) and node.id in PURE_NAMESPACES else None
 
 
-def _known_pure(call: ast.Call, module: nn.Module | None) -> bool:
-    """Is `call` known to write through none of its arguments or its receiver?"""
+def _known_pure(call: ast.Call, module: nn.Module | None, shadowed: Iterable[str] = ()) -> bool:
+    """Is `call` known to write through none of its arguments or its receiver?
+
+    `shadowed` holds builtin and namespace names the forward rebinds locally: a call through
+    one of those is not the function the tables here describe.
+    """
     if writes_through_args(call):
         return False
     func = call.func
     if isinstance(func, ast.Name):
-        return func.id in PURE_BUILTINS
+        return func.id in PURE_BUILTINS and func.id not in shadowed
     if not isinstance(func, ast.Attribute):
         return False
     if isinstance(func.value, ast.Name) and func.value.id == "self":
@@ -281,11 +507,16 @@ def _known_pure(call: ast.Call, module: nn.Module | None) -> bool:
         return (
             type(child) in SAFE_CHILD_TYPES
             and not getattr(child, "inplace", False)
-            and not child._forward_hooks
-            and not child._forward_pre_hooks
+            and not _has_hooks(child)
         )
-    if _namespace_root(func) is not None:
-        return True
+    root = _namespace_root(func)
+    if root is not None:
+        if root in shadowed:
+            return False
+        chain = _func_chain(func)
+        if root == "torch" and chain and chain[0] in IMPURE_TORCH_NAMESPACES:
+            return False
+        return not (root == "operator" and func.attr in MUTATING_OPERATORS)
     import torch  # deferred: only the method table is needed, once
 
     # A tensor method that is not in-place returns a new tensor or a view; the view is
@@ -293,45 +524,63 @@ def _known_pure(call: ast.Call, module: nn.Module | None) -> bool:
     return hasattr(torch.Tensor, func.attr) and func.attr not in {"data", "register_hook"}
 
 
-def written_names(region: Iterable[ast.stmt], module: nn.Module | None = None) -> set[str]:
+def written_names(
+    region: Iterable[ast.stmt], module: nn.Module | None = None, shadowed: Iterable[str] = ()
+) -> set[str]:
     """Names that executing `region` may rebind, delete, or write through.
 
-    Rebinding (`x = ...`, `del x`, `for x in`, `x += 1`), writes through a name (`x[i] = v`,
-    `x.a = v`), in-place spellings (`x.op_()`, `torch.op_(x)`, `out=x`, `inplace=True`), a
-    statement whose result is discarded (it can only be there for a side effect), and every
-    call not known to be pure: those write every name their arguments and receiver may alias.
-    `EVERYTHING` is included when the region can reach locals by name (`exec`, `locals()`).
+    Rebinding in any form (`x = ...`, `del x`, `for x in`, `x += 1`, `with ... as x`,
+    `except ... as x`, `import ... as x`, `def x`, `match ... case x`), writes through a name
+    or anything it may alias (`x[i] = v`, `x.a = v`, `torch.flatten(x)[0] = v`), in-place
+    spellings (`x.op_()`, `torch.op_(x)`, `x.__iadd__(v)`, `operator.iadd(x, v)`, `out=x`,
+    `inplace=True` by keyword or position), a statement whose result is discarded (it can
+    only be there for a side effect), and every call not known to be pure: those write every
+    name their arguments and receiver may alias. `EVERYTHING` is included when the region
+    can reach locals by name (`exec`, `locals()`, a frame's `f_locals`, `global`).
     """
-    written: set[str] = set()
+    rebound, through = _effects(region, module, frozenset(shadowed))
+    return rebound | through
+
+
+def _effects(
+    region: Iterable[ast.stmt], module: nn.Module | None, shadowed: frozenset[str]
+) -> tuple[set[str], set[str]]:
+    """`written_names` split in two: names the region may rebind or delete (which changes
+    nothing another name sees), and names it may write *through* (which changes the value
+    of every alias: in-place calls, item/attribute stores, augmented assignment)."""
+    rebound: set[str] = set()
+    through: set[str] = set()
     for stmt in region:
         for node in ast.walk(stmt):
+            if _is_opaque(node) or isinstance(node, (ast.Global, ast.Nonlocal)):
+                through.add(EVERYTHING)
             if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                written.add(node.id)
+                rebound.add(node.id)
+            elif isinstance(node, ast.AugAssign):
+                # `t += v` is in place for tensors: a write through `t`, not only a rebinding.
+                through |= _store_names(node.target)
             elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(
                 node.ctx, (ast.Store, ast.Del)
             ):
-                root = _root_name(node)
-                if root:
-                    written.add(root)
-            elif isinstance(node, (ast.Global, ast.Nonlocal)):
-                written.add(EVERYTHING)
+                through |= _written_through(node, module)
+            elif isinstance(node, ast.ExceptHandler) and node.name:
+                rebound.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                rebound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                rebound.add(node.name)
+            elif isinstance(node, ast.pattern):
+                rebound |= _match_captures(node)
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                through |= _call_reads(node.value, module)
             elif isinstance(node, ast.Call):
-                if isinstance(node.func, ast.Name) and node.func.id in OPAQUE_BUILTINS:
-                    written.add(EVERYTHING)
-                    continue
-                if (
-                    isinstance(node.func, ast.Attribute)
-                    and node.func.attr.endswith("_")
-                    and not node.func.attr.endswith("__")
-                ):
+                if isinstance(node.func, ast.Attribute) and is_inplace_name(node.func.attr):
                     root = _root_name(node.func.value)
                     if root:
-                        written.add(root)
-                if not _known_pure(node, module):
-                    written |= _call_reads(node, module)
-        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-            written |= _call_reads(stmt.value, module)
-    return written
+                        through.add(root)
+                if not _known_pure(node, module, shadowed):
+                    through |= _call_reads(node, module)
+    return rebound, through
 
 
 def _call_reads(call: ast.Call, module: nn.Module | None) -> set[str]:
@@ -367,13 +616,21 @@ def check_input_stable(
 
     `region` is every statement from the earliest to the latest projection call (inclusive);
     the merged call will read the input once, before the first of them. The input is stable
-    when no name it reads, and no name that may alias one, can be written in the region.
+    when no name it reads can be rebound in the region, and no name that may alias one can be
+    written through (rebinding an alias, `h = x.view(-1); h = y`, changes no storage).
+
+    Assumed, not checked: at entry the forward's arguments do not share storage with each
+    other or with state reachable from `self` or globals (a serving engine passes fresh
+    activations). Aliasing created inside the forward is tracked in full.
     """
-    tracked = aliasing_names(funcdef, input_names(input_expr), module)
-    written = written_names(region, module)
-    if EVERYTHING in written:
+    names = input_names(input_expr)
+    tracked = aliasing_names(funcdef, names, module)
+    rebound, through = _effects(region, module, _shadowed(funcdef))
+    if EVERYTHING in through:
         raise RewriteRefused("the region between projections can write any local (exec/locals)")
-    hit = sorted(tracked & written)
+    # Rebinding an alias leaves the input's storage alone; rebinding a name the input
+    # expression reads changes the input itself.
+    hit = sorted((tracked & through) | (names & rebound))
     if hit:
         raise RewriteRefused(
             f"projection input may change between the projection calls (written: {', '.join(hit)})"
