@@ -65,7 +65,10 @@ def run(
         raise TypeError(f"fusion expects an nn.Module, got {type(model).__name__}")
     report = FusionReport(dry_run=dry_run)
     chosen_fusers = registry.FUSERS if fusers is None else tuple(fusers)
+    replaced: list[str] = []
     for qualname, module in list(model.named_modules()):
+        if any(qualname.startswith(prefix) for prefix in replaced):
+            continue  # inside a module that was replaced: no longer part of the model
         found = registry.candidates(module, chosen_fusers)
         cls_name = type(module).__name__
         redefined = False
@@ -90,6 +93,8 @@ def run(
                     continue
             redefined = redefined or fuser.redefines_forward
             report.applied.append(_applied(qualname, fuser))
+            if fuser.replaces_module:
+                replaced.append(f"{qualname}." if qualname else "")
     return report
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser
+from fusion.fusers.base import Fuser, has_hooks
 from fusion.fusers.glu import GLUFuser
 from fusion.fusers.mla import MLAFuser
 from fusion.fusers.qkv import QKVFuser
@@ -41,13 +41,21 @@ _CACHE: dict[CacheKey, tuple[Candidate, ...]] = {}
 
 
 def cache_key(module: nn.Module) -> CacheKey:
-    """The class, and each child's name and exact type.
+    """The class, and for each child its name, exact type, `inplace` flag and whether it
+    carries hooks.
 
-    Matching reads the forward (per class) and the children's types (alias analysis asks
-    which children are plain linears), so both are in the key; widths, biases, dtypes and
-    hooks vary per instance and are checked by `validate`, never cached.
+    Matching reads the forward (per class) and asks of each child whether calling it can
+    write its input (its type, `inplace=True`, hooks), so all of that is in the key: two
+    instances share a cached verdict only if the analysis would say the same of both.
+    Widths, biases, dtypes and devices vary per instance and are checked by `validate`.
     """
-    return (type(module), tuple((name, type(child)) for name, child in module.named_children()))
+    return (
+        type(module),
+        tuple(
+            (name, type(child), getattr(child, "inplace", None), has_hooks(child) is not None)
+            for name, child in module.named_children()
+        ),
+    )
 
 
 def clear_cache() -> None:

@@ -27,8 +27,13 @@ from torch import fx, nn
 
 logger = logging.getLogger(__name__)
 
-_REAL_MODULE_CALL = nn.Module.__call__
-"""`nn.Module.__call__` before fx patches it; meta execution must call children for real."""
+
+def _call_without_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`nn.Module.__call__` minus hooks: meta execution must run children for real, without
+    being recorded by fx (which patches `__call__`) and without firing user hooks, which
+    may have side effects and would run on meta tensors."""
+    return self.forward(*args, **kwargs)
+
 
 UNKNOWN: Any = object()
 """Meta value of a proxy whose value could not be inferred (distinct from a concrete None)."""
@@ -182,7 +187,7 @@ class LeafTracer(fx.Tracer):
             child = self.root.get_submodule(str(target))
             # fx patches `nn.Module.__call__` while tracing; the child must run for real
             # (on meta state) without being recorded itself.
-            with mock.patch.object(nn.Module, "__call__", _REAL_MODULE_CALL):
+            with mock.patch.object(nn.Module, "__call__", _call_without_hooks):
                 return torch.func.functional_call(child, _meta_state(child), meta_args, meta_kwargs)
         return UNKNOWN
 

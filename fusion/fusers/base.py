@@ -42,6 +42,10 @@ class Fuser(ABC):
     redefines_forward: ClassVar[bool] = True
     """Whether fusing changes the module's forward (at most one such fuser per module)."""
 
+    replaces_module: ClassVar[bool] = False
+    """Whether `fuse` returns a new module for the slot (its old children leave the model,
+    so `fusion.apply` does not visit them)."""
+
     source_class: str
     """Name of the matched module's class."""
 
@@ -227,6 +231,9 @@ class StackedFuser(Fuser):
                 raise RewriteRefused(
                     f"{name} is {type(child).__name__}, an nn.Linear with its own forward"
                 )
+            hooks = has_hooks(child) if isinstance(child, nn.Module) else None
+            if hooks:
+                raise RewriteRefused(f"{name} has {hooks}")
         by_target = {str(n.target): n for n in graph.nodes if n.op == "call_module"}
         nodes = [by_target[name] for name in self.shards]
         contiguous = needs_contiguous(graph, module, nodes)
