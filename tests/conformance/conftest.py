@@ -1,0 +1,40 @@
+"""Settings of the conformance suite (the corpus as pytest parameters).
+
+Environment: FUSION_HARNESS_DTYPE (float32), FUSION_HARNESS_DEVICE (cpu), FUSION_HARNESS_SEED
+(0) choose how every architecture is checked; FUSION_HARNESS_REPRO_DIR, when set, is where
+repro bundles of failures are written (a pytest temporary directory otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.check import CheckOptions
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one intra-op thread; xdist supplies the parallelism."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def check_options() -> CheckOptions:
+    return CheckOptions(
+        dtype=os.environ.get("FUSION_HARNESS_DTYPE", "float32"),
+        device=os.environ.get("FUSION_HARNESS_DEVICE", "cpu"),
+        seed=int(os.environ.get("FUSION_HARNESS_SEED", "0")),
+    )
+
+
+@pytest.fixture(scope="session")
+def repro_dir(tmp_path_factory) -> Path:
+    configured = os.environ.get("FUSION_HARNESS_REPRO_DIR")
+    return Path(configured) if configured else tmp_path_factory.mktemp("repro")
