@@ -99,3 +99,81 @@ class ActAndMul(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}, backend={self.backend}"
+
+
+DtypePair = tuple[torch.dtype, torch.dtype | None]
+"""(input dtype, weight dtype or None for a weightless norm)."""
+
+
+class FusedRMSNorm(nn.Module):
+    """An RMSNorm in the exact variant it was matched in, as one kernel call.
+
+    The variant (`offset`, `upcast`, `weight_after_cast`, `cast_to_weight`) is what
+    `fusion.fusers.rmsnorm` proved the replaced module computes; `torch_ref.rms_norm` defines
+    each flag. `weight` is the replaced module's own Parameter object (never a copy), under the
+    same name, so checkpoints, ties and optimiser state map 1:1; a weightless norm has none and
+    normalises whatever width it is given.
+
+    `eps=None` reproduces `F.rms_norm(..., eps=None)`: machine epsilon of the float32-or-wider
+    compute dtype, resolved per call.
+
+    `verified` lists the (input dtype, weight dtype) pairs for which the match proved the
+    function equal (float32, bfloat16 and float16 always; float64 only when the original's
+    casts agree there too). Any other pair raises TypeError instead of silently computing
+    another function.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter | None,
+        eps: float | None,
+        *,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
+        verified: frozenset[DtypePair] = frozenset(),
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.has_weight = weight is not None
+        if weight is not None:
+            self.weight = weight
+        self.eps = eps
+        self.offset = float(offset)
+        self.upcast = bool(upcast)
+        self.weight_after_cast = bool(weight_after_cast)
+        self.cast_to_weight = bool(cast_to_weight)
+        self.verified = frozenset(verified)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.has_weight else None
+        pair = (x.dtype, None if weight is None else weight.dtype)
+        if pair not in self.verified:
+            raise TypeError(
+                f"FusedRMSNorm was proven equal to the module it replaced only for "
+                f"(input, weight) dtypes {sorted(map(str, self.verified))}, not {pair}"
+            )
+        eps = self.eps
+        if eps is None:
+            eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+        return kernels.get(self.backend, x.device).rms_norm(
+            x,
+            weight,
+            eps,
+            offset=self.offset,
+            upcast=self.upcast,
+            weight_after_cast=self.weight_after_cast,
+            cast_to_weight=self.cast_to_weight,
+        )
+
+    def extra_repr(self) -> str:
+        width = tuple(self.weight.shape) if self.has_weight else "any width"
+        order = "weight after cast" if self.weight_after_cast else "weight before cast"
+        if self.weight_after_cast and self.cast_to_weight:
+            order += " to the weight's dtype"
+        return (
+            f"{width}, eps={self.eps}, offset={self.offset}, upcast={self.upcast}, {order}, "
+            f"backend={self.backend}"
+        )

@@ -32,10 +32,30 @@ class Kernels(Protocol):
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float,
-        upcast: bool,
-        weight_after_cast: bool,
-    ) -> torch.Tensor: ...
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
+    ) -> torch.Tensor:
+        """RMSNorm over the last dim in one variant: `torch_ref.rms_norm` defines each flag
+        (statistics in float32 or not; weight applied after the cast back, to `x`'s or the
+        weight's dtype, or before it; `offset` added to the weight). Returns a new tensor."""
+        ...
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
+        """Routed gated experts: `hidden [T, H]`, `gate_up [E, 2I, H]` (gate rows, then up),
+        `down [E, H, I]`, `topk_ids`/`topk_weights [T, K]`, `activation` one of
+        `torch_ref.ACTIVATIONS`. Returns a new `[T, H]` tensor of `hidden`'s dtype computing
+        `torch_ref.moe_experts` (each routed product rounded to that dtype, then summed)."""
+        ...
 
 
 def _triton() -> Kernels | None:

@@ -27,17 +27,30 @@ def rms_norm(
     weight: torch.Tensor | None,
     eps: float,
     *,
-    offset: float,
-    upcast: bool,
-    weight_after_cast: bool,
+    offset: float = 0.0,
+    upcast: bool = True,
+    weight_after_cast: bool = True,
+    cast_to_weight: bool = False,
 ) -> torch.Tensor:
-    """RMSNorm over the last dimension, in the exact variant given.
+    """RMSNorm over the last dimension, in the exact variant given; returns a new tensor.
 
-    `upcast`: statistics in float32 (else in `x.dtype`). The scale is `offset + weight`
-    (`offset` 1.0 for Gemma's zero-centred weights). `weight_after_cast`: the normalised value
-    is cast back to `x.dtype` *before* multiplying by the scale (Llama), else the scale is
-    applied in the compute dtype and the product cast back (Gemma). These round differently
-    in bf16, so both are kept exact.
+    With `C` the compute dtype (float32 when `upcast`, else `x.dtype`), `D = x.dtype` and
+    `W = weight.dtype`:
+
+    - statistics and normalisation: `n = xc * rsqrt(mean(xc * xc, -1) + eps)` with
+      `xc = x.to(C)`, all in `C` (`eps` is added inside the root);
+    - no weight: `n.to(D)`;
+    - `weight_after_cast` (Llama, T5): `(weight + offset) * n.to(T)` with `T = D`, or
+      `T = W` when `cast_to_weight` (T5 casts to the weight's dtype); the product is in
+      `promote(W, T)`, which is also the returned dtype;
+    - otherwise (Gemma, OLMo2, `F.rms_norm`): `(n * (weight.to(P) + offset)).to(D)` with
+      `P = promote(W, C)`: the scale, its offset and the product are all in `P`.
+
+    Llama's and Gemma's orders round differently in bfloat16, and Gemma's `1 + weight` is
+    exact only when the offset is added after the upcast; every combination is kept exact.
+    `fusion.fusers.rmsnorm` proves a module computes one of these functions by comparing the
+    traced dataflow of this function with the module's, so edits here must stay traceable by
+    `torch.fx` (no Python branching on tensor values or dtypes).
     """
     dtype = x.dtype
     h = x.float() if upcast else x
@@ -46,9 +59,73 @@ def rms_norm(
         return h.to(dtype)
     if weight_after_cast:
         scale = weight + offset if offset else weight
-        return scale * h.to(dtype)
-    scale = weight.to(h.dtype) + offset if offset else weight.to(h.dtype)
+        return scale * h.to(weight.dtype if cast_to_weight else dtype)
+    scale = weight.to(torch.result_type(h, weight))
+    if offset:
+        scale = scale + offset
     return (h * scale).to(dtype)
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """Routed gated experts, grouped by expert; returns a new `[T, H]` tensor of `hidden`'s dtype.
+
+    Shapes: `hidden [T, H]`; `gate_up [E, 2I, H]` (each expert's gate rows, then its up rows,
+    as Transformers 5 packs them); `down [E, H, I]`; `topk_ids [T, K]` integer expert ids in
+    `[0, E)`; `topk_weights [T, K]` of any floating dtype. `hidden`, `gate_up` and `down`
+    share one dtype `D`.
+
+    Function: `out[t] = sum_k (w[t, k] * down[e] @ act_and_mul(gate_up[e] @ hidden[t])).to(D)`
+    with `e = ids[t, k]`: each routed product is formed in `promote(D, weights dtype)` and
+    rounded to `D` before the sum, exactly as Transformers' eager expert loop does; only the
+    order of the K-term sum may differ (rounding, never the function).
+
+    Computation: the T*K (token, choice) pairs are sorted by expert (stable), so each expert's
+    rows form one contiguous slice that takes one GEMM per projection; the activation and
+    product run once over all rows (`act_and_mul`), and the weighted rows go back with one
+    `index_add_`. No Python loop over tokens, no one-hot over the experts.
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts = gate_up.shape[0]
+    top_k = topk_ids.shape[-1]
+    out = hidden.new_zeros(num_tokens, hidden_size)
+    if num_tokens == 0 or top_k == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_row = order // top_k
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    rows = hidden.index_select(0, token_of_row)
+    weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    projected = rows.new_empty(rows.shape[0], gate_up.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            torch.mm(
+                rows[start : start + count],
+                gate_up[expert].t(),
+                out=projected[start : start + count],
+            )
+            start += count
+    activated = act_and_mul(projected, activation)
+    expert_out = rows.new_empty(rows.shape[0], hidden_size)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            torch.mm(
+                activated[start : start + count],
+                down[expert].t(),
+                out=expert_out[start : start + count],
+            )
+            start += count
+    out.index_add_(0, token_of_row, (expert_out * weights).to(out.dtype))
+    return out
 
 
 class TorchKernels:
@@ -62,7 +139,34 @@ class TorchKernels:
     def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         return act_and_mul(x, activation)
 
-    def rms_norm(self, x, weight, eps, *, offset, upcast, weight_after_cast):
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
+    ) -> torch.Tensor:
         return rms_norm(
-            x, weight, eps, offset=offset, upcast=upcast, weight_after_cast=weight_after_cast
+            x,
+            weight,
+            eps,
+            offset=offset,
+            upcast=upcast,
+            weight_after_cast=weight_after_cast,
+            cast_to_weight=cast_to_weight,
         )
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
+        return moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)

@@ -86,9 +86,10 @@ class VllmKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float,
-        upcast: bool,
-        weight_after_cast: bool,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
     ) -> torch.Tensor:
         """`torch_ref.rms_norm`; vLLM's kernel for the Llama variant, else the next backend.
 
@@ -110,12 +111,32 @@ class VllmKernels:
             or weight.shape[0] != x.shape[-1]
         ):
             return self._fallback(x.device).rms_norm(
-                x, weight, eps, offset=offset, upcast=upcast, weight_after_cast=weight_after_cast
+                x,
+                weight,
+                eps,
+                offset=offset,
+                upcast=upcast,
+                weight_after_cast=weight_after_cast,
+                cast_to_weight=cast_to_weight,
             )
         x_in = x.contiguous()
         out = torch.empty_like(x_in)
         op(out, x_in, weight.contiguous(), float(eps))
         return out
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
+        """`torch_ref.moe_experts` through the next backend (vLLM's fused_moe is not wired)."""
+        return self._fallback(hidden.device).moe_experts(
+            hidden, gate_up, down, topk_ids, topk_weights, activation
+        )
 
     def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`torch_ref.act_and_mul` with vLLM's op for the activation, else the next backend.
