@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -143,7 +144,7 @@ def check_model(
         failure = _failure("fuse-error", None, None, None, exc)
         result = _result(name, options, started, "fuse-error", failure.message, failures=[failure])
         return Checked(result, subject)
-    subject = Subject(**{**subject.__dict__, "applied": tuple(report.applied)})
+    subject = dataclasses.replace(subject, applied=tuple(report.applied))
     applied = _applied_by_qualname(report.applied)
     fusion_fields = {
         "applied": dict(report.counts()),

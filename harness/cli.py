@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,11 +27,23 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
+class UsageError(ValueError):
+    """Options that cannot work together or on this machine."""
+
+
+def _device(text: str) -> str:
+    """argparse type of --device: cpu, cuda or cuda:N."""
+    if text == "cpu" or re.fullmatch(r"cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         default="cpu",
-        help="torch device to build and run on: cpu or cuda (default cpu)",
+        type=_device,
+        help="torch device to build and run on: cpu, cuda or cuda:N (default cpu)",
     )
     parser.add_argument(
         "--dtype",
@@ -156,7 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (architectures.UnknownArchitecture, architectures.PluginError, ResultsError) as exc:
+    except (
+        UsageError,
+        architectures.UnknownArchitecture,
+        architectures.PluginError,
+        ResultsError,
+    ) as exc:
         print(f"fusion-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -165,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_options(args: argparse.Namespace) -> check.CheckOptions:
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available here")
     return check.CheckOptions(
         dtype=args.dtype,
         device=args.device,
@@ -180,13 +203,13 @@ def _selected(args: argparse.Namespace, plugins: Sequence[str]) -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from harness import pool, progress, sweep
 
-    pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     if args.resume and args.results and args.resume != args.results:
-        raise ResultsError(
+        raise UsageError(
             "--resume FILE is also the results file; do not pass a different --results"
         )
     if args.jobs < 1 or args.timeout <= 0:
-        raise ResultsError("-j must be at least 1 and --timeout positive")
+        raise UsageError("-j must be at least 1 and --timeout positive")
+    pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = _check_options(args)
     names = _selected(args, options.plugins)
     results_path = args.resume or args.results or Path("fusion-harness-results.jsonl")

@@ -22,11 +22,22 @@ Tensors whose leading dimensions are not (batch, seq) or (batch * seq) are compa
 Where the reference is infinite (modules may return additive -inf masks) the output must hold
 the same infinity; a reference NaN makes the comparison inconclusive.
 
-Floors (float32 1e-6; bfloat16 and float16 2e-3): the tiny corpus models in float32 measure an
-unfused error of ~1e-7 (max-normalised, 6 tokens, 2 rows), so 1e-6 leaves a 10x margin for a
-kernel that reorders a sum, while any changed function (a wrong weight slice, a dropped bias, a
-swapped activation) errs by 1e-2 or more. Half precisions round to ~4e-3 relative per element;
-their unfused error is usually far above the floor, which only matters when it is not.
+Floors, tuned on the corpus (193 architectures, seed 0, batch 2 x 6 tokens, one padded row; the
+unfused model's logits error against float64, max-normalised):
+
+    dtype      unit roundoff   unfused error: min / median / max    floor
+    float32    6.0e-8          1.3e-7 / 3.1e-7 / 6.7e-6             1e-6
+    bfloat16   3.9e-3          2.2e-3 / 5.9e-3 / 1.4e-1             2e-3
+    float16    4.9e-4          2.8e-4 / 7.5e-4 / 1.7e-2             5e-4
+
+In half precision each floor sits at or below the smallest unfused error seen, so the rule is
+effectively "at most twice the unfused error"; the floor only matters where the unfused output is
+(nearly) exact, such as a module returning a mask (error 0), where a kernel that merely reorders a
+sum must still pass. In float32 the floor is ~3x the median unfused error: rounding differences
+of a reordered reduction stay below it, while any changed function (a wrong weight slice, a
+dropped bias, a swapped activation) errs by orders of magnitude more; scaling one MLP's output
+by 1.01 gives ~1e-3. The torch-backend fused kernels measured equal to the unfused error
+(fused/unfused ratio 1.0 in half precision, at most 1.07 in float32).
 
 NaN never passes: a non-finite fused output where the unfused output is finite is a failure;
 when the unfused output is non-finite too, the dtype cannot run that model at all and the verdict
@@ -49,7 +60,7 @@ DTYPE_FLOORS: dict[torch.dtype, float] = {
     torch.float64: 1e-12,
     torch.float32: 1e-6,
     torch.bfloat16: 2e-3,
-    torch.float16: 2e-3,
+    torch.float16: 5e-4,
 }
 
 Status = Literal["pass", "fail", "inconclusive"]

@@ -59,8 +59,7 @@ class _Worker:
     conn: Connection
     spawned: float
     ready: bool = False
-    key: str | None = None
-    payload: Any = None
+    key: str | None = None  # the task it is running, if any
     started: float = 0.0
     dead: bool = False  # set once its death was seen and accounted for; then it is replaced
 
@@ -158,9 +157,7 @@ def run_tasks(
                 workers.append(spawn())
             for worker in workers:
                 if worker.ready and worker.key is None and pending:
-                    worker.key, worker.payload = pending.popleft()
-                    worker.started = time.monotonic()
-                    worker.conn.send((worker.key, worker.payload))
+                    _assign(worker, pending)
             wait(
                 [w.conn for w in workers] + [w.process.sentinel for w in workers],
                 timeout=_next_deadline(workers, timeout, start_timeout),
@@ -173,6 +170,17 @@ def run_tasks(
                     workers.remove(worker)
     finally:
         _stop(workers)
+
+
+def _assign(worker: _Worker, pending: deque) -> None:
+    """Hand the next task to an idle worker; if it died meanwhile, the task stays queued."""
+    key, payload = pending[0]
+    try:
+        worker.conn.send((key, payload))
+    except OSError:  # its death is seen by _service; the task goes to another worker
+        return
+    pending.popleft()
+    worker.key, worker.started = key, time.monotonic()
 
 
 def _next_deadline(workers: list[_Worker], timeout: float, start_timeout: float) -> float:
@@ -189,14 +197,39 @@ def _service(worker: _Worker, timeout: float, start_timeout: float) -> Outcome |
     """Read the worker's messages and check it is alive and on time; the task's outcome if any.
 
     Liveness is sampled before the messages are read, so a result sent just before the worker
-    died is never mistaken for a crash.
+    died is never mistaken for a crash, and a worker that died after sending one is still
+    marked dead (and replaced).
     """
-    alive = worker.process.is_alive()  # sampled first: whatever it sent before dying is read
+    alive = worker.process.is_alive()
+    outcome = _read(worker)
+    if not alive:
+        worker.process.join()
+        worker.dead = True
+        how = describe_exit(worker.process.exitcode)
+        if not worker.ready:
+            raise PoolError(f"a worker died while starting: {how}")
+        if outcome is None and worker.key is not None:
+            outcome = _finish(worker, "crashed", None, f"worker {how}")
+        return outcome
+    if outcome is not None:
+        return outcome
+    now = time.monotonic()
+    if worker.key is not None and now - worker.started > timeout:
+        _kill(worker)
+        return _finish(worker, "timeout", None, f"no result after {timeout:g} s; worker killed")
+    if not worker.ready and now - worker.spawned > start_timeout:
+        _kill(worker)
+        raise PoolError(f"a worker did not start within {start_timeout:g} s")
+    return None
+
+
+def _read(worker: _Worker) -> Outcome | None:
+    """Drain the worker's pipe: note readiness, raise on a failed setup, return a task outcome."""
     while worker.conn.poll():
         try:
             message = worker.conn.recv()
-        except (EOFError, OSError):
-            break
+        except (EOFError, OSError):  # the worker is gone; the caller sees it is not alive
+            return None
         if message[0] == "ready":
             worker.ready = True
         elif message[0] == "fatal":
@@ -206,22 +239,6 @@ def _service(worker: _Worker, timeout: float, start_timeout: float) -> Outcome |
             return _finish(worker, "done", message[2], "")
         else:
             return _finish(worker, "error", None, message[2])
-    now = time.monotonic()
-    if not alive:
-        worker.process.join()
-        worker.dead = True
-        how = describe_exit(worker.process.exitcode)
-        if not worker.ready:
-            raise PoolError(f"a worker died while starting: {how}")
-        if worker.key is not None:
-            return _finish(worker, "crashed", None, f"worker {how}")
-        return None
-    if worker.key is not None and now - worker.started > timeout:
-        _kill(worker)
-        return _finish(worker, "timeout", None, f"no result after {timeout:g} s; worker killed")
-    if not worker.ready and now - worker.spawned > start_timeout:
-        _kill(worker)
-        raise PoolError(f"a worker did not start within {start_timeout:g} s")
     return None
 
 
@@ -233,7 +250,7 @@ def _finish(worker: _Worker, status: str, value: Any, detail: str) -> Outcome:
         detail=detail,
         seconds=round(time.monotonic() - worker.started, 4),
     )
-    worker.key, worker.payload = None, None
+    worker.key = None
     return outcome
 
 
