@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help="JSONL results file, rewritten by a fresh run (default fusion-harness-results.jsonl)",
+        help="JSONL results file, rewritten by a fresh run "
+        "(default results/sweep-DTYPE-DEVICE.jsonl)",
     )
     run.add_argument(
         "--resume",
@@ -120,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--repro-dir",
         type=Path,
-        default=Path("fusion-harness-repro"),
+        default=Path("repro-bundles"),
         metavar="DIR",
-        help="where repro bundles of failures go (default fusion-harness-repro)",
+        help="where repro bundles of failures go (default repro-bundles)",
     )
     run.set_defaults(handler=cmd_run)
 
@@ -212,7 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = _check_options(args)
     names = _selected(args, options.plugins)
-    results_path = args.resume or args.results or Path("fusion-harness-results.jsonl")
+    results_path = args.resume or args.results or sweep.default_results(options)
     sweep_options = sweep.SweepOptions(
         architectures=names,
         check=options,

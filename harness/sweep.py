@@ -26,12 +26,18 @@ class SweepOptions:
     """A sweep: which architectures, how to check them, where results go."""
 
     architectures: Sequence[str]
+    results: Path  # the JSONL file (see `default_results`)
     check: check.CheckOptions = field(default_factory=check.CheckOptions)
     jobs: int = 1
     timeout: float = DEFAULT_TIMEOUT
-    results: Path = Path("fusion-harness-results.jsonl")
     resume: bool = False
     repro_dir: Path | None = None
+
+
+def default_results(options: check.CheckOptions) -> Path:
+    """results/sweep-DTYPE-DEVICE.jsonl: one file per configuration, so runs in another dtype
+    neither overwrite nor refuse to resume each other."""
+    return Path("results") / f"sweep-{options.dtype}-{options.device.replace(':', '')}.jsonl"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,41 @@
+"""harness.progress: plain lines off a terminal, a bar (and visible problems) on one."""
+
+from __future__ import annotations
+
+import io
+
+from harness.progress import Progress
+from harness.results import ArchResult
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _r(name: str, status: str = "pass", message: str = "") -> ArchResult:
+    return ArchResult(name, status, "float32", "cpu", 0, 0.25, message=message)
+
+
+def test_plain_lines_when_not_a_terminal():
+    stream = io.StringIO()
+    progress = Progress(12, initial=2, stream=stream)
+    progress.advance(_r("llama"))
+    progress.advance(_r("gpt2", "fail", "logits: bad"))
+    progress.close()
+    assert stream.getvalue().splitlines() == [
+        "[ 3/12] llama: pass (0.25 s)",
+        "[ 4/12] gpt2: fail (0.25 s): logits: bad",
+    ]
+
+
+def test_a_bar_on_a_terminal_still_prints_problems():
+    stream = _Terminal()
+    progress = Progress(2, stream=stream)
+    progress.advance(_r("llama"))
+    progress.advance(_r("gpt2", "crashed", "worker killed by SIGABRT"))
+    progress.close()
+    text = stream.getvalue()
+    assert "gpt2: crashed (0.25 s): worker killed by SIGABRT" in text
+    assert "llama: pass" not in text  # passes only move the bar
+    assert "2/2" in text
