@@ -21,6 +21,15 @@ DTYPE_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "t
 
 _OP_NAMESPACES = (torch, F, operator)
 
+METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "layout", "is_cuda"})
+"""`x.<attr>` reads that carry no tensor values (`getattr` nodes)."""
+
+METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "get_device"})
+"""`x.<method>()` calls that carry no tensor values."""
+
+NEW_METHODS = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})
+"""`x.new_*(...)`: the receiver gives only dtype and device, never values."""
+
 
 def is_fn(node: object, target: object) -> bool:
     """Is `node` a call of exactly the function `target`?"""
@@ -81,17 +90,37 @@ def output_value(graph: fx.Graph) -> object | None:
     return output.args[0]
 
 
+def is_metadata(node: object) -> bool:
+    """Is `node` a read of a tensor's metadata (`x.shape`, `x.size(0)`, `x.dtype`), whose
+    result carries no tensor values?"""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) >= 2 and node.args[1] in METADATA_ATTRS
+    return node.op == "call_method" and node.target in METADATA_METHODS
+
+
 def _node_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs whose values flow into `node`'s value: none for a metadata read, and
+    not the receiver of `x.new_zeros(...)` (only its dtype and device are used)."""
+    if is_metadata(node):
+        return []
+    if node.op == "call_method" and node.target in NEW_METHODS:
+        inputs: list[fx.Node] = []
+        fx.node.map_arg((node.args[1:], node.kwargs), inputs.append)
+        return list(dict.fromkeys(inputs))
     return list(node.all_input_nodes)
 
 
 def upstream_linear(node: object, module: nn.Module) -> fx.Node | None:
-    """The nearest linear whose output flows into `node`, walking back through ops and
-    non-linear children (dropout after an output projection), never through a leaf call."""
-    stack: list[object] = [node]
+    """The nearest linear (fewest steps, breadth first) whose output values flow into
+    `node`, walking back through ops and non-linear children (dropout after an output
+    projection), never through a leaf call or a metadata read (`x.shape` carries no values:
+    `view(q.shape)` does not make `q`'s projection an input)."""
+    queue: list[object] = [node]
     seen: set[fx.Node] = set()
-    while stack:
-        current = stack.pop()
+    while queue:
+        current = queue.pop(0)
         if not isinstance(current, fx.Node) or current in seen:
             continue
         seen.add(current)
@@ -100,14 +129,14 @@ def upstream_linear(node: object, module: nn.Module) -> fx.Node | None:
         if current.op in ("call_function", "call_method", "call_module") and not is_leaf_call(
             current
         ):
-            stack.extend(_node_inputs(current))
+            queue.extend(_node_inputs(current))
     return None
 
 
 def downstream_linear(node: fx.Node, module: nn.Module) -> fx.Node | None:
     """The nearest linear consuming `node`'s value (breadth first, through ops and casts),
-    never through a leaf call."""
-    queue = list(node.users)
+    never through a leaf call or a metadata read."""
+    queue = [user for user in node.users if node in _node_inputs(user)]
     seen: set[fx.Node] = set()
     while queue:
         current = queue.pop(0)
@@ -117,7 +146,7 @@ def downstream_linear(node: fx.Node, module: nn.Module) -> fx.Node | None:
         if is_linear(current, module):
             return current
         if current.op in ("call_function", "call_method") and not is_leaf_call(current):
-            queue.extend(current.users)
+            queue.extend(user for user in current.users if current in _node_inputs(user))
     return None
 
 

@@ -14,6 +14,7 @@ rules: there is no per-op table to fall out of date.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import operator
@@ -38,8 +39,9 @@ def _call_without_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 UNKNOWN: Any = object()
 """Meta value of a proxy whose value could not be inferred (distinct from a concrete None)."""
 
-CACHE_ARGUMENTS = ("past_key_values", "cache")
-"""Spellings of the KV-cache argument; Transformers 5.24 renamed the first to the second."""
+CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")
+"""Spellings of the KV-cache argument: Transformers 5.24 renamed `past_key_values` to
+`cache`; a few attention classes (GPTBigCode, GPT-J-style) still call it `layer_past`."""
 
 META_VALUE = "fusion_meta"
 """`node.meta` key holding the node's value computed on meta tensors, when it is known."""
@@ -210,10 +212,12 @@ class LeafTracer(fx.Tracer):
 
     def iter(self, obj: fx.Proxy) -> Iterator:
         node = obj.node
-        # `**kwargs` (and `kwargs.keys()`) iterate as empty: the fusers only care about the
-        # tensors a forward computes, and keyword extras are passed through untouched.
+        # `**kwargs` (and its `.keys()`, `.values()`, `.items()`) iterate as empty: the fusers
+        # only care about the tensors a forward computes, and keyword extras pass through.
         if self._is_varkw(node) or (
-            node.op == "call_method" and node.target == "keys" and self._is_varkw(node.args[0])
+            node.op == "call_method"
+            and node.target in ("keys", "values", "items")
+            and self._is_varkw(node.args[0])
         ):
             return iter(())
         value = getattr(obj, "meta", UNKNOWN)
@@ -227,8 +231,10 @@ def leaf_call(fn: Callable, outputs: int | None = None) -> Callable:
 
     Only proxy arguments become the node's inputs. `outputs` declares how many values `fn`
     returns so that unpacking the result traces too. Outside tracing (no proxy argument) the
-    wrapper simply calls `fn`, so patching it in is harmless to real execution.
+    wrapper simply calls `fn`, so patching it in is harmless to real execution. Wrapping a
+    wrapper wraps the original function, so the node's target is always the real callee.
     """
+    fn = getattr(fn, "__wrapped_leaf__", fn)
 
     def leaf(*args: Any, **kwargs: Any) -> Any:
         proxies = tuple(arg for arg in args if isinstance(arg, fx.Proxy))
@@ -273,14 +279,50 @@ def _attention_patches(forward_globals: dict[str, Any]) -> list[Any]:
     return patches
 
 
+@contextlib.contextmanager
+def _preserved_state(module: nn.Module) -> Iterator[None]:
+    """Put back every attribute of `module` and its descendants on exit.
+
+    A forward may store what it computes (`self.last = x`, `self.register_buffer(...)`,
+    `self.history.append(x)`); while tracing that would leave proxies on the module, and
+    while a child runs on meta tensors, meta tensors. Tracing must leave the module exactly
+    as it found it, so each `__dict__` and the containers in it are restored in place.
+    """
+    saved = []
+    for child in module.modules():
+        state = dict(child.__dict__)
+        contents = {
+            name: copy.copy(value)
+            for name, value in state.items()
+            if isinstance(value, (dict, list, set))
+        }
+        saved.append((child, state, contents))
+    try:
+        yield
+    finally:
+        for child, state, contents in saved:
+            for name, content in contents.items():
+                live = state[name]
+                if isinstance(live, list):
+                    live[:] = content
+                else:
+                    live.clear()
+                    live.update(content)
+            current = child.__dict__
+            for name in [name for name in current if name not in state]:
+                del current[name]
+            current.update(state)
+
+
 def trace(module: nn.Module) -> fx.Graph | None:
     """The fx graph of `module.forward`: complete, partial, or None if nothing was recorded.
 
-    Never raises. The KV-cache argument (either spelling) is made a concrete `None`, as
-    serving engines never pass it to the module; `**kwargs` iterate as empty; attention
-    interfaces are opaque leaves. On any failure the reason is logged at debug level and
-    the partial graph is returned: matching on it is safe because every fuser still checks
-    the source it rewrites, and refuses what the graph does not show.
+    Never raises, and leaves `module` as it was. The KV-cache argument (any spelling in
+    `CACHE_ARGUMENTS`) is made a concrete `None`, as serving engines never pass it to the
+    module; `**kwargs` iterate as empty; attention interfaces are opaque leaves. On any
+    failure the reason is logged at debug level and the partial graph is returned: matching
+    on it is safe because every fuser still checks the source it rewrites, and refuses what
+    the graph does not show.
     """
     parameters = forward_parameters(module)
     concrete = {name: None for name in CACHE_ARGUMENTS if name in parameters}
@@ -296,6 +338,7 @@ def trace(module: nn.Module) -> fx.Graph | None:
     forward = inspect.unwrap(type(module).forward)
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_preserved_state(module))
             for patch in _attention_patches(getattr(forward, "__globals__", {})):
                 stack.enter_context(patch)
             return tracer.trace(module, concrete_args=concrete or None)
