@@ -8,9 +8,12 @@ through the constructor. ``build_from_config`` = seeded construction + targeted 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +42,22 @@ __all__ = [
     "tiny_config",
     "tiny_kwargs",
 ]
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence Transformers' logger below errors while inside (restored afterwards)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def architectures() -> list[str]:
@@ -82,7 +101,9 @@ def _tiny_kwargs(name: str) -> dict[str, Any]:
     defaults = ov.get("defaults", {})
     try:
         cls = config_class(name)
-        default = cls(**copy.deepcopy(defaults))
+        with quiet_transformers():  # the default config's own warnings are not the user's
+            default = cls(**copy.deepcopy(defaults))
+        decoder = _decoder_flag(model_class(name), default)
     except Exception as exc:
         raise _fail(name, "config", exc) from exc
     # First with the "fill" families set (GQA / MoE paths on); a config whose validator insists
@@ -90,7 +111,7 @@ def _tiny_kwargs(name: str) -> dict[str, Any]:
     first: Exception | None = None
     for fill in (True, False):
         kw = deep_merge(defaults, shrink_kwargs(default, fill=fill, explicit=defaults))
-        kw = deep_merge(kw, ov.get("config", {}))
+        kw = deep_merge({**decoder, **kw}, ov.get("config", {}))
         try:
             cls(**copy.deepcopy(kw))
         except Exception as exc:
@@ -99,6 +120,22 @@ def _tiny_kwargs(name: str) -> dict[str, Any]:
         return kw
     assert first is not None
     raise _fail(name, "config", first) from first
+
+
+def _decoder_flag(mcls: type, default: Any) -> dict[str, Any]:
+    """``{"is_decoder": True}`` for encoder-family causal LMs (BERT, RoBERTa, ...).
+
+    Their causal-LM class reads ``config.is_decoder`` and, when it is False, runs bidirectional
+    attention (Transformers warns "add is_decoder=True"): not a causal LM. Detected from the
+    class's own ``__init__`` source, so no architecture is listed by hand.
+    """
+    if getattr(default, "is_decoder", True):
+        return {}
+    try:
+        src = inspect.getsource(mcls.__init__)
+    except (OSError, TypeError):
+        return {}
+    return {"is_decoder": True} if "is_decoder" in src else {}
 
 
 def tiny_config(name: str) -> Any:

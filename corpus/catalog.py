@@ -31,7 +31,8 @@ class Entry:
     ``name`` is the mapping key, ``config_class`` the class registered for it (None when it does
     not import in this install), ``model_class_name`` the causal-LM class name, ``status`` is
     ``"ok"`` or ``"broken"``; ``reason`` says why a broken one is (recorded in
-    ``overrides.toml``, or the import error).
+    ``overrides.toml``, or the import error). ``noncausal`` is set (with the reason) for the
+    few causal-LM classes whose forward lets a position see later tokens (XLNet, CPM-Ant).
     """
 
     name: str
@@ -39,6 +40,7 @@ class Entry:
     model_class_name: str
     status: str = "ok"
     reason: str | None = None
+    noncausal: str | None = None
 
 
 def _causal_lm_names() -> dict[str, Any]:
@@ -93,6 +95,7 @@ def entry(name: str) -> Entry:
         model_class_name=cls_name,
         status="broken" if broken else "ok",
         reason=broken,
+        noncausal=override(name).get("noncausal"),
     )
 
 

@@ -9,6 +9,8 @@ Each table is keyed by architecture (the ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` k
 ``inputs``    extra keyword arguments for the forward (merged into ``make_inputs``);
 ``inputs_rows_per_sample``  a config attribute naming how many ``input_ids`` rows one sample
               takes (multi-codebook audio decoders);
+``noncausal`` why the model attends to later positions although it is a causal-LM class
+              (the corpus's causality check skips it);
 ``broken``    a known reason the architecture cannot be built or run; it is still attempted, and
               the reason is quoted in the ``BuildError``.
 

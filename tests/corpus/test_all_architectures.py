@@ -47,6 +47,18 @@ def _layer_count(config):
     return None
 
 
+def _is_causal(model) -> bool:
+    """Changing the last token must leave the logits of every earlier position unchanged."""
+    inputs = corpus.make_inputs(model, seed=0)
+    changed = dict(inputs)
+    ids = inputs["input_ids"].clone()
+    ids[:, -1] = ids[:, 0]
+    changed["input_ids"] = ids
+    with torch.no_grad():
+        a, b = model(**inputs).logits, model(**changed).logits
+    return torch.allclose(a[:, :-1], b[:, :-1], atol=1e-5, rtol=1e-4)
+
+
 def _default_config(name):
     return config_class(name)(**override(name).get("defaults", {}))
 
@@ -78,11 +90,13 @@ def test_tiny_config_invariants(name):
 
 
 def test_every_architecture_builds_and_runs():
-    """Build + forward for the whole corpus; determinism and the JSON config round trip too."""
+    """Build + forward for the whole corpus; causality, determinism and the JSON config round
+    trip too."""
     failures: dict[str, str] = {}
     nondeterministic: list[str] = []
     round_trip: dict[str, str] = {}
     stale_broken: list[str] = []
+    noncausal: list[str] = []
     names = corpus.all_types()
     for name in names:
         broken = corpus.entry(name).status != "ok"
@@ -96,7 +110,10 @@ def test_every_architecture_builds_and_runs():
             continue
         if broken:
             stale_broken.append(name)
-        a = corpus.build(name, seed=0).state_dict()
+        model = corpus.build(name, seed=0)
+        if not corpus.entry(name).noncausal and not _is_causal(model):
+            noncausal.append(name)
+        a = model.state_dict()
         b = corpus.build(name, seed=0).state_dict()
         if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
             nondeterministic.append(name)
@@ -115,6 +132,7 @@ def test_every_architecture_builds_and_runs():
     if stale_broken:
         warnings.warn(f"recorded as broken but ran: {stale_broken}", stacklevel=1)
     assert not nondeterministic, nondeterministic
+    assert not noncausal, f"later tokens change earlier logits: {noncausal}"
     assert not round_trip, round_trip
     unexpected = {n: r for n, r in failures.items() if corpus.entry(n).status == "ok"}
     assert not unexpected, f"architectures not recorded as broken failed:\n{unexpected}"
