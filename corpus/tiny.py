@@ -209,14 +209,28 @@ def _rescale_sections(sections: list[int], total: int) -> list[int]:
     return out
 
 
-def _shrink_rope(rope: Any, half: int) -> Any:
-    """Return rope parameters with per-frequency lists sized for ``half`` rotary frequencies."""
+def _shrink_original_positions(original: int, factor: Any, tiny_max: int) -> int:
+    """A tiny ``original_max_position_embeddings`` below ``tiny_max`` with the same ratio.
+
+    YaRN / longrope compare ``max_position_embeddings / original`` with the scaling ``factor``;
+    keeping that ratio keeps the rope (and Transformers' consistency check) as in the default.
+    """
+    if isinstance(factor, (int, float)) and factor > 1:
+        return max(1, int(tiny_max / factor))
+    return max(1, min(original, tiny_max // 2))
+
+
+def _shrink_rope(rope: Any, half: int, tiny_max: int | None = None) -> Any:
+    """Return rope parameters with per-frequency lists sized for ``half`` rotary frequencies and
+    an ``original_max_position_embeddings`` that fits under the tiny ``tiny_max``."""
     if not isinstance(rope, dict):
         return rope
     out = {}
     for k, v in rope.items():
         if isinstance(v, dict):
-            out[k] = _shrink_rope(v, half)
+            out[k] = _shrink_rope(v, half, tiny_max)
+        elif k == "original_max_position_embeddings" and is_int(v) and tiny_max and v >= tiny_max:
+            out[k] = _shrink_original_positions(v, rope.get("factor"), tiny_max)
         elif k in ("mrope_section", "mrope_sections") and isinstance(v, list) and half > 0:
             out[k] = _rescale_sections(v, half)
         elif k in ("long_factor", "short_factor") and isinstance(v, list):
@@ -531,9 +545,20 @@ def shrink_kwargs(
             ok = is_int(h) and is_int(tiny_heads) and tiny_heads > 0
             hd = h // tiny_heads if ok else sizes.head_dim
         half = int(hd * _partial_factor(values[rope_name], values)) // 2
-        new_rope = _shrink_rope(values[rope_name], half)
+        tiny_max = tiny("max_position_embeddings")
+        new_rope = _shrink_rope(values[rope_name], half, tiny_max if is_int(tiny_max) else None)
         if new_rope != values[rope_name]:
             kw[rope_name] = new_rope
+    # A top-level original context length (Phi-3 style) keeps its ratio to the context length.
+    orig, max_d = (
+        values.get("original_max_position_embeddings"),
+        values.get("max_position_embeddings"),
+    )
+    tiny_max = tiny("max_position_embeddings")
+    if is_int(orig) and is_int(max_d) and is_int(tiny_max) and orig >= tiny_max and max_d > 0:
+        kw["original_max_position_embeddings"] = _shrink_original_positions(
+            orig, max_d / orig, tiny_max
+        )
     return kw
 
 
