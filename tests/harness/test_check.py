@@ -59,12 +59,14 @@ def test_only_the_broken_module_fails(llama, llama_inputs):
 
 
 def test_a_real_fused_module_with_a_perturbed_weight_is_caught(llama, llama_inputs):
+    broken = []
+
     def fuse_then_break(model):
         report = fusion.fuse(model)
         if not report.applied:
             pytest.skip("fusion.fuse applies nothing to llama yet")
-        target = report.applied[-1]
-        weight = next(model.get_submodule(target.qualname).parameters())
+        broken.append(report.applied[-1])
+        weight = next(model.get_submodule(broken[0].qualname).parameters())
         with torch.no_grad():
             weight.view(-1)[0] += 1.0
         return report
@@ -72,7 +74,7 @@ def test_a_real_fused_module_with_a_perturbed_weight_is_caught(llama, llama_inpu
     result = _check(llama, llama_inputs, fuse_then_break)
     assert result.status == "fail"
     failed = [m for m in result.modules if m.status == "fail"]
-    assert [m.qualname for m in failed] == ["model.layers.1.mlp"]
+    assert [(m.qualname, m.fuser) for m in failed] == [(broken[0].qualname, broken[0].fuser)]
 
 
 def test_nan_never_passes(llama, llama_inputs):
