@@ -8,13 +8,26 @@ model points at the Transformers source a reader can open.
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
-import textwrap
 from collections.abc import Callable, Iterable, Sequence
 
 from fusion.errors import RewriteRefused
 
 Block = list[ast.stmt]
+
+
+def _future_flags() -> int:
+    """Every `from __future__` compiler flag (a code object's `co_flags` carry its own)."""
+    import __future__ as future  # the module itself, not a future statement
+
+    flags = 0
+    for name in future.all_feature_names:
+        flags |= getattr(future, name).compiler_flag
+    return flags
+
+
+_FUTURE_FLAGS = _future_flags()
 
 
 def recover_forward(cls: type) -> tuple[ast.FunctionDef, Callable]:
@@ -32,16 +45,16 @@ def recover_forward(cls: type) -> tuple[ast.FunctionDef, Callable]:
     if code.co_freevars:
         raise RewriteRefused(f"{cls.__name__}.forward is a closure over {code.co_freevars}")
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
+        source = inspect.getsource(fn)
     except (OSError, TypeError) as exc:
         raise RewriteRefused(f"source of {cls.__name__}.forward unavailable: {exc}") from exc
     try:
-        tree = ast.parse(source)
+        body = _parse_indented(source)
     except SyntaxError as exc:
         raise RewriteRefused(f"source of {cls.__name__}.forward does not parse: {exc}") from exc
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+    if len(body) != 1 or not isinstance(body[0], ast.FunctionDef):
         raise RewriteRefused(f"{cls.__name__}.forward source is not a plain function definition")
-    funcdef = tree.body[0]
+    funcdef = body[0]
     funcdef.decorator_list.clear()
     funcdef.returns = None
     arguments = funcdef.args
@@ -55,10 +68,47 @@ def recover_forward(cls: type) -> tuple[ast.FunctionDef, Callable]:
     for node in ast.walk(funcdef):
         if isinstance(node, ast.AnnAssign):
             node.annotation = ast.Constant(None)
-        name = getattr(node, "attr", None) or getattr(node, "id", None)
-        if isinstance(name, str) and name.startswith("__") and not name.endswith("__"):
-            raise RewriteRefused(f"{cls.__name__}.forward uses {name}, which would be name-mangled")
+        for name in _identifiers(node):
+            if name.startswith("__") and not name.endswith("__"):
+                raise RewriteRefused(
+                    f"{cls.__name__}.forward uses {name}, which would be name-mangled"
+                )
     return funcdef, fn
+
+
+def _parse_indented(source: str) -> list[ast.stmt]:
+    """Parse a method's source as it sits in its file, indentation and all.
+
+    Wrapping it in an `if` block (rather than dedenting) keeps every column offset true to the
+    file, so traceback carets land on the original text, and parses lines that dedenting
+    cannot fix (a string literal continued at column zero). Line 1 is the source's first
+    line.
+    """
+    if not source[:1].isspace():
+        return ast.parse(source).body
+    wrapper = ast.parse("if True:\n" + source)
+    ast.increment_lineno(wrapper, -1)
+    block = wrapper.body[0]
+    assert isinstance(block, ast.If)
+    return block.body
+
+
+def _identifiers(node: ast.AST) -> list[str]:
+    """Identifiers `node` spells that Python name-mangles inside a class body: names,
+    attributes, parameters, nested definitions, import aliases and global declarations."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.arg):
+        return [node.arg]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.alias):
+        return [node.asname or node.name.split(".")[0]]
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return list(node.names)
+    return []
 
 
 def replace_expr(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
@@ -162,8 +212,12 @@ def self_call_and_refs(funcdef: ast.FunctionDef, name: str) -> tuple[ast.Call, l
 
     Refuses unless there is exactly one such call with one positional argument and no
     keywords, evaluated at most once (not in a loop, comprehension, generator or lambda), so
-    one traced call node maps to exactly one call site.
+    one traced call node maps to exactly one call site. Also refuses when the child is named
+    by a string (`hasattr(self, "q_proj")`, `self._modules["q_proj"]`): such a reference
+    cannot be folded, and would change meaning once the child is replaced.
     """
+    if any(isinstance(n, ast.Constant) and n.value == name for n in ast.walk(funcdef)):
+        raise RewriteRefused(f"self.{name} is also referenced by name (a string)")
     refs = self_refs(funcdef, name)
     calls = [
         node
@@ -289,17 +343,45 @@ def compile_forward(funcdef: ast.FunctionDef, fn: Callable) -> Callable:
     """Compile `funcdef` in `fn`'s module globals, under `fn`'s file name and line numbers.
 
     The result is a plain function; binding it to an instance (`types.MethodType`) changes
-    that instance only. Tracebacks through it point at the original source lines.
+    that instance only. Tracebacks through it point at the original source lines. It is
+    compiled under `fn`'s own `__future__` flags (not this module's), and keeps `fn`'s
+    default values: they were evaluated in the class body, where names such as class
+    attributes resolve that the module's globals lack. `funcdef` itself is not modified.
     """
+    funcdef = copy.deepcopy(funcdef)
+    transplant = _stub_defaults(funcdef, fn)
     module = ast.Module(body=[funcdef], type_ignores=[])
     ast.fix_missing_locations(module)
     ast.increment_lineno(module, fn.__code__.co_firstlineno - 1)
-    code = compile(module, fn.__code__.co_filename, "exec")
+    flags = fn.__code__.co_flags & _FUTURE_FLAGS
+    code = compile(module, fn.__code__.co_filename, "exec", flags=flags, dont_inherit=True)
     namespace: dict[str, object] = {}
     exec(code, fn.__globals__, namespace)
     compiled = namespace[funcdef.name]
+    if transplant:
+        compiled.__defaults__ = fn.__defaults__  # type: ignore[attr-defined]
+        compiled.__kwdefaults__ = fn.__kwdefaults__  # type: ignore[attr-defined]
     compiled.__qualname__ = getattr(fn, "__qualname__", funcdef.name)  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
+
+
+def _stub_defaults(funcdef: ast.FunctionDef, fn: Callable) -> bool:
+    """Replace `funcdef`'s default expressions by `None` when `fn`'s defaults line up with
+    them (same count, same keyword-only names), so compiling never re-evaluates them; True
+    when the caller should then copy `fn`'s defaults onto the compiled function."""
+    arguments = funcdef.args
+    defaults = getattr(fn, "__defaults__", None) or ()
+    kwdefaults = getattr(fn, "__kwdefaults__", None) or {}
+    kw_names = {
+        arg.arg for arg, default in zip(arguments.kwonlyargs, arguments.kw_defaults) if default
+    }
+    if len(defaults) != len(arguments.defaults) or set(kwdefaults) != kw_names:
+        return False
+    arguments.defaults = [ast.Constant(None) for _ in arguments.defaults]
+    arguments.kw_defaults = [
+        None if default is None else ast.Constant(None) for default in arguments.kw_defaults
+    ]
+    return True
 
 
 def unparse(funcdef: ast.FunctionDef) -> str:
