@@ -85,23 +85,25 @@ if triton is not None:
         out_row_stride,
         eps,
         offset,
-        XDT: tl.constexpr,
         OUT_DT: tl.constexpr,
         ACC: tl.constexpr,
         RND: tl.constexpr,
-        OUT_ACC: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
         WEIGHT_AFTER_CAST: tl.constexpr,
+        CAST_DT: tl.constexpr,
+        PROD_DT: tl.constexpr,
+        PROD_ACC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SINGLE_PASS: tl.constexpr,
     ):
         """RMSNorm of BLOCK_M rows per program (see `TritonKernels.rms_norm`).
 
-        XDT: the input's dtype. ACC: arithmetic dtype (fp32, or fp64 for fp64 input without upcast). RND: the dtype the
-        reference holds intermediates in (fp32 with upcast, else the input dtype): every
-        intermediate is rounded to it exactly where the reference's ops would round.
-        OUT_ACC: arithmetic dtype of the final product with a weight applied after the cast.
+        ACC: arithmetic dtype of the statistics (fp32, or fp64 for an fp64 input without
+        upcast). RND: the compute dtype the reference holds them in (fp32 with upcast, else
+        the input's): every intermediate is rounded to it exactly where the reference's ops
+        round. The weight's constexprs are described on `_rms_norm_store`.
         """
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,7 +129,7 @@ if triton is not None:
         if SINGLE_PASS:
             _rms_norm_store(
                 h, inv, w_ptr, out_rows, cols, mask, n_cols, offset,
-                XDT, OUT_DT, ACC, RND, OUT_ACC, HAS_WEIGHT, WEIGHT_AFTER_CAST,
+                OUT_DT, RND, HAS_WEIGHT, HAS_OFFSET, WEIGHT_AFTER_CAST, CAST_DT, PROD_DT, PROD_ACC,
             )  # fmt: skip
         else:
             for start in range(0, n_cols, BLOCK_N):
@@ -136,7 +138,7 @@ if triton is not None:
                 h = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(ACC)
                 _rms_norm_store(
                     h, inv, w_ptr, out_rows, c, mask, n_cols, offset,
-                    XDT, OUT_DT, ACC, RND, OUT_ACC, HAS_WEIGHT, WEIGHT_AFTER_CAST,
+                    OUT_DT, RND, HAS_WEIGHT, HAS_OFFSET, WEIGHT_AFTER_CAST, CAST_DT, PROD_DT, PROD_ACC,
                 )  # fmt: skip
 
     @triton.jit
@@ -149,27 +151,37 @@ if triton is not None:
         mask,
         n_cols,
         offset,
-        XDT: tl.constexpr,
         OUT_DT: tl.constexpr,
-        ACC: tl.constexpr,
         RND: tl.constexpr,
-        OUT_ACC: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
         WEIGHT_AFTER_CAST: tl.constexpr,
+        CAST_DT: tl.constexpr,
+        PROD_DT: tl.constexpr,
+        PROD_ACC: tl.constexpr,
     ):
-        """Normalise the loaded block `h` (rows x cols) by `inv`, scale it and store it."""
+        """Normalise the loaded block `h` (rows x cols) by `inv`, scale it and store it.
+
+        After the cast (Llama, T5): `(weight + offset)` in the weight's dtype times the
+        normalised value cast to CAST_DT (the input's or the weight's dtype), in PROD_DT (their
+        promotion, also OUT_DT). Before it (Gemma): the weight cast to PROD_DT (= promotion of
+        weight and compute dtype), plus offset, times the normalised value, all in PROD_DT,
+        then cast to OUT_DT (the input's dtype).
+        """
         normed = _rnd(h * inv[:, None], RND)
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+            w_dtype: tl.constexpr = w_ptr.dtype.element_ty
             if WEIGHT_AFTER_CAST:
-                # scale = weight + offset in the weight's dtype; product in the promoted dtype
-                w_dtype = w_ptr.dtype.element_ty
-                scale = _rnd(w.to(OUT_ACC) + offset, w_dtype)
-                value = _rnd(normed, XDT).to(OUT_ACC) * scale[None, :]
+                scale = w.to(PROD_ACC)
+                if HAS_OFFSET:
+                    scale = _rnd(scale + offset, w_dtype)
+                value = _rnd(normed, CAST_DT).to(PROD_ACC) * scale[None, :]
             else:
-                # scale = weight.to(h.dtype) + offset; product in h's dtype, then cast back
-                scale = _rnd(_rnd(w.to(ACC), RND) + offset, RND)
-                value = _rnd(normed * scale[None, :], RND)
+                scale = w.to(PROD_ACC)
+                if HAS_OFFSET:
+                    scale = _rnd(scale + offset, PROD_DT)
+                value = _rnd(normed.to(PROD_ACC) * scale[None, :], PROD_DT)
         else:
             value = normed
         tl.store(out_rows + cols[None, :], _to(value, OUT_DT), mask=mask)
@@ -196,15 +208,158 @@ if triton is not None:
         mask = cols < n_cols
         gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(ACC)
         up = tl.load(x_ptr + row * x_row_stride + n_cols + cols, mask=mask, other=0.0).to(ACC)
-        if ACTIVATION == 0:  # silu
-            act = gate / (1.0 + tl.exp(-gate))
-        elif ACTIVATION == 1:  # gelu (erf)
-            act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-        else:  # gelu, tanh approximation: 0.5 * (1 + tanh(y)) == sigmoid(2y), no cancellation
-            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-            act = gate / (1.0 + tl.exp(-2.0 * inner))
-        value = _rnd(act, XDT) * up
+        value = _rnd(_activation(gate, ACTIVATION), XDT) * up
         tl.store(out_ptr + row * out_row_stride + cols, _to(value, XDT), mask=mask)
+
+    @triton.jit
+    def _activation(gate, ACTIVATION: tl.constexpr):
+        """silu (0), gelu with erf (1) or gelu's tanh approximation (2) of `gate`, in its dtype."""
+        if ACTIVATION == 0:
+            return gate / (1.0 + tl.exp(-gate))
+        elif ACTIVATION == 1:
+            return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        else:  # 0.5 * (1 + tanh(y)) == sigmoid(2y): the same function without cancellation
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            return gate / (1.0 + tl.exp(-2.0 * inner))
+
+    @triton.jit
+    def _moe_up_kernel(
+        hidden_ptr,
+        w_ptr,
+        out_ptr,
+        token_ptr,
+        blocks_ptr,
+        hidden_size,
+        inter,
+        stride_ht,
+        stride_hk,
+        stride_we,
+        stride_wn,
+        stride_wk,
+        stride_or,
+        XDT: tl.constexpr,
+        ACTIVATION: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One expert's gate_up GEMM for one block of its (sorted) rows, with act-and-mul in
+        the epilogue: `out[r] = act(g) * u` with `[g, u] = gate_up[e] @ hidden[token[r]]`.
+
+        `blocks_ptr` holds (expert, first row, end row) per program along axis 0; rows are
+        positions in the expert-sorted order and `token_ptr` maps them to hidden's rows (the
+        gather happens in the load). Gate and up are accumulated in fp32 and each rounded to
+        XDT (the reference's GEMM output), then the activation and the product are rounded
+        to XDT where the reference's `act_and_mul` rounds. DOT_FP32: feed `tl.dot` float32
+        copies of the tiles (exact for half inputs; needed by the interpreter, whose dot
+        cannot multiply bfloat16).
+        """
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(blocks_ptr + 3 * pid_m).to(tl.int64)
+        row_start = tl.load(blocks_ptr + 3 * pid_m + 1)
+        row_end = tl.load(blocks_ptr + 3 * pid_m + 2)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        tokens = tl.load(token_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter
+        w_expert = w_ptr + expert * stride_we
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden_size, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < hidden_size
+            a = tl.load(
+                hidden_ptr + tokens[:, None] * stride_ht + ks[None, :] * stride_hk,
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            b_mask = k_mask[:, None] & col_mask[None, :]
+            b_gate = tl.load(
+                w_expert + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+                mask=b_mask,
+                other=0.0,
+            )
+            b_up = tl.load(
+                w_expert + (cols[None, :] + inter) * stride_wn + ks[:, None] * stride_wk,
+                mask=b_mask,
+                other=0.0,
+            )
+            if DOT_FP32:
+                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+        gate = _rnd(acc_gate, XDT)
+        up = _rnd(acc_up, XDT)
+        value = _rnd(_activation(gate, ACTIVATION), XDT) * up
+        tl.store(
+            out_ptr + rows[:, None].to(tl.int64) * stride_or + cols[None, :],
+            _to(value, XDT),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
+
+    @triton.jit
+    def _moe_down_kernel(
+        act_ptr,
+        w_ptr,
+        out_ptr,
+        route_w_ptr,
+        blocks_ptr,
+        hidden_size,
+        inter,
+        stride_ar,
+        stride_we,
+        stride_wn,
+        stride_wk,
+        stride_or,
+        XDT: tl.constexpr,
+        PROD_DT: tl.constexpr,
+        PROD_ACC: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One expert's down GEMM for one block of its sorted rows, with the routing weight
+        in the epilogue: `out[r] = ((down[e] @ act[r]).to(XDT) * w[r]).to(XDT)`, the product
+        in PROD_DT (promotion of XDT and the routing weights' dtype), as the reference."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(blocks_ptr + 3 * pid_m).to(tl.int64)
+        row_start = tl.load(blocks_ptr + 3 * pid_m + 1)
+        row_end = tl.load(blocks_ptr + 3 * pid_m + 2)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        rows64 = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < hidden_size
+        w_expert = w_ptr + expert * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < inter
+            a = tl.load(
+                act_ptr + rows64[:, None] * stride_ar + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_expert + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+                mask=k_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        route = tl.load(route_w_ptr + rows, mask=row_mask, other=0.0).to(PROD_ACC)
+        value = _rnd(_rnd(acc, XDT).to(PROD_ACC) * route[:, None], PROD_DT)
+        tl.store(
+            out_ptr + rows64[:, None] * stride_or + cols[None, :],
+            _to(value, XDT),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
 
 
 def _launch_context() -> contextlib.AbstractContextManager:
@@ -221,6 +376,37 @@ def _launch_context() -> contextlib.AbstractContextManager:
 def _num_warps(elements: int) -> int:
     """Warps for a program touching `elements` values: enough lanes to keep 4-16 values each."""
     return max(1, min(16, elements // 512))
+
+
+def _acc(dtype: torch.dtype):
+    """Arithmetic dtype for values held in `dtype`: fp64 for fp64, else fp32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _moe_block_m(rows_per_expert: float) -> int:
+    """Rows per MoE GEMM block: the smallest of 16/32/64 that holds an average expert's
+    rows (decode routes a handful of rows per expert; tl.dot needs at least 16)."""
+    if rows_per_expert <= 16:
+        return 16
+    return 32 if rows_per_expert <= 32 else 64
+
+
+def _expert_blocks(
+    counts: torch.Tensor, per_expert: torch.Tensor, n_blocks: int, block_m: int
+) -> torch.Tensor:
+    """`[n_blocks, 3]` int32 (expert, first row, end row) covering each expert's slice of
+    the expert-sorted rows in blocks of at most `block_m` rows (`per_expert` blocks for an
+    expert with `counts` rows; none for an expert without rows). Computed on the device,
+    without a host synchronisation (`n_blocks` is already known)."""
+    counts, per_expert = counts.to(torch.int64), per_expert.to(torch.int64)
+    experts = torch.arange(counts.numel(), device=counts.device)
+    expert_of_block = torch.repeat_interleave(experts, per_expert, output_size=n_blocks)
+    first_block = torch.cumsum(per_expert, 0) - per_expert
+    first_row = torch.cumsum(counts, 0) - counts
+    index = torch.arange(n_blocks, device=counts.device) - first_block[expert_of_block]
+    start = first_row[expert_of_block] + index * block_m
+    end = torch.minimum(start + block_m, (first_row + counts)[expert_of_block])
+    return torch.stack([expert_of_block, start, end], dim=1).to(torch.int32).contiguous()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -274,13 +460,15 @@ class TritonKernels:
     ) -> torch.Tensor:
         """`torch_ref.rms_norm` in one kernel: one read of `x`, one write of the result.
 
-        Returns a new contiguous tensor of `x`'s shape and of the reference's dtype (the
-        promotion of the weight's and `x`'s dtype when the weight is applied after the cast,
-        else `x`'s dtype). Never writes to `x` or `weight`. Unsupported dtypes and empty
-        inputs are computed by the reference.
+        Returns a new contiguous tensor of `x`'s shape and of the reference's dtype
+        (`promote(W, T)` when the weight is applied after the cast, `T` being `x`'s dtype or,
+        with `cast_to_weight`, the weight's; else `x`'s dtype). Never writes to `x` or
+        `weight`. Unsupported dtypes, a weight that does not match the last dimension, a
+        scalar or an empty input are computed by the reference (which also raises where it
+        would).
         """
         x_tl = _tl_dtype(x.dtype)
-        w_tl = _tl_dtype(weight.dtype) if weight is not None else tl.float32 if tl else None
+        w_tl = _tl_dtype(weight.dtype) if weight is not None else x_tl
         n_cols = x.shape[-1] if x.dim() else 0
         if (
             x_tl is None
@@ -288,9 +476,6 @@ class TritonKernels:
             or x.dim() == 0
             or x.numel() == 0
             or (weight is not None and (weight.dim() != 1 or weight.shape[0] != n_cols))
-            # T5's cast to the weight's dtype is not a kernel variant yet (added to the
-            # reference later); with equal dtypes it is Llama's, which the kernel covers.
-            or (cast_to_weight and weight is not None and weight.dtype != x.dtype)
         ):
             return torch_ref.rms_norm(
                 x,
@@ -301,17 +486,17 @@ class TritonKernels:
                 weight_after_cast=weight_after_cast,
                 cast_to_weight=cast_to_weight,
             )
+        compute = torch.float32 if upcast else x.dtype
+        w_dtype = weight.dtype if weight is not None else x.dtype
+        cast_dtype = w_dtype if cast_to_weight else x.dtype
         if weight is not None and weight_after_cast:
-            out_dtype = torch.promote_types(weight.dtype, x.dtype)
+            prod_dtype = out_dtype = torch.promote_types(w_dtype, cast_dtype)
         else:
-            out_dtype = x.dtype
+            prod_dtype, out_dtype = torch.promote_types(w_dtype, compute), x.dtype
         x2 = _rows(x)
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         out2 = out.view(-1, n_cols)
         w = weight.contiguous() if weight is not None else x2  # dummy pointer when weightless
-        rnd = tl.float32 if upcast else x_tl
-        acc = tl.float64 if rnd is tl.float64 else tl.float32
-        out_acc = tl.float64 if out_dtype == torch.float64 else tl.float32
         block_n = triton.next_power_of_2(n_cols)
         single = block_n <= _MAX_SINGLE_PASS
         if not single:
@@ -330,13 +515,15 @@ class TritonKernels:
                 out2.stride(0),
                 float(eps),
                 float(offset),
-                XDT=x_tl,
                 OUT_DT=_tl_dtype(out_dtype),
-                ACC=acc,
-                RND=rnd,
-                OUT_ACC=out_acc,
+                ACC=_acc(compute),
+                RND=_tl_dtype(compute),
                 HAS_WEIGHT=weight is not None,
+                HAS_OFFSET=bool(offset),
                 WEIGHT_AFTER_CAST=bool(weight_after_cast),
+                CAST_DT=_tl_dtype(cast_dtype),
+                PROD_DT=_tl_dtype(prod_dtype),
+                PROD_ACC=_acc(prod_dtype),
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
                 SINGLE_PASS=single,
@@ -353,9 +540,115 @@ class TritonKernels:
         topk_weights: torch.Tensor,
         activation: str,
     ) -> torch.Tensor:
-        """`torch_ref.moe_experts` (no Triton kernel yet: the grouped reference runs on any
-        device, with this backend's `act_and_mul` not used so the function stays the reference's)."""
-        return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+        """`torch_ref.moe_experts` as two grouped-GEMM kernels over expert-sorted rows.
+
+        The T*K (token, choice) rows are sorted by expert (stable, as the reference), and
+        cut into blocks of at most BLOCK_M rows of one expert. Kernel 1 gathers each block's
+        hidden rows, multiplies by the expert's gate and up rows and applies act-and-mul in
+        its epilogue (no `[T*K, 2I]` intermediate); kernel 2 multiplies by the expert's down
+        rows and applies the routing weight in its epilogue. The weighted rows go back with
+        the reference's own `index_add_`, so the sum over the K choices is the reference's.
+        Every GEMM output and product is rounded to the reference's dtype at its step.
+
+        Returns a new `[T, H]` tensor of `hidden`'s dtype; reads its inputs only. Inputs the
+        kernels do not cover (float64, mixed dtypes, an unknown activation, expert ids out
+        of range) are computed (or refused with its exception) by the reference.
+        """
+        x_tl = _tl_dtype(hidden.dtype)
+        w_tl = _tl_dtype(topk_weights.dtype)
+        num_tokens = hidden.shape[0] if hidden.dim() == 2 else 0
+        top_k = topk_ids.shape[-1] if topk_ids.dim() else 0
+        if (
+            x_tl is None
+            or x_tl is tl.float64
+            or w_tl is None
+            or activation not in _ACTIVATION_CODES
+            or hidden.dim() != 2
+            or gate_up.dim() != 3
+            or down.dim() != 3
+            or gate_up.dtype != hidden.dtype
+            or down.dtype != hidden.dtype
+            or topk_ids.shape != topk_weights.shape
+            or topk_ids.dim() != 2
+            or topk_ids.shape[0] != num_tokens
+            or topk_ids.dtype.is_floating_point
+            or num_tokens == 0
+            or top_k == 0
+            or gate_up.shape[1] % 2
+            or gate_up.shape[2] != hidden.shape[1]
+            or down.shape[0] != gate_up.shape[0]
+            or down.shape[1] != hidden.shape[1]
+            or 2 * down.shape[2] != gate_up.shape[1]
+        ):
+            return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+        num_experts, hidden_size, inter = down.shape[0], hidden.shape[1], down.shape[2]
+        flat_ids = topk_ids.reshape(-1)
+        rows_total = flat_ids.numel()
+        block_m = _moe_block_m(rows_total / num_experts)
+        low, high = torch.aminmax(flat_ids)
+        counts = torch.bincount(flat_ids.clamp(min=0), minlength=num_experts)[:num_experts]
+        per_expert = (counts + block_m - 1) // block_m
+        low, high, n_blocks = torch.stack([low.long(), high.long(), per_expert.sum()]).tolist()
+        if low < 0 or high >= num_experts:  # the reference raises for these
+            return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of_row = order // top_k
+        route = topk_weights.reshape(-1).index_select(0, order).contiguous()
+        blocks = _expert_blocks(counts, per_expert, n_blocks, block_m)
+        activated = hidden.new_empty(rows_total, inter)
+        weighted = hidden.new_empty(rows_total, hidden_size)
+        prod_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
+        block_n, block_k = 64, (32 if hidden.dtype == torch.float32 else 64)
+        extra = {} if INTERPRETED else {"num_warps": 4, "num_stages": 3}
+        dot_fp32 = INTERPRETED and hidden.dtype != torch.float32
+        with _launch_context():
+            _moe_up_kernel[(n_blocks, triton.cdiv(inter, block_n))](
+                hidden,
+                gate_up,
+                activated,
+                token_of_row,
+                blocks,
+                hidden_size,
+                inter,
+                hidden.stride(0),
+                hidden.stride(1),
+                gate_up.stride(0),
+                gate_up.stride(1),
+                gate_up.stride(2),
+                activated.stride(0),
+                XDT=x_tl,
+                ACTIVATION=_ACTIVATION_CODES[activation],
+                DOT_FP32=dot_fp32,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                **extra,
+            )
+            _moe_down_kernel[(n_blocks, triton.cdiv(hidden_size, block_n))](
+                activated,
+                down,
+                weighted,
+                route,
+                blocks,
+                hidden_size,
+                inter,
+                activated.stride(0),
+                down.stride(0),
+                down.stride(1),
+                down.stride(2),
+                weighted.stride(0),
+                XDT=x_tl,
+                PROD_DT=_tl_dtype(prod_dtype),
+                PROD_ACC=_acc(prod_dtype),
+                DOT_FP32=dot_fp32,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                **extra,
+            )
+        out = hidden.new_zeros(num_tokens, hidden_size)
+        out.index_add_(0, token_of_row, weighted)
+        return out
 
     def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`torch_ref.act_and_mul` in one kernel: reads gate and up once, writes the product.

@@ -86,22 +86,43 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 RMS_VARIANTS = [
     pytest.param(
-        offset, upcast, after, weight, id=f"off{offset:g}-up{int(upcast)}-wac{int(after)}-{weight}"
+        offset,
+        upcast,
+        after,
+        cast,
+        weight,
+        id=f"off{offset:g}-up{int(upcast)}-wac{int(after)}-c2w{int(cast)}-{weight}",
     )
     for offset in (0.0, 1.0)
     for upcast in (True, False)
-    for after in (True, False)
+    for after, cast in ((True, False), (True, True), (False, False))
     for weight in ("same", "fp32", "none")
+    if not (cast and weight == "none")
 ]
 """Every RMSNorm variant the norm fuser matches: offset (Gemma), statistics upcast or not,
-weight applied after or before the cast back, weight of the input dtype, fp32, or none."""
+weight applied after the cast back to the input's dtype (Llama) or to the weight's (T5), or
+before it (Gemma); weight of the input dtype, float32, or none."""
 
 
-def _precision(dtype: torch.dtype, upcast: bool) -> torch.dtype:
-    """The dtype that bounds a norm's accuracy: the input's (every variant rounds to it at
-    least once, even when a float32 weight promotes the result), except that an upcast norm
-    of a float64 input is computed in float32 (`x.float()`)."""
-    return torch.float32 if upcast and dtype == torch.float64 else dtype
+def _less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+
+
+def _precision(
+    dtype: torch.dtype,
+    upcast: bool,
+    after: bool = True,
+    cast: bool = False,
+    weight: torch.Tensor | None = None,
+) -> torch.dtype:
+    """The dtype that bounds a norm's accuracy: the compute dtype (float32 with upcast, even
+    for a float64 input) or the dtype the normalised value is rounded to, whichever is less
+    precise: the input's, or the weight's for T5's cast (which keeps a float32 result of a
+    bfloat16 input at float32 accuracy)."""
+    compute = torch.float32 if upcast else dtype
+    if weight is not None and after and cast:
+        return _less_precise(compute, weight.dtype)
+    return _less_precise(compute, dtype)
 
 
 def _dtypes(device: str) -> list[torch.dtype]:
@@ -174,20 +195,21 @@ RMS_SHAPES = [
 
 
 @pytest.mark.parametrize(("name", "device"), BACKENDS)
-@pytest.mark.parametrize(("offset", "upcast", "after", "weight_kind"), RMS_VARIANTS)
+@pytest.mark.parametrize(("offset", "upcast", "after", "cast", "weight_kind"), RMS_VARIANTS)
 @pytest.mark.parametrize(("shape", "strided"), RMS_SHAPES)
 def test_rms_norm_matches_reference(
-    name, device, offset, upcast, after, weight_kind, shape, strided
+    name, device, offset, upcast, after, cast, weight_kind, shape, strided
 ) -> None:
     backend = _backend(name, device)
     for dtype in _dtypes(device):
         x = _inputs(shape, dtype, device, strided=strided, seed=len(shape))
         w = _weight(weight_kind, shape[-1], dtype, device, seed=shape[-1])
         x_before = x.clone()
-        kwargs = dict(offset=offset, upcast=upcast, weight_after_cast=after)
+        kwargs = dict(offset=offset, upcast=upcast, weight_after_cast=after, cast_to_weight=cast)
         expected = torch_ref.rms_norm(x, w, 1e-6, **kwargs)
         actual = backend.rms_norm(x, w, 1e-6, **kwargs)
-        _close(actual, expected, f"{name} rms_norm {dtype} {kwargs}", _precision(dtype, upcast))
+        precision = _precision(dtype, upcast, after, cast, w)
+        _close(actual, expected, f"{name} rms_norm {dtype} {kwargs}", precision)
         assert torch.equal(x, x_before), "the kernel wrote to its input"
 
 
@@ -279,24 +301,125 @@ def test_inputs_outside_the_kernels_get_the_reference(name, device) -> None:
     offset=st.sampled_from([0.0, 1.0]),
     upcast=st.booleans(),
     after=st.booleans(),
+    cast=st.booleans(),
     weight_kind=st.sampled_from(["same", "fp32", "none"]),
     scale=st.sampled_from([1e-3, 1.0, 1e3]),
     seed=st.integers(0, 2**16),
 )
 def test_rms_norm_property(
-    name, device, rows, cols, dtype_index, offset, upcast, after, weight_kind, scale, seed
+    name, device, rows, cols, dtype_index, offset, upcast, after, cast, weight_kind, scale, seed
 ) -> None:
     """Any row length (odd, tiny, not a power of two), any variant, scales far from 1."""
     dtype = _dtypes(device)[dtype_index]
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, cols, generator=g) * scale).to(dtype=dtype, device=device)
     w = _weight(weight_kind, cols, dtype, device, seed)
-    kwargs = dict(offset=offset, upcast=upcast, weight_after_cast=after)
+    kwargs = dict(offset=offset, upcast=upcast, weight_after_cast=after, cast_to_weight=cast)
     _close(
         _backend(name, device).rms_norm(x, w, 1e-6, **kwargs),
         torch_ref.rms_norm(x, w, 1e-6, **kwargs),
         f"{name} rms_norm {dtype} {kwargs} scale {scale}",
-        _precision(dtype, upcast),
+        _precision(dtype, upcast, after, cast, w),
+    )
+
+
+# --- MoE experts -------------------------------------------------------------------------------
+
+MOE_SHAPES = [
+    # (tokens, hidden, intermediate, experts, top-k): decode, uneven blocks, every expert hit
+    # by one token, few experts with many rows each (several row blocks per expert)
+    pytest.param(1, 64, 32, 16, 8, id="T1-E16-top8"),
+    pytest.param(5, 32, 16, 4, 2, id="T5-E4-top2"),
+    pytest.param(17, 48, 40, 8, 3, id="T17-E8-top3"),
+    pytest.param(70, 40, 24, 3, 1, id="T70-E3-top1"),
+]
+
+
+def _moe_inputs(tokens, hidden, inter, experts, top_k, dtype, weight_dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    probs = torch.randn(tokens, experts, generator=g).softmax(-1)
+    weights, ids = torch.topk(probs, top_k)
+    to = dict(device=device)
+    return (
+        x.to(dtype=dtype, **to),
+        gate_up.to(dtype=dtype, **to),
+        down.to(dtype=dtype, **to),
+        ids.to(**to),
+        weights.to(dtype=weight_dtype, **to),
+    )
+
+
+def _close_moe(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Same dtype and shape; values within a few ulps of the dtype relative to the output's
+    scale (GEMM accumulation order differs, and a one-ulp change of an intermediate moves
+    the sums over hidden and intermediate by an ulp of their magnitude)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    eps = torch.finfo(expected.dtype).eps
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(
+        actual, expected, rtol=8 * eps, atol=8 * eps * scale, msg=lambda m: f"{what}: {m}"
+    )
+
+
+@pytest.mark.parametrize(("name", "device"), BACKENDS)
+@pytest.mark.parametrize("activation", sorted(torch_ref.ACTIVATIONS))
+@pytest.mark.parametrize(("tokens", "hidden", "inter", "experts", "top_k"), MOE_SHAPES)
+def test_moe_experts_matches_reference(
+    name, device, activation, tokens, hidden, inter, experts, top_k
+) -> None:
+    backend = _backend(name, device)
+    for dtype in [d for d in _dtypes(device) if d != torch.float64]:
+        for weight_dtype in (torch.float32, dtype):
+            args = _moe_inputs(tokens, hidden, inter, experts, top_k, dtype, weight_dtype, device)
+            before = [a.clone() for a in args]
+            expected = torch_ref.moe_experts(*args, activation)
+            actual = backend.moe_experts(*args, activation)
+            _close_moe(actual, expected, f"{name} moe {activation} {dtype} weights {weight_dtype}")
+            assert all(torch.equal(a, b) for a, b in zip(args, before)), "an input was written"
+
+
+@pytest.mark.parametrize(("name", "device"), BACKENDS)
+def test_moe_experts_strided_weights_and_int32_ids(name, device) -> None:
+    """Expert weights that are transposed views (strides, not layout, describe them) and
+    int32 expert ids give the reference's result."""
+    dtype = _dtypes(device)[0]
+    x, gate_up, down, ids, weights = _moe_inputs(9, 32, 24, 5, 2, dtype, torch.float32, device)
+    gate_up_t = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    down_t = down.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not gate_up_t.is_contiguous() and torch.equal(gate_up_t, gate_up)
+    expected = torch_ref.moe_experts(x, gate_up, down, ids, weights, "silu")
+    actual = _backend(name, device).moe_experts(
+        x, gate_up_t, down_t, ids.to(torch.int32), weights, "silu"
+    )
+    _close_moe(actual, expected, f"{name} moe strided")
+
+
+@pytest.mark.parametrize(("name", "device"), BACKENDS)
+def test_moe_experts_edges_behave_as_the_reference(name, device) -> None:
+    """No tokens gives zeros; expert ids out of range and unknown activations raise as the
+    reference raises; an expert nobody routes to contributes nothing."""
+    backend = _backend(name, device)
+    x, gate_up, down, ids, weights = _moe_inputs(
+        4, 16, 8, 6, 2, torch.float32, torch.float32, device
+    )
+    empty = backend.moe_experts(x[:0], gate_up, down, ids[:0], weights[:0], "silu")
+    assert empty.shape == (0, 16)
+    for bad in (ids.clone().fill_(6), ids.clone().fill_(-1)):
+        with pytest.raises((IndexError, RuntimeError)):
+            torch_ref.moe_experts(x, gate_up, down, bad, weights, "silu")
+        with pytest.raises((IndexError, RuntimeError)):
+            backend.moe_experts(x, gate_up, down, bad, weights, "silu")
+    with pytest.raises(KeyError):
+        backend.moe_experts(x, gate_up, down, ids, weights, "relu")
+    one_expert = torch.zeros_like(ids)
+    one_expert[:, 1] = 3
+    _close_moe(
+        backend.moe_experts(x, gate_up, down, one_expert, weights, "gelu"),
+        torch_ref.moe_experts(x, gate_up, down, one_expert, weights, "gelu"),
+        f"{name} moe two experts of six",
     )
 
 
@@ -403,3 +526,25 @@ def test_gpu_real_shapes(name, dtype, tokens, hidden) -> None:
             f"{name} rms_norm {kwargs}",
         )
     _close(backend.act_and_mul(x, "silu"), torch_ref.act_and_mul(x, "silu"), f"{name} silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "name", [n for n in ("triton", "vllm") if n in kernels.available_backends("cuda")]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "experts", "top_k"),
+    [(2048, 1024, 64, 8), (2048, 768, 128, 8), (1024, 2048, 8, 2)],
+    ids=["olmoe", "qwen3-30b-a3b", "mixtral-like"],
+)
+def test_gpu_moe_real_shapes(name, dtype, tokens, hidden, inter, experts, top_k) -> None:
+    """MoE experts at real widths on the GPU match the reference (bf16 and fp16)."""
+    args = _moe_inputs(tokens, hidden, inter, experts, top_k, dtype, torch.float32, "cuda")
+    _close_moe(
+        kernels.get(name, "cuda").moe_experts(*args, "silu"),
+        torch_ref.moe_experts(*args, "silu"),
+        f"{name} moe {dtype} T{tokens}",
+    )
