@@ -1,0 +1,881 @@
+"""MoE: a mixture-of-experts block -> `FusedMoE` (matched routing, grouped experts).
+
+Matched by dataflow in the block's traced forward, never by name:
+
+- Transformers 5 (packed experts): the block returns `experts(x, ids, weights) [+ shared]`
+  where `_, weights, ids = router(x)` and `x` is the block's input up to reshapes. The
+  experts child must be a Transformers experts class (`use_experts_implementation`) in the
+  standard layout: `gate_up_proj [E, 2I, H]` (gate rows, then up), `down_proj [E, H, I]`,
+  no bias, not transposed, the default `act(gate) * up` gating with an activation
+  `ActAndMul` reproduces. Its semantics are then fixed by Transformers' experts interface,
+  whichever implementation (eager loop, `grouped_mm`) the config selects.
+- Transformers 4 (`ModuleList` of gated MLPs): the routing is in the block's own forward and
+  the expert loop is data-dependent, so the trace stops inside it; each expert must be
+  `down(act(gate(x)) * up(x))` and the block may hold nothing else with state.
+
+The router is read from its graph as a small program (`fusion.moe_modules.RouteSpec`): a
+bias-free linear (with the casts it computes in), then softmax or sigmoid before or after a
+single top-k, renormalisation (a division by the sum of the selection, read from the graph,
+never from a config flag), a constant scaling and casts, in their order. Anything else in
+the router refuses with its reason: a biased linear, grouped top-k (several top-k ops), an
+`e_score_correction_bias` added for the choice.
+
+A shared expert is found by dataflow as the other addend of the output: `shared(x)`, or
+`sigmoid(gate(x)) * shared(x)` with `gate` a linear to one logit (Qwen2-MoE).
+
+Refused: a block returning a tuple (directly or through a name), any stateful child the
+fused block would not run, hooks on the block or its experts (they would stop firing).
+
+Because the expert loop (Transformers 4) and the experts interface (Transformers 5) are
+taken on their contract rather than traced, every match is also checked numerically once per
+kind of instance, on the module's own weights: the fused block must reproduce the router's
+indices and weights bit for bit and the block's output to rounding, or it refuses.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import operator
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import fx, nn
+
+from fusion.errors import RewriteRefused
+from fusion.fusers.base import Fuser, has_hooks
+from fusion.fusers.glu import activation_kind
+from fusion.graph import is_op, output_value, peel
+from fusion.moe_modules import DtypeRule, FusedMoE, PackedExperts, RouteSpec, RouteStep
+from fusion.trace import trace
+
+_SHAPE_OPS = ("reshape", "view", "flatten", "contiguous")
+"""Ops that only reshape a value: `x.view(-1, h)` is still the block's input."""
+
+_MODULE_INTERNALS = frozenset(
+    {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+)
+
+_PACKED_FLAGS = {
+    "has_gate": True,
+    "has_bias": False,
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_post_expert_norm": False,
+    "_is_expert_parallel": False,
+}
+"""Transformers' experts-interface flags of the layout `moe_experts` computes."""
+
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+"""Max-normalised error the numeric check allows between the block and its fused twin: the
+expert sums are reordered (rounding), while a changed function errs by far more."""
+
+
+# --------------------------------------------------------------------------------------------
+# Graph helpers.
+
+
+def _unwrap(node: Any, module: nn.Module) -> Any:
+    """`node` with reshapes and `nn.Identity` children stripped (no casts: a cast changes the
+    values an expert sees)."""
+    while isinstance(node, fx.Node):
+        shape_only = any(is_op(node, name) for name in _SHAPE_OPS)
+        identity = node.op == "call_module" and isinstance(
+            module.get_submodule(str(node.target)), nn.Identity
+        )
+        if not (shape_only or identity):
+            break
+        node = node.args[0]
+    return node
+
+
+def _input(graph: fx.Graph) -> fx.Node | None:
+    return next((n for n in graph.nodes if n.op == "placeholder"), None)
+
+
+def _reads_input(node: Any, x: fx.Node, module: nn.Module) -> bool:
+    """Is `node` a child module called on just the block's input (up to reshapes)?"""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_module"
+        and len(node.args) == 1
+        and not node.kwargs
+        and _unwrap(node.args[0], module) is x
+    )
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _returns_tuple(cls: type) -> bool:
+    """Does `cls.forward` return a tuple literal, or a name bound to one, anywhere? (Read from
+    the source, for forwards whose trace stops before the return.)"""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError):
+        return True  # unknown: fail closed
+    funcdef = tree.body[0]
+    tuple_names = {
+        target.id
+        for node in ast.walk(funcdef)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+    def is_tuple(value: ast.AST | None) -> bool:
+        if isinstance(value, ast.Tuple):
+            return True
+        if isinstance(value, ast.Name):
+            return value.id in tuple_names
+        if isinstance(value, ast.IfExp):
+            return is_tuple(value.body) or is_tuple(value.orelse)
+        return False
+
+    return any(isinstance(n, ast.Return) and is_tuple(n.value) for n in ast.walk(funcdef))
+
+
+def _reads_training(cls: type) -> bool:
+    """Does `cls.forward` read `self.training` (behave differently when training)?"""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "training" and isinstance(n.value, ast.Name)
+        for n in ast.walk(tree)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The routing program.
+
+
+@dataclass
+class _Routing:
+    spec: RouteSpec
+    linear: fx.Node
+    weights: fx.Node
+    ids: fx.Node
+    weight_name: str
+    """The router weight: a parameter of the router module (Transformers 5) or the linear
+    child's `weight` (Transformers 4)."""
+
+
+def _dtype_rule(target: Any, x: fx.Node, logits: fx.Node, module: nn.Module) -> DtypeRule:
+    """A cast target as a rule: a fixed dtype, or the dtype of the input or of the logits."""
+    if isinstance(target, torch.dtype):
+        return target
+    if isinstance(target, fx.Node):
+        if target.op == "call_function" and target.target is getattr and target.args[1] == "dtype":
+            target = target.args[0]
+        base = _unwrap(target, module)
+        if base is x:
+            return "input"
+        if base is logits:
+            return "logits"
+    raise RewriteRefused("router casts to the dtype of an intermediate value")
+
+
+def _cast_step(node: fx.Node, x: fx.Node, logits: fx.Node, module: nn.Module) -> DtypeRule:
+    fixed = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+    if node.op == "call_method" and node.target in fixed and len(node.args) == 1:
+        return fixed[str(node.target)]
+    if node.op == "call_method" and node.target in ("to", "type", "type_as"):
+        rest = [*node.args[1:], *(v for k, v in node.kwargs.items() if k == "dtype")]
+        other = set(node.kwargs) - {"dtype", "non_blocking", "copy"}
+        if len(rest) == 1 and not other:
+            return _dtype_rule(rest[0], x, logits, module)
+    raise RewriteRefused(f"router op {node.target} is not a cast the fused router reproduces")
+
+
+def _is_cast(node: Any) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_method"
+        and node.target
+        in (
+            "float",
+            "half",
+            "bfloat16",
+            "to",
+            "type",
+            "type_as",
+        )
+    )
+
+
+def _is_getitem(node: Any, source: fx.Node, index: int) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return node.args == (source, index)
+    return node.target is getattr and node.args == (source, ("values", "indices")[index])
+
+
+def _scores_step(node: fx.Node, x, logits, module) -> RouteStep | None:
+    if is_op(node, "softmax"):
+        dim = _arg(node, 1, "dim")
+        if dim not in (-1, 1):
+            raise RewriteRefused(f"router softmax over dim {dim}")
+        dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
+        rule = None if dtype is None else _dtype_rule(dtype, x, logits, module)
+        return RouteStep("softmax", rule)
+    if is_op(node, "sigmoid"):
+        return RouteStep("sigmoid")
+    return None
+
+
+def _linear_of(node: Any, module: nn.Module) -> tuple[fx.Node, Any, Any, str] | None:
+    """(linear node, its input, its weight expression, weight name) when `node` is a linear:
+    `F.linear(x, self.<w>)` (bias refused) or a plain `nn.Linear` child."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_module":
+        child = module.get_submodule(str(node.target))
+        if isinstance(child, nn.Linear):
+            if child.bias is not None:
+                raise RewriteRefused("the router linear has a bias")
+            if type(child).forward is not nn.Linear.forward:
+                raise RewriteRefused("the router linear has its own forward")
+            return node, node.args[0], None, f"{node.target}.weight"
+        return None
+    if is_op(node, "linear"):
+        bias = _arg(node, 2, "bias")
+        if bias is not None:
+            raise RewriteRefused("the router linear has a bias")
+        weight = _arg(node, 1, "weight")
+        base = peel(weight)
+        if not (isinstance(base, fx.Node) and base.op == "get_attr"):
+            raise RewriteRefused("the router linear's weight is not a parameter")
+        return node, node.args[0], weight, str(base.target)
+    return None
+
+
+def _routing(graph: fx.Graph, module: nn.Module, x: fx.Node) -> _Routing:
+    """Read the routing program of `graph` (a router's own forward, or a Transformers 4
+    block's): the one top-k, the linear feeding it and the ops around both."""
+    topks = [n for n in graph.nodes if is_op(n, "topk")]
+    if not topks:
+        raise RewriteRefused("no top-k in the router")
+    if len(topks) > 1:
+        raise RewriteRefused(
+            f"grouped top-k routing ({len(topks)} top-k ops, e.g. experts chosen within "
+            "the best groups): not implemented exactly"
+        )
+    topk = topks[0]
+    k = _arg(topk, 1, "k")
+    if not isinstance(k, int) or _arg(topk, 2, "dim", -1) not in (-1, 1):
+        raise RewriteRefused("top-k is not over the experts of each token")
+    if not _arg(topk, 3, "largest", True):
+        raise RewriteRefused("top-k selects the smallest scores")
+    sorted_ = bool(_arg(topk, 4, "sorted", True))
+    # Backwards from the top-k's input to the linear: casts and one scoring op.
+    before: list[tuple[str, fx.Node]] = []
+    node = topk.args[0]
+    found = None
+    while found is None:
+        found = _linear_of(node, module)
+        if found is not None:
+            break
+        if not isinstance(node, fx.Node):
+            raise RewriteRefused("top-k does not read a linear's output")
+        if is_op(node, "add") and any(
+            isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args
+        ):
+            raise RewriteRefused(
+                "a correction bias (e_score_correction_bias) is added to the scores for the "
+                "expert choice: not implemented"
+            )
+        if _is_cast(node):
+            before.append(("cast", node))
+        elif is_op(node, "softmax") or is_op(node, "sigmoid"):
+            before.append(("score", node))
+        else:
+            raise RewriteRefused(f"router op {node.target} between the linear and the top-k")
+        node = node.args[0]
+    linear, linear_input, weight_expr, weight_name = found
+    if _unwrap(peel(linear_input), module) is not x:
+        raise RewriteRefused("the router linear does not read the block input")
+    input_cast = _cast_step(linear_input, x, linear, module) if _is_cast(linear_input) else None
+    weight_cast = _cast_step(weight_expr, x, linear, module) if _is_cast(weight_expr) else None
+    steps: list[RouteStep] = []
+    for kind, step_node in reversed(before):
+        if kind == "cast":
+            steps.append(RouteStep("cast", _cast_step(step_node, x, linear, module)))
+        else:
+            steps.append(_scores_step(step_node, x, linear, module))
+    steps.append(RouteStep("topk", value=k, sorted=sorted_))
+    values = next((u for u in topk.users if _is_getitem(u, topk, 0)), None)
+    ids = next((u for u in topk.users if _is_getitem(u, topk, 1)), None)
+    if values is None or ids is None:
+        raise RewriteRefused("top-k values or indices are not used as the routing")
+    end = values
+    while True:
+        users = [
+            u
+            for u in end.users
+            if not (u.op == "call_function" and u.target is getattr)
+            and not (is_op(u, "sum") and u.args and u.args[0] is end)
+        ]
+        if len(users) != 1:
+            break
+        (user,) = users
+        if user.op == "output" or user.op == "call_module":
+            break
+        steps.append(_after_topk_step(user, end, x, linear, module))
+        end = user
+    if sum(s.kind in ("softmax", "sigmoid") for s in steps) != 1:
+        raise RewriteRefused("router scores with no (or more than one) softmax/sigmoid")
+    return _Routing(RouteSpec(input_cast, weight_cast, tuple(steps)), linear, end, ids, weight_name)
+
+
+def _after_topk_step(node: fx.Node, value: fx.Node, x, logits, module) -> RouteStep:
+    """The op `node` applies to the routing weights `value` after the top-k."""
+    if _is_cast(node) and node.args[0] is value:
+        return RouteStep("cast", _cast_step(node, x, logits, module))
+    scored = _scores_step(node, x, logits, module) if node.args[0] is value else None
+    if scored is not None:
+        return scored
+    if (is_op(node, "truediv") or is_op(node, "div")) and node.args[0] is value:
+        denominator = node.args[1]
+        eps = 0.0
+        if is_op(denominator, "add"):
+            terms = list(denominator.args)
+            numbers = [t for t in terms if isinstance(t, (int, float))]
+            nodes = [t for t in terms if isinstance(t, fx.Node)]
+            if len(numbers) == 1 and len(nodes) == 1:
+                eps, denominator = float(numbers[0]), nodes[0]
+        if (
+            is_op(denominator, "sum")
+            and denominator.args[0] is value
+            and _arg(denominator, 1, "dim") in (-1, 1)
+            and _arg(denominator, 2, "keepdim", False)
+        ):
+            return RouteStep("renorm", value=eps)
+        raise RewriteRefused("routing weights are divided by something other than their sum")
+    if is_op(node, "mul") and value in node.args:
+        factor = node.args[1] if node.args[0] is value else node.args[0]
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+            return RouteStep("scale", value=float(factor))
+    raise RewriteRefused(f"router op {node.target} after the top-k is not reproduced")
+
+
+# --------------------------------------------------------------------------------------------
+# Block structure.
+
+
+@dataclass(frozen=True)
+class MoEMatch:
+    """What one kind of MoE block computes, in names of its children."""
+
+    style: str
+    """`packed` (Transformers 5 experts) or `modulelist` (Transformers 4)."""
+    router_name: str
+    router_weight: str
+    """Name of the router weight within the router child."""
+    spec: RouteSpec
+    experts_name: str
+    activation: str
+    expert_names: tuple[str, str, str] | None = None
+    """(gate, up, down) child names of each Transformers 4 expert MLP."""
+    shared_name: str | None = None
+    shared_gate_name: str | None = None
+    training_sensitive: bool = False
+
+
+def _packed_experts(child: nn.Module) -> str:
+    """The activation of a Transformers 5 experts module in the layout `moe_experts`
+    computes; RewriteRefused naming the difference otherwise."""
+    name = type(child).__name__
+    if not hasattr(inspect.unwrap(type(child).forward), "__code__") or not hasattr(
+        type(child).forward, "__wrapped__"
+    ):
+        raise RewriteRefused(f"{name} is not a Transformers experts-interface class")
+    for flag, expected in _PACKED_FLAGS.items():
+        if getattr(child, flag, None) != expected:
+            raise RewriteRefused(f"experts {flag}={getattr(child, flag, None)!r} (need {expected})")
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError as exc:  # pragma: no cover - Transformers 5 always has it
+        raise RewriteRefused("Transformers' experts interface is unavailable") from exc
+    if getattr(type(child), "_apply_gate", None) is not _default_apply_gate:
+        raise RewriteRefused(f"{name} has its own gating (_apply_gate)")
+    params = dict(child.named_parameters(recurse=False))
+    if set(params) != {"gate_up_proj", "down_proj"} or list(child.buffers()):
+        raise RewriteRefused(f"{name} holds {sorted(params)}, not gate_up_proj and down_proj")
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    if gate_up.ndim != 3 or down.ndim != 3:
+        raise RewriteRefused("expert weights are not 3-D")
+    experts, two_i, hidden = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (experts, hidden, two_i // 2):
+        raise RewriteRefused(f"expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)}")
+    if gate_up.dtype != down.dtype or gate_up.device != down.device:
+        raise RewriteRefused("expert weights differ in dtype or device")
+    act = getattr(child, "act_fn", None)
+    if not isinstance(act, nn.Module):
+        raise RewriteRefused(f"{name} has no activation module")
+    return activation_kind(act)
+
+
+def _expert_mlp(expert: nn.Module) -> tuple[tuple[str, str, str], str]:
+    """((gate, up, down), activation) of a Transformers 4 expert `down(act(gate(x)) * up(x))`."""
+    graph = trace(expert)
+    x = _input(graph) if graph is not None else None
+    out = _unwrap(output_value(graph), expert) if graph is not None else None
+    name = type(expert).__name__
+    if x is None or not (isinstance(out, fx.Node) and out.op == "call_module"):
+        raise RewriteRefused(f"expert {name} does not return a projection")
+    down = expert.get_submodule(str(out.target))
+    product = out.args[0] if len(out.args) == 1 else None
+    if not isinstance(down, nn.Linear) or not (is_op(product, "mul") and len(product.args) == 2):
+        raise RewriteRefused(f"expert {name} is not down(act(gate(x)) * up(x))")
+    for act_node, up_node in (product.args, product.args[::-1]):
+        if not (
+            isinstance(act_node, fx.Node)
+            and act_node.op == "call_module"
+            and len(act_node.args) == 1
+            and _reads_input(act_node.args[0], x, expert)
+            and _reads_input(up_node, x, expert)
+        ):
+            continue
+        gate_node = act_node.args[0]
+        names = (str(gate_node.target), str(up_node.target), str(out.target))
+        linears = [expert.get_submodule(n) for n in names]
+        for n, lin in zip(names, linears):
+            if type(lin) is not nn.Linear or lin.bias is not None or has_hooks(lin):
+                raise RewriteRefused(f"expert projection {n} is not a plain bias-free nn.Linear")
+        activation = activation_kind(expert.get_submodule(str(act_node.target)))
+        return names, activation
+    raise RewriteRefused(f"expert {name} is not down(act(gate(x)) * up(x))")
+
+
+def _modulelist_experts(experts: nn.ModuleList) -> tuple[tuple[str, str, str], str]:
+    if len(experts) < 2 or len({type(e) for e in experts}) != 1:
+        raise RewriteRefused("experts ModuleList of mixed or too few modules")
+    names, activation = _expert_mlp(experts[0])
+    first = [getattr(experts[0], n).weight for n in names]
+    for expert in experts:
+        if has_hooks(expert):
+            raise RewriteRefused("an expert has hooks")
+        weights = [getattr(expert, n).weight for n in names]
+        if any(w.shape != f.shape or w.dtype != f.dtype for w, f in zip(weights, first)):
+            raise RewriteRefused("experts differ in shape or dtype")
+        if activation_kind(_act_child(expert, names)) != activation:
+            raise RewriteRefused("experts differ in activation")
+    if first[0].shape != first[1].shape or first[2].shape[::-1] != first[0].shape:
+        raise RewriteRefused("expert gate/up/down shapes do not chain")
+    return names, activation
+
+
+def _act_child(expert: nn.Module, names: tuple[str, str, str]) -> nn.Module:
+    children = [c for n, c in expert.named_children() if n not in names]
+    if len(children) != 1:
+        raise RewriteRefused("expert MLP holds other children than its projections and activation")
+    return children[0]
+
+
+def _other_state(module: nn.Module, accounted: set[str]) -> None:
+    for name, child in module.named_children():
+        if name in accounted:
+            continue
+        if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None:
+            raise RewriteRefused(f"child {name} holds state the fused block would not run")
+    own = [n for n, _ in module.named_parameters(recurse=False)] + [
+        n for n, _ in module.named_buffers(recurse=False)
+    ]
+    if own:
+        raise RewriteRefused(f"the block holds state of its own ({own})")
+
+
+def _shared(node: Any, x: fx.Node, module: nn.Module) -> tuple[str, str | None]:
+    """(shared expert, its gate or None) for `shared(x)` or `sigmoid(gate(x)) * shared(x)`."""
+    node = _unwrap(node, module)
+    if _reads_input(node, x, module):
+        return str(node.target), None
+    if is_op(node, "mul") and len(node.args) == 2:
+        for gated, shared in (node.args, node.args[::-1]):
+            gated, shared = _unwrap(gated, module), _unwrap(shared, module)
+            if not (is_op(gated, "sigmoid") and _reads_input(shared, x, module)):
+                continue
+            gate = _unwrap(gated.args[0], module)
+            if _reads_input(gate, x, module):
+                linear = module.get_submodule(str(gate.target))
+                if (
+                    type(linear) is nn.Linear
+                    and linear.out_features == 1
+                    and linear.bias is None
+                    and str(gate.target) != str(shared.target)
+                ):
+                    return str(shared.target), str(gate.target)
+    raise RewriteRefused("the output adds a term that is not a (gated) shared expert of the input")
+
+
+def _match_packed(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMatch:
+    x = _input(graph)
+    out = output_value(graph)
+    if isinstance(out, (tuple, list)):
+        raise RewriteRefused("the block returns a tuple")
+    if out is None:
+        reason = (
+            "returns a tuple" if _returns_tuple(type(module)) else "does not trace to its return"
+        )
+        raise RewriteRefused(f"the block {reason}")
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target == experts_name]
+    if x is None or len(calls) != 1:
+        raise RewriteRefused(f"{experts_name} is not called exactly once")
+    experts_node = calls[0]
+    experts = module.get_submodule(experts_name)
+    activation = _packed_experts(experts)
+    try:
+        bound = inspect.signature(type(experts).forward).bind(
+            None, *experts_node.args, **experts_node.kwargs
+        )
+    except TypeError as exc:
+        raise RewriteRefused(f"experts call does not bind: {exc}") from exc
+    arguments = list(bound.arguments.values())[1:]
+    if len(arguments) != 3:
+        raise RewriteRefused("experts are called with other than (hidden, ids, weights)")
+    hidden, ids, weights = arguments
+    if _unwrap(hidden, module) is not x:
+        raise RewriteRefused("experts do not read the block input")
+    router = ids.args[0] if isinstance(ids, fx.Node) and ids.args else None
+    if not (
+        isinstance(router, fx.Node)
+        and ids.target is operator.getitem
+        and ids.args == (router, 2)
+        and isinstance(weights, fx.Node)
+        and weights.target is operator.getitem
+        and weights.args == (router, 1)
+        and _reads_input(router, x, module)
+    ):
+        raise RewriteRefused("experts do not take (ids, weights) = router(x)[2], router(x)[1]")
+    router_name = str(router.target)
+    router_module = module.get_submodule(router_name)
+    if isinstance(router_module, nn.Linear):
+        raise RewriteRefused("the router is a bare linear returning logits, not routing")
+    routing = _router_program(router_module)
+    root = _unwrap(out, module)
+    shared_name = shared_gate_name = None
+    if root is not experts_node:
+        if not (is_op(root, "add") and len(root.args) == 2):
+            raise RewriteRefused(
+                "the block does not return the experts' output (plus a shared expert)"
+            )
+        a, b = (_unwrap(arg, module) for arg in root.args)
+        if b is experts_node:
+            a, b = b, a
+        if a is not experts_node:
+            raise RewriteRefused(
+                "the block does not return the experts' output (plus a shared expert)"
+            )
+        shared_name, shared_gate_name = _shared(b, x, module)
+    accounted = {experts_name, router_name, shared_name, shared_gate_name} - {None}
+    _other_state(module, accounted)
+    return MoEMatch(
+        style="packed",
+        router_name=router_name,
+        router_weight=routing.weight_name,
+        spec=routing.spec,
+        experts_name=experts_name,
+        activation=activation,
+        shared_name=shared_name,
+        shared_gate_name=shared_gate_name,
+        training_sensitive=_reads_training(type(module)) or _reads_training(type(router_module)),
+    )
+
+
+def _router_program(router: nn.Module) -> _Routing:
+    """The routing program of a Transformers 5 router module (returns logits, weights, ids)."""
+    params = dict(router.named_parameters(recurse=False))
+    if "bias" in params:
+        raise RewriteRefused("the router has a bias")
+    buffers = [n for n, _ in router.named_buffers(recurse=False)]
+    if next(router.children(), None) is not None:
+        raise RewriteRefused("the router has children")
+    graph = trace(router)
+    x = _input(graph) if graph is not None else None
+    if graph is None or x is None:
+        raise RewriteRefused("the router does not trace")
+    routing = _routing(graph, router, x)
+    if set(params) != {routing.weight_name}:
+        raise RewriteRefused(f"the router holds parameters {sorted(params)} besides its weight")
+    if buffers:
+        raise RewriteRefused(f"the router holds buffers {buffers} (e.g. a correction bias)")
+    out = output_value(graph)
+    if not (
+        isinstance(out, (tuple, list))
+        and len(out) == 3
+        and out[1] is routing.weights
+        and out[2] is routing.ids
+        and peel(out[0]) is routing.linear
+    ):
+        raise RewriteRefused("the router does not return (logits, routing weights, expert ids)")
+    return routing
+
+
+def _match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMatch:
+    x = _input(graph)
+    if x is None:
+        raise RewriteRefused("the block has no input")
+    if output_value(graph) is not None and isinstance(output_value(graph), (tuple, list)):
+        raise RewriteRefused("the block returns a tuple")
+    if _returns_tuple(type(module)):
+        raise RewriteRefused("the block returns a tuple")
+    names, activation = _modulelist_experts(module.get_submodule(experts_name))
+    routing = _routing(graph, module, x)
+    if routing.linear.op != "call_module":
+        raise RewriteRefused("the Transformers 4 router is not a linear child")
+    router_name = str(routing.linear.target)
+    _other_state(module, {experts_name, router_name})
+    return MoEMatch(
+        style="modulelist",
+        router_name=router_name,
+        router_weight="weight",
+        spec=routing.spec,
+        experts_name=experts_name,
+        activation=activation,
+        expert_names=names,
+        training_sensitive=_reads_training(type(module)),
+    )
+
+
+def _experts_child(module: nn.Module) -> tuple[str, str] | None:
+    """(name, style) of the one child holding the experts, or None."""
+    found = []
+    for name, child in module.named_children():
+        params = dict(child.named_parameters(recurse=False))
+        if params.get("gate_up_proj") is not None and params["gate_up_proj"].ndim == 3:
+            found.append((name, "packed"))
+        elif (
+            isinstance(child, nn.ModuleList)
+            and len(child) >= 2
+            and any(isinstance(c, nn.Linear) for c in child[0].children())
+        ):
+            found.append((name, "modulelist"))
+    return found[0] if len(found) == 1 else None
+
+
+# --------------------------------------------------------------------------------------------
+# Building and checking the fused block.
+
+
+def _build(
+    module: nn.Module, found: MoEMatch, backend: str
+) -> tuple[FusedMoE, PackedExperts | None]:
+    """The fused block for `module` (sharing its parameters, except that Transformers 4
+    experts are packed into new tensors)."""
+    packed = None
+    experts = module.get_submodule(found.experts_name)
+    if found.style == "modulelist":
+        assert found.expert_names is not None
+        packed = PackedExperts.from_mlps(experts, found.expert_names)
+        experts = packed
+    router = module.get_submodule(found.router_name)
+    fused = FusedMoE(
+        router_name=found.router_name,
+        router=router,
+        router_weight=found.router_weight.rpartition(".")[2],
+        router_is_linear=found.style == "modulelist",
+        spec=found.spec,
+        experts_name=found.experts_name,
+        experts=experts,
+        activation=found.activation,
+        shared_name=found.shared_name,
+        shared=module.get_submodule(found.shared_name) if found.shared_name else None,
+        shared_gate_name=found.shared_gate_name,
+        shared_gate=module.get_submodule(found.shared_gate_name)
+        if found.shared_gate_name
+        else None,
+        training_sensitive=found.training_sensitive,
+        backend=backend,
+    )
+    fused.train(module.training)
+    return fused, packed
+
+
+def _error(reference: torch.Tensor, other: torch.Tensor) -> float:
+    a, b = reference.double(), other.double()
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    scale = a[finite].abs().max().clamp_min(1e-30)
+    return float((a[finite] - b[finite]).abs().max() / scale)
+
+
+def _check_numerically(module: nn.Module, found: MoEMatch) -> None:
+    """Run the block and its fused twin (torch reference kernels) on one random input; refuse
+    unless routing is bit-identical (Transformers 5 routers) and outputs agree to rounding."""
+    experts = module.get_submodule(found.experts_name)
+    weight = next(experts.parameters())
+    if weight.device.type == "meta":
+        if found.style == "modulelist":
+            raise RewriteRefused("cannot check a Transformers 4 expert loop on the meta device")
+        return
+    dtype = weight.dtype
+    router = module.get_submodule(found.router_name)
+    hidden = getattr(router, found.router_weight.rpartition(".")[2]).shape[-1]
+    generator = torch.Generator().manual_seed(20240601)
+    x = torch.randn(2, 8, hidden, generator=generator).to(weight.device, dtype)
+    fused, _ = _build(module, found, "torch")
+    fused.eval()
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            if found.style == "packed":
+                x2 = x.reshape(-1, hidden)
+                _, ref_w, ref_ids = router(x2)
+                _, new_w, new_ids = fused.route(x2)
+                if not (torch.equal(ref_ids, new_ids) and ref_w.dtype == new_w.dtype):
+                    raise RewriteRefused("the matched routing picks other experts than the router")
+                if not torch.equal(ref_w, new_w):
+                    raise RewriteRefused("the matched routing weights differ from the router's")
+            expected = module(x.clone())
+            actual = fused(x.clone())
+    except RewriteRefused:
+        raise
+    except Exception as exc:
+        raise RewriteRefused(f"numeric check failed to run: {type(exc).__name__}: {exc}") from exc
+    finally:
+        module.train(was_training)
+    if not torch.is_tensor(expected) or expected.shape != actual.shape:
+        raise RewriteRefused("the block's output is not one tensor of the fused block's shape")
+    if expected.dtype != actual.dtype:
+        raise RewriteRefused(f"the block returns {expected.dtype}, the fused block {actual.dtype}")
+    error = _error(expected, actual)
+    if error > _TOLERANCE.get(dtype, 3e-2):
+        raise RewriteRefused(
+            f"fused block differs from the original by {error:.2e} (max-normalised)"
+        )
+
+
+def _signature(module: nn.Module, names: tuple[str | None, ...]) -> tuple:
+    """Plain attributes of the block and the named children that could change what a trace
+    shows (top-k, flags, scaling factors); objects count by identity."""
+    parts = []
+    for owner in (module, *(module.get_submodule(n) for n in names if n)):
+        items = []
+        for key, value in sorted(owner.__dict__.items()):
+            if key in _MODULE_INTERNALS or (key.startswith("_") and key not in _PACKED_FLAGS):
+                continue
+            plain = isinstance(value, (bool, int, float, str, type(None), torch.dtype)) or (
+                isinstance(value, tuple) and all(isinstance(v, (int, float, str)) for v in value)
+            )
+            items.append((key, value) if plain else (key, type(value).__name__, id(value)))
+        parts.append(tuple(items))
+    return tuple(parts)
+
+
+def derive(graph: fx.Graph | None, module: nn.Module) -> MoEMatch | None:
+    """The match for `module` (None when it is not an MoE block at all), numerically checked."""
+    located = _experts_child(module)
+    if graph is None or located is None:
+        return None
+    experts_name, style = located
+    if style == "packed":
+        found = _match_packed(graph, module, experts_name)
+    else:
+        found = _match_modulelist(graph, module, experts_name)
+    _check_numerically(module, found)
+    return found
+
+
+@dataclass
+class MoEFuser(Fuser):
+    """Replace an MoE block with a `FusedMoE`."""
+
+    name: ClassVar[str] = "moe"
+    redefines_forward: ClassVar[bool] = True
+
+    match_: MoEMatch | None = None
+    signature: tuple = ()
+    by_signature: dict[tuple, MoEMatch | str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def candidate(cls, module: nn.Module) -> bool:
+        return _experts_child(module) is not None
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> MoEFuser | None:
+        found = derive(graph, module)
+        if found is None:
+            return None
+        fuser = cls(source_class=type(module).__name__, match_=found)
+        fuser.signature = _signature(module, fuser._names(found))
+        fuser.by_signature[fuser.signature] = found
+        return fuser
+
+    @staticmethod
+    def _names(found: MoEMatch) -> tuple[str | None, ...]:
+        return (found.router_name, found.experts_name)
+
+    def _match_for(self, module: nn.Module) -> MoEMatch:
+        assert self.match_ is not None
+        try:
+            signature = _signature(module, self._names(self.match_))
+        except AttributeError as exc:
+            raise RewriteRefused(f"instance lacks a child of its class's match: {exc}") from exc
+        if signature not in self.by_signature:
+            try:
+                found = derive(trace(module), module)
+                self.by_signature[signature] = found or "not an MoE block"
+            except RewriteRefused as exc:
+                self.by_signature[signature] = str(exc)
+        found = self.by_signature[signature]
+        if isinstance(found, str):
+            raise RewriteRefused(f"this instance differs from its class's match: {found}")
+        return found
+
+    def validate(self, module: nn.Module) -> None:
+        found = self._match_for(module)
+        hooks = has_hooks(module)
+        if hooks:
+            raise RewriteRefused(f"block has {hooks}")
+        experts = module.get_submodule(found.experts_name)
+        for name, child in [(found.experts_name, experts), *experts.named_children()]:
+            hooks = has_hooks(child)
+            if hooks:
+                raise RewriteRefused(f"{name} has {hooks}")
+        if found.style == "packed":
+            activation = _packed_experts(experts)
+            router = module.get_submodule(found.router_name)
+            weight = getattr(router, found.router_weight)
+            if weight.shape != (experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[2]):
+                raise RewriteRefused(
+                    f"router weight {tuple(weight.shape)} does not fit the experts"
+                )
+        else:
+            _, activation = _modulelist_experts(experts)
+        if activation != found.activation:
+            raise RewriteRefused(f"activation {activation}, matched {found.activation}")
+
+    def fuse(self, module: nn.Module, backend: str) -> nn.Module:
+        from fusion.checkpoint import register_packed_experts_loader
+
+        self.validate(module)
+        found = self._match_for(module)
+        fused, packed = _build(module, found, backend)
+        if packed is not None:
+            register_packed_experts_loader(fused, found.experts_name)
+        return fused
+
+    def describe(self) -> str:
+        assert self.match_ is not None
+        m = self.match_
+        shared = ""
+        if m.shared_name:
+            shared = f" + {m.shared_name}" + (
+                f" (gated by {m.shared_gate_name})" if m.shared_gate_name else ""
+            )
+        experts = (
+            f"{m.experts_name}[{'ModuleList -> packed' if m.style == 'modulelist' else 'packed'}]"
+        )
+        return f"{m.router_name}: {m.spec.describe()}; {experts} grouped{shared} -> FusedMoE"

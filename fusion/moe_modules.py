@@ -1,0 +1,271 @@
+"""Fused mixture-of-experts modules: routing exactly as matched, experts as grouped GEMMs.
+
+`FusedMoE` replaces a Transformers MoE block. It keeps the block's children under their own
+names (the router, the experts, the shared expert and its gate), so the block's checkpoint
+keys are unchanged; only a Transformers 4 `ModuleList` of expert MLPs is repacked, into
+`PackedExperts`, with `fusion.checkpoint` mapping the per-expert keys both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion import kernels
+
+DtypeRule = torch.dtype | str | None
+"""A dtype a routing step casts to: a fixed dtype, `"input"` (the block input's dtype),
+`"logits"` (the router logits' dtype), or None (no cast)."""
+
+
+@dataclass(frozen=True)
+class RouteStep:
+    """One op of the routing program, in the order the matched router runs them.
+
+    `kind`: `cast` (to `dtype`), `softmax` (over the experts; `dtype` is softmax's own
+    `dtype=` argument), `sigmoid`, `topk` (`value` = k, `sorted`), `renorm` (divide by the
+    sum of the selection plus `value`), `scale` (multiply by `value`).
+    """
+
+    kind: str
+    dtype: DtypeRule = None
+    value: float | int | None = None
+    sorted: bool = True
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """The router: `logits = linear(x.to(input_cast), weight.to(weight_cast))`, then `steps`.
+
+    Exactly one step is `topk`; the indices are its second output and the routing weights are
+    the value after the last step.
+    """
+
+    input_cast: DtypeRule
+    weight_cast: DtypeRule
+    steps: tuple[RouteStep, ...]
+
+    @property
+    def top_k(self) -> int:
+        return int(next(step.value for step in self.steps if step.kind == "topk"))
+
+    def describe(self) -> str:
+        names = []
+        for step in self.steps:
+            if step.kind == "topk":
+                names.append(f"top-{step.value}")
+            elif step.kind == "renorm":
+                names.append("renormalise")
+            elif step.kind == "scale":
+                names.append(f"x{step.value:g}")
+            elif step.kind == "cast":
+                names.append(f"to {_dtype_name(step.dtype)}")
+            else:
+                suffix = f"[{_dtype_name(step.dtype)}]" if step.dtype is not None else ""
+                names.append(step.kind + suffix)
+        return " -> ".join(["linear", *names])
+
+
+def _dtype_name(rule: DtypeRule) -> str:
+    return str(rule).removeprefix("torch.") if rule is not None else "-"
+
+
+def _resolve(rule: DtypeRule, x: torch.Tensor, logits: torch.Tensor | None) -> torch.dtype | None:
+    if rule is None or isinstance(rule, torch.dtype):
+        return rule
+    if rule == "input":
+        return x.dtype
+    if rule == "logits" and logits is not None:
+        return logits.dtype
+    raise ValueError(f"unknown dtype rule {rule!r}")
+
+
+def route(
+    spec: RouteSpec,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, routing weights, expert ids) for 2-D `x`, running `spec`'s ops in its order,
+    so every rounding the original router does happens here too (bit-identical results).
+    `logits` given (by a router linear the caller ran itself) skip the linear."""
+    if logits is None:
+        assert weight is not None
+        in_dtype = _resolve(spec.input_cast, x, None)
+        w_dtype = _resolve(spec.weight_cast, x, None)
+        logits = F.linear(
+            x if in_dtype is None else x.to(in_dtype),
+            weight if w_dtype is None else weight.to(w_dtype),
+        )
+    value = logits
+    ids = None
+    for step in spec.steps:
+        if step.kind == "cast":
+            value = value.to(_resolve(step.dtype, x, logits))
+        elif step.kind == "softmax":
+            value = F.softmax(value, dim=-1, dtype=_resolve(step.dtype, x, logits))
+        elif step.kind == "sigmoid":
+            value = torch.sigmoid(value)
+        elif step.kind == "topk":
+            value, ids = torch.topk(value, int(step.value), dim=-1, sorted=step.sorted)
+        elif step.kind == "renorm":
+            denominator = value.sum(dim=-1, keepdim=True)
+            if step.value:
+                denominator = denominator + step.value
+            value = value / denominator
+        elif step.kind == "scale":
+            value = value * step.value
+        else:
+            raise ValueError(f"unknown routing step {step.kind!r}")
+    assert ids is not None, "a routing program without top-k"
+    return logits, value, ids
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    )
+
+
+class PackedExperts(nn.Module):
+    """A Transformers 4 `ModuleList` of gated expert MLPs, repacked as Transformers 5 does:
+    `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and
+    `down_proj [E, H, I]`. `names` remembers the (gate, up, down) child names of each expert
+    so `fusion.checkpoint` maps `experts.<e>.<name>.weight` keys both ways."""
+
+    def __init__(
+        self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, names: tuple[str, str, str]
+    ):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj)
+        self.down_proj = nn.Parameter(down_proj)
+        self.names = names
+
+    @classmethod
+    def from_mlps(cls, experts: nn.ModuleList, names: tuple[str, str, str]) -> PackedExperts:
+        """Stack the experts' weights (copies: the per-expert tensors are released with the
+        `ModuleList` when the block is replaced)."""
+        gate, up, down = names
+        with torch.no_grad():
+            gate_up = torch.stack(
+                [
+                    torch.cat([getattr(e, gate).weight, getattr(e, up).weight], dim=0)
+                    for e in experts
+                ]
+            )
+            down_w = torch.stack([getattr(e, down).weight for e in experts])
+        packed = cls(gate_up, down_w, names)
+        requires_grad = getattr(experts[0], gate).weight.requires_grad
+        packed.gate_up_proj.requires_grad_(requires_grad)
+        packed.down_proj.requires_grad_(requires_grad)
+        return packed
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate_up_proj.shape[0])
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.gate_up_proj.shape
+        return f"experts={e}, hidden={h}, intermediate={two_i // 2}, from={self.names}"
+
+
+class FusedMoE(nn.Module):
+    """A mixture-of-experts block: matched routing, grouped experts, optional shared expert.
+
+    `forward(x)` flattens `x` to `[T, H]`, routes (`route(spec, ...)`, the original router's
+    ops in its order), runs the experts through the backend's `moe_experts` (tokens sorted by
+    expert, one GEMM per expert slice per projection, act-and-mul once, one `index_add_`),
+    adds `shared(x)` (times `sigmoid(shared_gate(x))` when gated), and restores `x`'s shape.
+
+    The router, experts, shared expert and its gate stay children under their original names
+    (`router_name`, ...), so state dicts keep their keys. The router module itself is not
+    called: its weight (and nothing else) is read. `training_sensitive`: the original
+    forward behaves differently in training mode (e.g. router jitter), which this module does
+    not reproduce, so running it in training mode raises instead of silently differing.
+    """
+
+    def __init__(
+        self,
+        *,
+        router_name: str,
+        router: nn.Module,
+        router_weight: str,
+        router_is_linear: bool = False,
+        spec: RouteSpec,
+        experts_name: str,
+        experts: nn.Module,
+        activation: str,
+        shared_name: str | None = None,
+        shared: nn.Module | None = None,
+        shared_gate_name: str | None = None,
+        shared_gate: nn.Module | None = None,
+        training_sensitive: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.router_name = router_name
+        self.router_weight = router_weight
+        self.router_is_linear = router_is_linear
+        self.spec = spec
+        self.experts_name = experts_name
+        self.activation = activation
+        self.shared_name = shared_name
+        self.shared_gate_name = shared_gate_name
+        self.training_sensitive = training_sensitive
+        self.backend = backend
+        setattr(self, router_name, router)
+        setattr(self, experts_name, experts)
+        if shared_name is not None:
+            setattr(self, shared_name, shared)
+        if shared_gate_name is not None:
+            setattr(self, shared_gate_name, shared_gate)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, routing weights [T, K], expert ids [T, K]) for 2-D `x`.
+
+        A Transformers 4 router is a plain linear child: it is called (so hooks on it fire)
+        and the program runs on its logits. A Transformers 5 router module is called only
+        when it carries hooks (Transformers records router logits through them): the match
+        proved its outputs bit-identical to the program's, so either path is the same
+        function, and the hooks see what they would have seen.
+        """
+        router = getattr(self, self.router_name)
+        if self.router_is_linear:
+            return route(self.spec, x, None, logits=router(x))
+        if _hooked(router):
+            logits, weights, ids = router(x)
+            return logits, weights, ids
+        return route(self.spec, x, getattr(router, self.router_weight))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.training and self.training_sensitive:
+            raise RuntimeError(
+                "FusedMoE replaced a block whose forward changes in training mode; "
+                "it reproduces the block in eval mode only"
+            )
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, ids = self.route(x)
+        experts = getattr(self, self.experts_name)
+        out = kernels.get(self.backend, x.device).moe_experts(
+            x, experts.gate_up_proj, experts.down_proj, ids, weights, self.activation
+        )
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(x)
+            if self.shared_gate_name is not None:
+                shared = torch.sigmoid(getattr(self, self.shared_gate_name)(x)) * shared
+            out = out + shared
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        shared = ""
+        if self.shared_name is not None:
+            gate = f" gated by {self.shared_gate_name}" if self.shared_gate_name else ""
+            shared = f", shared={self.shared_name}{gate}"
+        return f"routing={self.spec.describe()}, activation={self.activation}{shared}, backend={self.backend}"
