@@ -27,11 +27,13 @@ instance's variant.
 
 from __future__ import annotations
 
+import ast
 import copy
 import inspect
 import math
 import operator
 import re
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -40,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fusion import alias
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser, has_hooks
 from fusion.kernels import torch_ref
@@ -637,8 +640,65 @@ def _points(has_weight: bool) -> tuple[list[tuple], list[tuple]]:
     return required, extra
 
 
+def _funcdef(cls: type, name: str) -> ast.FunctionDef:
+    fn = inspect.unwrap(getattr(cls, name))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError) as exc:
+        raise RewriteRefused(f"source of {cls.__name__}.{name} unavailable: {exc}") from exc
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        raise RewriteRefused(f"{cls.__name__}.{name} source is not a plain function definition")
+    funcdef = tree.body[0]
+    funcdef.decorator_list.clear()
+    return funcdef
+
+
+def check_write_free(module: nn.Module, name: str = "forward", depth: int = 0) -> None:
+    """Refuse unless `module`'s `name` method (and the helper methods it calls on `self`)
+    provably writes no tensor: no augmented assignment, no store through a subscript or
+    attribute, and no call that may write its arguments (`fusion.alias` decides which calls
+    are pure).
+
+    The traced graph cannot show a write: fx records `h *= s` as `h = h * s`, and a
+    discarded in-place call (`F.relu(x, inplace=True)`) has no user in the dataflow. Yet with
+    a float32 input `x.to(torch.float32)` is `x` itself, so such a write changes the caller's
+    tensor (a residual kept before the norm) and every later read of it, while FusedRMSNorm
+    is a pure function of its input. No Transformers RMSNorm writes anything.
+    """
+    cls = type(module)
+    if depth > 3:
+        raise RewriteRefused(f"{cls.__name__}.{name}: helper calls nest too deeply to check")
+    funcdef = _funcdef(cls, name)
+    shadowed = alias.local_names(funcdef) & (alias.PURE_BUILTINS | alias.PURE_NAMESPACES)
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.AugAssign):
+            raise RewriteRefused(
+                f"{cls.__name__}.{name} has an augmented assignment (may write a tensor in place)"
+            )
+        if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(
+            node.ctx, (ast.Store, ast.Del)
+        ):
+            raise RewriteRefused(f"{cls.__name__}.{name} stores through a subscript or attribute")
+        if not isinstance(node, ast.Call) or alias._known_pure(node, module, shadowed):
+            continue
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "self"
+            and inspect.isfunction(getattr(cls, func.attr, None))
+            and not alias.writes_through_args(node)
+        ):
+            check_write_free(module, func.attr, depth + 1)  # a helper such as Gemma's _norm
+            continue
+        raise RewriteRefused(
+            f"{cls.__name__}.{name} calls {ast.unparse(func)}, which may write its arguments"
+        )
+
+
 def derive(module: nn.Module) -> NormMatch:
     """Prove which `FusedRMSNorm` variant `module` computes; RewriteRefused says why not."""
+    check_write_free(module)
     weight_name = _weight_name(module)
     weight = module._parameters[weight_name] if weight_name else None
     width = int(weight.shape[0]) if weight is not None else 8
