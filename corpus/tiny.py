@@ -44,6 +44,7 @@ __all__ = [
     "SIZES",
     "Sizes",
     "config_fields",
+    "config_values",
     "is_config",
     "shrink_kwargs",
     "special_token_ids",
@@ -328,7 +329,7 @@ def class_defaults(config_cls: type) -> dict[str, Any]:
     return out
 
 
-def _values_of(config: Any) -> dict[str, Any]:
+def config_values(config: Any) -> dict[str, Any]:
     """Attribute values of a config instance (post-init, i.e. including derived values)."""
     # Heterogeneous configs (per-layer overrides) refuse plain global reads of per-layer
     # attributes; their raw global value is what the constructor takes, so read that.
@@ -354,7 +355,7 @@ def _default_widths(config: Any) -> frozenset[int]:
     found: set[int] = set()
 
     def walk(c: Any) -> None:
-        values = _values_of(c)
+        values = config_values(c)
         for n in _WIDTH_NAMES:
             if is_int(values.get(n)) and values[n] >= 64:
                 found.add(values[n])
@@ -437,7 +438,7 @@ def shrink_kwargs(
     if widths is None:
         widths = _default_widths(config)
     fields = config_fields(type(config))
-    values = _values_of(config)
+    values = config_values(config)
     defaults = class_defaults(type(config))
     kw: dict[str, Any] = {}
 

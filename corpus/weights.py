@@ -37,16 +37,19 @@ def deterministic_construction(seed: int) -> Iterator[None]:
     """
     prev_det = torch.are_deterministic_algorithms_enabled()
     prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    prev_fill = torch.utils.deterministic.fill_uninitialized_memory
+    det = getattr(torch.utils, "deterministic", None)  # torch >= 2.1
+    prev_fill = getattr(det, "fill_uninitialized_memory", None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.utils.deterministic.fill_uninitialized_memory = True
+            if det is not None:
+                det.fill_uninitialized_memory = True
             yield
         finally:
             torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
-            torch.utils.deterministic.fill_uninitialized_memory = prev_fill
+            if det is not None:
+                det.fill_uninitialized_memory = prev_fill
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -16,7 +16,7 @@ import corpus
 from corpus.catalog import config_class
 from corpus.overrides import override
 from corpus.rules import SIZES
-from corpus.tiny import is_config
+from corpus.tiny import config_values, is_config
 
 pytest.importorskip("transformers")
 
@@ -32,6 +32,14 @@ def _walk(config, prefix=""):
             yield from _walk(sub, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
+
+
+def _configs(config):
+    """The config and its sub-configs, depth first."""
+    yield config
+    for value in config_values(config).values():
+        if is_config(value):
+            yield from _configs(value)
 
 
 def _layer_count(config):
@@ -75,6 +83,16 @@ def test_tiny_config_invariants(name):
         assert layers >= 2, "at least two layers so per-layer heterogeneity shows"
     text = tiny.get_text_config() if hasattr(tiny, "get_text_config") else tiny
     assert getattr(text, "vocab_size", 0) <= SIZES.vocab
+    # Divisibility, in the config and every sub-config: kv heads divide heads; heads divide the
+    # width wherever head_dim is derived from it.
+    for cfg in _configs(tiny_root):
+        values = config_values(cfg)
+        heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+        width = values.get("hidden_size")
+        if isinstance(heads, int) and isinstance(kv, int) and kv:
+            assert heads % kv == 0, (cfg.model_type, heads, kv)
+        if isinstance(heads, int) and isinstance(width, int) and values.get("head_dim") is None:
+            assert width % heads == 0, (cfg.model_type, width, heads)
     # Numerics are never touched: every eps / epsilon in the tree keeps its default value.
     default_vals = dict(_walk(default))
     for key, value in _walk(tiny_root):
