@@ -238,6 +238,11 @@ class Case:
     bytes_moved: int | None = None
     unavailable: dict[str, str] = field(default_factory=dict)
 
+    def build(self) -> dict[str, Callable[[], Any]]:
+        """`make()`, each variant wrapped to run under `torch.no_grad()` (inference timings:
+        no autograd graph is recorded for any variant)."""
+        return {name: _no_grad(fn) for name, fn in self.make().items()}
+
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
@@ -250,6 +255,17 @@ class Case:
     def group(self) -> str:
         """pytest-benchmark group: all variants of one case side by side."""
         return f"{self.kernel} {self.shape} T={self.tokens} {self.dtype_name} {self.device}"
+
+
+def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+    if isinstance(fn, _Unavailable):
+        return fn
+
+    def run() -> Any:
+        with torch.no_grad():
+            return fn()
+
+    return run
 
 
 def fused_backends(device: str) -> list[str]:
@@ -388,29 +404,19 @@ def _with_experts_implementation(block: torch.nn.Module, config: Any, impl: str)
     return variant
 
 
-class _Holder(torch.nn.Module):
-    """A parent for a standalone block, so `fusion.fuse` can replace the block's children."""
-
-    def __init__(self, block: torch.nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
-
-
 def _moe_case(
     hidden: int, inter: int, experts: int, top_k: int, tokens: int, dtype, device, name
 ) -> Case:
-    """A Qwen3-MoE sparse block (router + experts) at real widths: Transformers' eager expert
-    loop (the baseline), Transformers' `grouped_mm` experts, and the block after
-    `fusion.fuse` (the fused experts, where the MoE fuser applies)."""
+    """Routed experts at real widths on one routing (computed once by a Qwen3-MoE router,
+    outside the timing): Transformers' eager expert loop (the baseline), Transformers'
+    `grouped_mm` experts, and each backend's `moe_experts` on the same weights."""
+    backends = fused_backends(device)
 
     def make() -> dict[str, Callable[[], Any]]:
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-        import fusion
+        from fusion import kernels
 
         config = Qwen3MoeConfig(
             hidden_size=hidden,
@@ -424,18 +430,18 @@ def _moe_case(
         with torch.no_grad():
             for param in block.parameters():
                 param.normal_(0.0, 0.02)
-        x = _randn(1, tokens, hidden, dtype=dtype, device=device)
+            x = _randn(tokens, hidden, dtype=dtype, device=device)
+            _, weights, ids = block.gate(x)
         fns: dict[str, Callable[[], Any]] = {}
-        for impl in ("eager", "grouped_mm"):
-            variant_block = _with_experts_implementation(block, config, impl)
-            fns[UNFUSED if impl == "eager" else "hf[grouped_mm]"] = lambda b=variant_block: b(x)
-        holder = _Holder(copy.deepcopy(_with_experts_implementation(block, config, "eager")))
-        report = fusion.fuse(holder)
-        if report.applied:
-            fns["fused"] = lambda: holder(x)
-        else:
-            reasons = "; ".join(r.reason for r in report.skipped) or "no fuser matched"
-            fns["fused"] = _Unavailable(f"fusion.fuse applied nothing to the MoE block: {reasons}")
+        for impl, variant in (("eager", UNFUSED), ("grouped_mm", "hf[grouped_mm]")):
+            experts_module = _with_experts_implementation(block, config, impl).experts
+            fns[variant] = lambda m=experts_module: m(x, ids, weights)
+        gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+        for backend in backends:
+            k = kernels.get(backend, device)
+            fns[f"fused[{backend}]"] = lambda k=k: k.moe_experts(
+                x, gate_up, down, ids, weights, "silu"
+            )
         return fns
 
     return Case(
@@ -445,7 +451,7 @@ def _moe_case(
         device=device,
         tokens=tokens,
         make=make,
-        variants=(UNFUSED, "hf[grouped_mm]", "fused"),
+        variants=(UNFUSED, "hf[grouped_mm]", *(f"fused[{b}]" for b in backends)),
     )
 
 
@@ -648,7 +654,7 @@ def run_case(case: Case, budget_s: float, copy_bw: float | None = None) -> list[
     medians: dict[str, float] = {}
     notes: dict[str, str] = {}
     try:
-        fns = case.make()
+        fns = case.build()
     except Exception as exc:  # a case that cannot be built is reported, not fatal
         return rows_from_medians(case, {}, None, {UNFUSED: f"cannot build: {exc}"})
     for variant in case.variants:

@@ -138,7 +138,7 @@ def _variants_of(case: bench.Case) -> dict[str, Callable[[], Any]]:
             torch.cuda.empty_cache()
         _BUILT.case_id, _BUILT.error = case.id, None
         try:
-            _BUILT.fns = case.make()
+            _BUILT.fns = case.build()
         except Exception as exc:
             _BUILT.error = f"{type(exc).__name__}: {exc}"
     if _BUILT.error is not None:
