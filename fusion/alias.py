@@ -160,15 +160,17 @@ def _is_self_child_call(node: ast.Call, module: nn.Module | None, types: tuple[t
 def returns_fresh(node: ast.expr, module: nn.Module | None = None) -> bool:
     """Does evaluating `node` yield storage that aliases nothing already bound?
 
-    True for literals (and expressions of literals alone), for a call of a `self.<child>` that is an exact, hook-free
+    True for literals, for a call of a `self.<child>` that is an exact, hook-free
     `nn.Linear` (a GEMM writes a new tensor) or absent/None (the call cannot run at all, so
     the branch holding it never executes), for a method chain on such a call whose arguments
     are themselves fresh (`.view(-1)`, `.transpose(1, 2)`; not `.set_(y)` or `.new(y)`,
     which return storage of their argument), and for tuples or ternaries whose every part is
     fresh. Everything else is conservatively not fresh (`alias_reads` then looks inside).
     """
-    if not any(isinstance(child, ast.Name) for child in ast.walk(node)):
-        return True  # built from literals alone (`1.5`, `-1`, `(2, 3)`): nothing to share
+    if isinstance(node, ast.Constant) or (
+        isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant)
+    ):
+        return True  # a literal (`1.5`, `None`, `-1`): nothing to share
     if isinstance(node, ast.IfExp):
         if isinstance(node.test, ast.Constant):
             return returns_fresh(node.body if node.test.value else node.orelse, module)
@@ -351,8 +353,16 @@ def aliasing_names(
     name (`d = locals()`) taints whatever it binds. Flow-insensitive on purpose: a name
     tainted anywhere is tainted everywhere.
     """
+    return _aliasing(funcdef, seed, module, _shadowed(funcdef))
+
+
+def _aliasing(
+    funcdef: ast.FunctionDef,
+    seed: Iterable[str],
+    module: nn.Module | None,
+    shadowed: frozenset[str],
+) -> set[str]:
     names = set(seed)
-    shadowed = _shadowed(funcdef)
     bindings = [
         (stores, value)
         for stores, value in _bindings(funcdef, module, shadowed)
@@ -624,8 +634,9 @@ def check_input_stable(
     activations). Aliasing created inside the forward is tracked in full.
     """
     names = input_names(input_expr)
-    tracked = aliasing_names(funcdef, names, module)
-    rebound, through = _effects(region, module, _shadowed(funcdef))
+    shadowed = _shadowed(funcdef)
+    tracked = _aliasing(funcdef, names, module, shadowed)
+    rebound, through = _effects(region, module, shadowed)
     if EVERYTHING in through:
         raise RewriteRefused("the region between projections can write any local (exec/locals)")
     # Rebinding an alias leaves the input's storage alone; rebinding a name the input
