@@ -1,0 +1,1164 @@
+"""Hypothesis strategies that write Hugging Face-shaped modules as Python source.
+
+Each example is the complete text of a small Python module: helper functions, one or more
+`nn.Module` classes whose forwards look like Transformers code (attention blocks, gated
+MLPs, RMSNorms, mixture-of-experts blocks, decoder layers nesting those), and two entry
+points the oracle and repro bundles call:
+
+    build() -> nn.Module                        # construct (weights from the global seed)
+    make_inputs(generator) -> (args, kwargs)    # fresh random inputs for one forward
+
+The text is written to a file and imported (`tests.fuzz.oracle.load`), so fusion reads it
+with `inspect.getsource` exactly as it reads Transformers: rewriting sees real source.
+
+Forwards are drawn from a grammar of variations a fuser must get right (widths, GQA ratios,
+biases, q/k norms, existence guards, flag branches, KV-cache updates, attention-interface
+calls, activation choices, operand order) and of statements interleaved between the
+projection calls. Every statement carries a label; statements and module features that can
+change what a fused forward computes (writes to the projection input, rebinding it, hooks,
+`nn.Linear` subclasses with their own call path) are *hazards*. A module without hazards is
+*safe*: the engine should usually fuse it, which the coverage test checks.
+
+The generator aims for programs that run: shapes are tracked by construction, not inferred.
+Whether a hazard actually changes anything is never decided here: the oracle runs both
+forwards and compares.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+SHAPES = ("attention", "glu_mlp", "rmsnorm", "moe", "decoder_layer")
+"""Kinds of generated module, one tally row each."""
+
+Draw = Callable[[st.SearchStrategy[Any]], Any]
+
+
+@dataclass(frozen=True)
+class GeneratedModule:
+    """One generated module: its source text and what the generator put into it."""
+
+    shape: str
+    class_name: str
+    source: str
+    hazards: tuple[str, ...]
+    """Labels of constructs that may change what a fused forward computes."""
+    features: tuple[str, ...]
+    """Labels of the benign variations drawn (for notes and repro bundles)."""
+
+    @property
+    def safe(self) -> bool:
+        """No hazards: fusing may not change anything, and the engine should usually fuse."""
+        return not self.hazards
+
+    def describe(self) -> str:
+        hazards = ", ".join(self.hazards) or "none"
+        return f"{self.shape} {self.class_name}; hazards: {hazards}; features: {', '.join(self.features)}"
+
+
+# -- module-level helpers the generated classes may use ----------------------------------------
+
+SNIPPETS: dict[str, str] = {
+    "repeat_kv": '''
+        def repeat_kv(hidden_states, n_rep):
+            """Expand key/value heads for grouped-query attention (as Transformers does)."""
+            if n_rep == 1:
+                return hidden_states
+            batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+            hidden_states = hidden_states[:, :, None, :, :].expand(
+                batch, num_key_value_heads, n_rep, slen, head_dim
+            )
+            return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+        ''',
+    "eager_attention_forward": '''
+        def eager_attention_forward(
+            module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs
+        ):
+            """Transformers' eager attention (the tracer makes `*attention_forward` a leaf)."""
+            key_states = repeat_kv(key, module.num_key_value_groups)
+            value_states = repeat_kv(value, module.num_key_value_groups)
+            attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+            if attention_mask is not None:
+                attn_weights = attn_weights + attention_mask
+            attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(
+                query.dtype
+            )
+            attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+            attn_output = torch.matmul(attn_weights, value_states)
+            attn_output = attn_output.transpose(1, 2).contiguous()
+            return attn_output, attn_weights
+        ''',
+    "SimpleCache": '''
+        class SimpleCache:
+            """A dynamic KV cache: appends the new keys and values to the past ones."""
+
+            def __init__(self, keys, values):
+                self.keys = keys
+                self.values = values
+
+            def update(self, key_states, value_states, layer_idx, **kwargs):
+                self.keys = torch.cat([self.keys, key_states], dim=-2)
+                self.values = torch.cat([self.values, value_states], dim=-2)
+                return self.keys, self.values
+        ''',
+    "StaticCache": '''
+        class StaticCache:
+            """A static KV cache: copies the new keys and values into preallocated tensors."""
+
+            def __init__(self, keys, values, position):
+                self.keys = keys
+                self.values = values
+                self.position = position
+
+            def update(self, key_states, value_states, layer_idx, **kwargs):
+                end = self.position + key_states.shape[-2]
+                self.keys[:, :, self.position : end].copy_(key_states)
+                self.values[:, :, self.position : end].copy_(value_states)
+                self.position = end
+                return self.keys[:, :, :end], self.values[:, :, :end]
+        ''',
+    "bump": '''
+        def bump(t):
+            """Writes its argument (a name without an in-place spelling)."""
+            t.mul_(0.5)
+            return t
+        ''',
+    "hooks": """
+        def halve_output_hook(module, args, output):
+            return output * 0.5
+
+
+        def halve_input_pre_hook(module, args):
+            return (args[0] * 0.5, *args[1:])
+
+
+        def counting_hook(module, args, output):
+            module.calls = getattr(module, "calls", 0) + 1
+        """,
+    "SubLinear": '''
+        class SubLinear(nn.Linear):
+            """An nn.Linear subclass that changes nothing about the call."""
+
+            def extra_repr(self):
+                return "sub, " + super().extra_repr()
+        ''',
+    "ScaledLinear": '''
+        class ScaledLinear(nn.Linear):
+            """An nn.Linear subclass with its own forward."""
+
+            def forward(self, input):
+                return super().forward(input) * 0.5
+        ''',
+    "CallLinear": '''
+        class CallLinear(nn.Linear):
+            """An nn.Linear subclass that overrides __call__ rather than forward."""
+
+            def __call__(self, input):
+                return super().__call__(input) * 0.5
+        ''',
+    "CustomAct": '''
+        class CustomAct(nn.Module):
+            """An activation no fused kernel reproduces (quick GELU spelled by hand)."""
+
+            def forward(self, x):
+                return x * torch.sigmoid(1.702 * x)
+        ''',
+    "HeadRMSNorm": '''
+        class HeadRMSNorm(nn.Module):
+            """Llama-style RMSNorm used as a q/k norm."""
+
+            def __init__(self, hidden_size, eps=1e-6):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(hidden_size) * 0.1 + 1.0)
+                self.variance_epsilon = eps
+
+            def forward(self, hidden_states):
+                input_dtype = hidden_states.dtype
+                hidden_states = hidden_states.to(torch.float32)
+                variance = hidden_states.pow(2).mean(-1, keepdim=True)
+                hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+                return self.weight * hidden_states.to(input_dtype)
+        ''',
+}
+
+SNIPPET_DEPENDENCIES = {"eager_attention_forward": ("repeat_kv",)}
+
+HEADER = """\
+# Generated by tests/fuzz/strategies.py (Hypothesis): a Hugging Face-shaped module for the
+# fusion fuzzer. build() constructs it; make_inputs(generator) draws one forward's inputs.
+import operator
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+"""
+
+
+# -- interleaved statements ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stmt:
+    """One interleaved statement: its label, whether it is a hazard, its lines, and the
+    helpers it needs."""
+
+    label: str
+    hazard: bool
+    lines: tuple[str, ...]
+    snippets: tuple[str, ...] = ()
+
+
+def _stmts(
+    table: Sequence[tuple[str, Sequence[str]] | tuple[str, Sequence[str], Sequence[str]]],
+    hazard: bool,
+) -> list[tuple[str, bool, tuple[str, ...], tuple[str, ...]]]:
+    return [
+        (entry[0], hazard, tuple(entry[1]), tuple(entry[2]) if len(entry) > 2 else ())
+        for entry in table
+    ]
+
+
+INPUT_BENIGN = _stmts(
+    [
+        ("shape_read", ["_z_n = {x}.shape[-1]"]),
+        ("size_read", ["_z_b = {x}.size(0)"]),
+        ("fresh_value", ["_z_tmp = {x} * 0.5"]),
+        ("residual", ["_z_residual = {x}"]),
+        ("view_read", ["_z_flat = {x}.reshape(-1, {x}.shape[-1])"]),
+        ("slice_read", ["_z_head = {x}[..., :1]"]),
+        ("detach_read", ["_z_det = {x}.detach()"]),
+        ("contiguous_read", ["_z_c = {x}.contiguous()"]),
+        ("metadata_branch", ["if {x}.dim() == 0:", "    _z_never = True"]),
+        ("dtype_branch", ["if {x}.dtype == torch.float64:", "    {x} = {x}.float()"]),
+    ],
+    hazard=False,
+)
+"""Statements that read the projection input without changing it."""
+
+INPUT_HAZARDS = _stmts(
+    [
+        ("inplace_method", ["{x}.mul_(0.5)"]),
+        ("inplace_add", ["{x}.add_(0.25)"]),
+        ("inplace_clamp", ["{x}.clamp_(min=-0.5)"]),
+        ("inplace_copy", ["{x}.copy_({x} * 0.5)"]),
+        ("inplace_sigmoid", ["{x}.sigmoid_()"]),
+        ("inplace_masked_fill", ["{x}.masked_fill_({x} > 0.5, 0.5)"]),
+        ("augassign_mul", ["{x} *= 0.5"]),
+        ("augassign_add", ["{x} += 0.25"]),
+        ("out_keyword", ["torch.mul({x}, 0.5, out={x})"]),
+        ("inplace_keyword", ["F.relu({x}, inplace=True)"]),
+        ("inplace_keyword_assigned", ["_z_r = F.hardtanh({x}, -0.5, 0.5, inplace=True)"]),
+        ("inplace_positional", ["F.leaky_relu({x}, 0.1, True)"]),
+        ("underscore_function", ["torch.relu_({x})"]),
+        ("functional_underscore", ["F.relu_({x})"]),
+        ("item_assign", ["{x}[..., 0] = 0.0"]),
+        ("item_assign_row", ["{x}[0] = {x}[0] * 0.5"]),
+        ("view_write", ["_z_v = {x}.view(-1)", "_z_v.mul_(0.5)"]),
+        ("slice_write", ["_z_s = {x}[..., :1]", "_z_s.zero_()"]),
+        ("chained_slice_write", ["{x}[..., :1].zero_()"]),
+        ("view_item_write", ["{x}.view(-1)[0] = 1.0"]),
+        ("container_write", ["_z_box = [{x}]", "_z_box[0].mul_(0.5)"]),
+        ("dict_write", ["_z_d = {{'h': {x}}}", "_z_d['h'].add_(0.25)"]),
+        ("rebind", ["{x} = {x} * 0.5"]),
+        ("rebind_flip", ["{x} = {x}.flip(-1)"]),
+        ("rebind_tuple", ["{x}, _z_u = {x} + 0.25, None"]),
+        ("walrus", ["_z_w = ({x} := {x} * 0.5)"]),
+        ("loop_inplace", ["for _ in range(2):", "    {x}.mul_(0.5)"]),
+        ("loop_rebind", ["for _ in range(1):", "    {x} = {x} + 0.25"]),
+        ("conditional_write", ["if {x}.shape[0] > 0:", "    {x}.mul_(0.5)"]),
+        ("helper_discarded", ["bump({x})"], ["bump"]),
+        ("helper_assigned", ["_z_h = bump({x})"], ["bump"]),
+        ("self_attribute_write", ["self._z_saved = {x}", "self._z_saved.mul_(0.5)"]),
+        ("setattr_write", ["setattr(self, '_z_saved', {x})", "self._z_saved.mul_(0.5)"]),
+        ("data_write", ["{x}.data.mul_(0.5)"]),
+        ("dunder", ["{x}.__imul__(0.5)"]),
+        ("operator_function", ["operator.imul({x}, 0.5)"]),
+        ("unbound_method", ["torch.Tensor.mul_({x}, 0.5)"]),
+        ("bound_method", ["_z_f = {x}.mul_", "_z_f(0.5)"]),
+        ("lambda_write", ["_z_l = lambda: {x}.mul_(0.5)", "_z_l()"]),
+        ("nested_def_write", ["def _z_g():", "    {x}.mul_(0.5)", "_z_g()"]),
+        ("exec_write", ["exec('{x}.mul_(0.5)')"]),
+    ],
+    hazard=True,
+)
+"""Statements that change the projection input's value (or rebind it)."""
+
+OUTPUT_ANY = _stmts(
+    [
+        ("out_inplace", ["{p}.mul_(0.5)"]),
+        ("out_augassign", ["{p} *= 0.5"]),
+        ("out_item_assign", ["{p}[..., 0] = 0.0"]),
+        ("out_contiguity_probe", ["if not {p}.is_contiguous():", "    {p} = {p} * 0.5"]),
+        ("out_rebind", ["{p} = {p} * 0.5"]),
+        ("out_inplace_view_op", ["{p}.unsqueeze_(0)", "{p}.squeeze_(0)"]),
+    ],
+    hazard=False,
+)
+"""Statements on a projection's output (reshaped or not): harmless to the function, but a
+split piece of a merged GEMM must behave like the projection's own output."""
+
+OUTPUT_RAW = _stmts(
+    [
+        ("out_flat_view", ["_z_pf = {p}.view(-1)"]),
+        ("out_merge_view", ["{p} = {p}.view(-1, {p}.shape[-1]).view({p}.shape)"]),
+        ("out_functional_view", ["_z_pv = torch.Tensor.view({p}, -1)"]),
+        (
+            "out_storage_probe",
+            [
+                "_z_exact = {p}.untyped_storage().nbytes() == {p}.numel() * {p}.element_size()",
+                "{p} = {p} * (1.0 if _z_exact else 0.5)",
+            ],
+        ),
+        ("out_stride_probe", ["{p} = {p} * (1.0 if {p}.stride(-2) == {p}.shape[-1] else 0.5)"]),
+    ],
+    hazard=False,
+)
+"""Statements only valid on a projection's raw (contiguous, unreshaped) output."""
+
+PROJECTION_REFERENCES = _stmts(
+    [
+        ("proj_weight_dtype", ["_z_dt = self.{proj}.weight.dtype"]),
+        ("proj_out_features", ["_z_of = self.{proj}.out_features"]),
+        ("proj_alias", ["_z_pm = self.{proj}"]),
+        ("proj_bias_branch", ["if self.{proj}.bias is not None:", "    _z_hb = True"]),
+    ],
+    hazard=False,
+)
+"""Other references to a projection module: harmless, but the projection must survive."""
+
+
+@dataclass
+class Slot:
+    """What an interleaved statement at one point of a forward may refer to."""
+
+    outputs: list[tuple[str, bool]] = field(default_factory=list)
+    """Bound projection outputs: (name, still the raw contiguous output)."""
+
+
+def draw_statements(
+    draw: Draw,
+    x: str,
+    slot: Slot,
+    projections: Sequence[str],
+    safe: bool,
+    max_count: int = 2,
+) -> list[Stmt]:
+    """Up to `max_count` statements for one slot; hazards only when not `safe`."""
+    count = draw(st.integers(0, max_count)) if max_count > 0 else 0
+    result: list[Stmt] = []
+    for _ in range(count):
+        kinds = ["input_benign", "input_benign"]
+        if projections and draw(st.integers(0, 3)) == 0:
+            kinds.append("projection_reference")
+        if slot.outputs:
+            kinds += ["output", "output"]
+        if not safe:
+            kinds += ["input_hazard", "input_hazard"]
+        kind = draw(st.sampled_from(kinds))
+        if kind == "input_benign":
+            table, fill = INPUT_BENIGN, {"x": x}
+        elif kind == "input_hazard":
+            table, fill = INPUT_HAZARDS, {"x": x}
+        elif kind == "projection_reference":
+            table, fill = PROJECTION_REFERENCES, {"proj": draw(st.sampled_from(list(projections)))}
+        else:
+            name, raw = draw(st.sampled_from(slot.outputs))
+            table, fill = (OUTPUT_ANY + OUTPUT_RAW if raw else OUTPUT_ANY), {"p": name}
+        label, hazard, lines, snippets = draw(st.sampled_from(table))
+        result.append(Stmt(label, hazard, tuple(line.format(**fill) for line in lines), snippets))
+    return result
+
+
+# -- program assembly ---------------------------------------------------------------------------
+
+
+@dataclass
+class Part:
+    """One generated class and everything the module around it must provide."""
+
+    class_name: str
+    lines: list[str]
+    """The class definition, unindented."""
+    snippets: list[str] = field(default_factory=list)
+    hooks: list[str] = field(default_factory=list)
+    """Statements for build(), `{m}` standing for the instance's expression."""
+    inputs: list[str] = field(default_factory=list)
+    """Statements for make_inputs() that bind `args` (a list) and `kwargs` (a dict)."""
+    hazards: list[str] = field(default_factory=list)
+    features: list[str] = field(default_factory=list)
+    children: list[Part] = field(default_factory=list)
+    cache_argument: str | None = None
+    returns_tuple: bool = False
+
+    def add(self, stmts: Sequence[Stmt]) -> list[str]:
+        """Record `stmts`' hazards and helpers; return their lines."""
+        lines: list[str] = []
+        for stmt in stmts:
+            (self.hazards if stmt.hazard else self.features).append(stmt.label)
+            self.snippets.extend(stmt.snippets)
+            lines.extend(stmt.lines)
+        return lines
+
+
+def method(name: str, params: str, body: Sequence[str]) -> list[str]:
+    """A method definition indented for a class body."""
+    return [f"    def {name}({params}):", *(f"        {line}" for line in body)]
+
+
+def _ordered_snippets(parts: Sequence[Part]) -> list[str]:
+    names: list[str] = []
+
+    def want(name: str) -> None:
+        for dep in SNIPPET_DEPENDENCIES.get(name, ()):
+            want(dep)
+        if name not in names:
+            names.append(name)
+
+    def visit(part: Part) -> None:
+        for child in part.children:
+            visit(child)
+        for name in part.snippets:
+            want(name)
+
+    for part in parts:
+        visit(part)
+    return names
+
+
+def _classes(part: Part, seen: set[str]) -> list[str]:
+    out: list[str] = []
+    for child in part.children:
+        out += _classes(child, seen)
+    if part.class_name not in seen:
+        seen.add(part.class_name)
+        out += ["", "", *part.lines]
+    return out
+
+
+def _collect(part: Part, attr: str) -> list[str]:
+    values = [item for child in part.children for item in _collect(child, attr)]
+    return values + list(getattr(part, attr))
+
+
+def assemble(shape: str, top: Part, construct: str, input_lines: Sequence[str]) -> GeneratedModule:
+    """The whole module source for `top` (built by `construct`), with build/make_inputs."""
+    text = [HEADER.rstrip("\n")]
+    for name in _ordered_snippets([top]):
+        text += ["", "", textwrap.dedent(SNIPPETS[name]).strip("\n")]
+    text += _classes(top, set())
+    build_body = [f"module = {construct}", *top.hooks, "return module"]
+    text += ["", "", "def build():", *(f"    {line}" for line in build_body)]
+    inputs_body = ["args = []", "kwargs = {}", *input_lines, "return tuple(args), kwargs"]
+    text += ["", "", "def make_inputs(generator):", *(f"    {line}" for line in inputs_body)]
+    return GeneratedModule(
+        shape=shape,
+        class_name=top.class_name,
+        source="\n".join(text) + "\n",
+        hazards=tuple(_collect(top, "hazards")),
+        features=tuple(_collect(top, "features")),
+    )
+
+
+def _linear_kind(draw: Draw, part: Part, attr: str, safe: bool) -> str:
+    """The class used for projection `attr`: nn.Linear mostly, a subclass sometimes."""
+    options = ["nn.Linear"] * 7 + ["SubLinear"]
+    if not safe:
+        options += ["ScaledLinear", "CallLinear"]
+    kind = draw(st.sampled_from(options))
+    if kind != "nn.Linear":
+        part.snippets.append(kind)
+        (part.features if kind == "SubLinear" else part.hazards).append(f"{attr}:{kind}")
+    return kind
+
+
+def _projection_hooks(draw: Draw, part: Part, attrs: Sequence[str], safe: bool) -> None:
+    """Hooks on projections (hazards: a merged projection stops firing them)."""
+    if safe or draw(st.integers(0, 4)) != 0:
+        return
+    attr = draw(st.sampled_from(list(attrs)))
+    hook = draw(
+        st.sampled_from(
+            [
+                ("register_forward_hook", "halve_output_hook"),
+                ("register_forward_pre_hook", "halve_input_pre_hook"),
+                ("register_forward_hook", "counting_hook"),
+            ]
+        )
+    )
+    part.snippets.append("hooks")
+    part.hooks.append(f"{{m}}.{attr}.{hook[0]}({hook[1]})")
+    part.hazards.append(f"hook:{attr}:{hook[1]}")
+
+
+def _ints(values: Sequence[int]) -> st.SearchStrategy[int]:
+    return st.sampled_from(list(values))
+
+
+def weighted(choices: Sequence[tuple[Any, int]]) -> st.SearchStrategy[Any]:
+    """One of the values, with the given integer weights (the first shrinks best)."""
+    return st.sampled_from([value for value, weight in choices for _ in range(weight)])
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+
+def attention_part(
+    draw: Draw, safe: bool, name: str = "GeneratedAttention", hidden: int | None = None
+) -> Part:
+    """An attention block: q/k/v/o projections, optional q/k norms, guards and branches, an
+    optional KV-cache update, and an attention-interface call."""
+    head_dim = draw(_ints([4, 2, 8]))
+    kv_heads = draw(_ints([1, 2]))
+    groups = draw(_ints([1, 2, 3]))
+    heads = kv_heads * groups
+    hidden = hidden if hidden is not None else draw(_ints([16, 8, 12]))
+    batch, seq = draw(_ints([2, 1])), draw(_ints([3, 1, 4]))
+    part = Part(name, [])
+    busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
+    x = draw(st.sampled_from(["hidden_states", "hidden_states", "x"]))
+    widths = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
+    biases = {p: draw(st.booleans()) for p in ("q", "k", "v", "o")}
+    kinds = {p: _linear_kind(draw, part, f"{p}_proj", safe) for p in ("q", "k", "v")}
+    norm = draw(st.sampled_from([None, None, "nn.RMSNorm", "HeadRMSNorm"]))
+    if norm == "HeadRMSNorm":
+        part.snippets.append("HeadRMSNorm")
+    if norm:
+        part.features.append(f"qk_norm:{norm}")
+    order = draw(st.permutations(["q", "k", "v"]))
+    if order != ["q", "k", "v"]:
+        part.features.append("order:" + "".join(order))
+    styles = {p: draw(st.sampled_from(["chained", "separate"])) for p in order}
+    guards = {
+        p: draw(
+            weighted(
+                [
+                    ("none", 14),
+                    ("ternary", 1),
+                    ("if_none", 1),
+                    ("truthy", 1),
+                    ("flag_on", 1),
+                    ("flag_off", 1),
+                ]
+            )
+        )
+        for p in order
+    }
+    interface = draw(weighted([("interface", 8), ("direct", 5), ("local", 4), ("inline_sdpa", 3)]))
+    part.features.append(f"attention:{interface}")
+    cache = draw(weighted([(None, 5), ("past_key_values", 2), ("cache", 2), ("layer_past", 1)]))
+    cache_kind = draw(st.sampled_from(["SimpleCache", "StaticCache"])) if cache else None
+    dropout = draw(st.booleans())
+    returns_tuple = draw(st.booleans())
+    names = {"q": "query_states", "k": "key_states", "v": "value_states"}
+
+    init = [
+        "super().__init__()",
+        f"self.head_dim = {head_dim}",
+        f"self.num_heads = {heads}",
+        f"self.num_key_value_heads = {kv_heads}",
+        f"self.num_key_value_groups = {groups}",
+        f"self.scaling = {head_dim} ** -0.5",
+        "self.layer_idx = 0",
+        "self.config = types.SimpleNamespace(_attn_implementation='eager')",
+    ]
+    for p in ("q", "k", "v"):
+        init.append(f"self.{p}_proj = {kinds[p]}({hidden}, {widths[p]}, bias={biases[p]})")
+    init.append(f"self.o_proj = nn.Linear({heads * head_dim}, {hidden}, bias={biases['o']})")
+    if norm:
+        init += [
+            f"self.q_norm = {norm}({head_dim}, eps=1e-6)",
+            f"self.k_norm = {norm}({head_dim}, eps=1e-6)",
+        ]
+    if dropout:
+        init.append("self.resid_dropout = nn.Dropout(0.0)")
+        part.features.append("dropout")
+    for p in order:
+        if guards[p].startswith("flag"):
+            init.append(f"self.use_{p} = {guards[p] == 'flag_on'}")
+
+    def shaped(p: str, value: str) -> str:
+        if norm and p in ("q", "k"):
+            return f"self.{p}_norm({value}.view(hidden_shape)).transpose(1, 2)"
+        return f"{value}.view(hidden_shape).transpose(1, 2)"
+
+    body = [
+        "input_shape = " + x + ".shape[:-1]",
+        "hidden_shape = (*input_shape, -1, self.head_dim)",
+    ]
+    projections = [f"{p}_proj" for p in ("q", "k", "v")]
+    slot = Slot()
+    body += part.add(draw_statements(draw, x, slot, projections, safe, busy))
+    for p in order:
+        n = names[p]
+        call = f"self.{p}_proj({x})"
+        expr = shaped(p, call) if styles[p] == "chained" else call
+        alt = f"{x}.new_zeros((*input_shape, {widths[p]}))"
+        alt = shaped(p, alt) if styles[p] == "chained" else alt
+        guard = guards[p]
+        if guard != "none":
+            part.features.append(f"guard:{p}:{guard}")
+        if guard == "none":
+            body.append(f"{n} = {expr}")
+        elif guard == "ternary":
+            body.append(f"{n} = {expr} if self.{p}_proj is not None else None")
+        elif guard in ("if_none", "truthy"):
+            test = f"self.{p}_proj is not None" if guard == "if_none" else f"self.{p}_proj"
+            body += [f"if {test}:", f"    {n} = {expr}", "else:", f"    {n} = None"]
+        else:
+            body += [f"if self.use_{p}:", f"    {n} = {expr}", "else:", f"    {n} = {alt}"]
+        slot.outputs.append((n, styles[p] == "separate"))
+        body += part.add(draw_statements(draw, x, slot, projections, safe, busy))
+    for p in order:
+        if styles[p] == "separate":
+            body.append(f"{names[p]} = {shaped(p, names[p])}")
+    slot.outputs = [(n, False) for n, _ in slot.outputs]
+    body += part.add(draw_statements(draw, x, slot, projections, safe, min(busy, 1)))
+    if cache:
+        part.snippets.append(cache_kind)
+        part.features.append(f"cache:{cache}:{cache_kind}")
+        body += [
+            f"if {cache} is not None:",
+            f"    key_states, value_states = {cache}.update(key_states, value_states, self.layer_idx)",
+        ]
+    call_args = "self, query_states, key_states, value_states, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs"
+    if interface == "inline_sdpa":
+        part.snippets.append("repeat_kv")
+        body += [
+            "key_states = repeat_kv(key_states, self.num_key_value_groups)",
+            "value_states = repeat_kv(value_states, self.num_key_value_groups)",
+            "attn_output = F.scaled_dot_product_attention(query_states, key_states, value_states, attn_mask=attention_mask, scale=self.scaling)",
+            "attn_output = attn_output.transpose(1, 2).contiguous()",
+            "attn_weights = None",
+        ]
+    else:
+        part.snippets.append("eager_attention_forward")
+        if interface == "interface":
+            body.append(
+                "attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface("
+                "self.config._attn_implementation, eager_attention_forward)"
+            )
+            body.append(f"attn_output, attn_weights = attention_interface({call_args})")
+        elif interface == "local":
+            body.append("attention_interface = eager_attention_forward")
+            body.append(f"attn_output, attn_weights = attention_interface({call_args})")
+        else:
+            body.append(f"attn_output, attn_weights = eager_attention_forward({call_args})")
+    body += [
+        "attn_output = attn_output.reshape(*input_shape, -1).contiguous()",
+        "attn_output = self.o_proj(attn_output)",
+    ]
+    if dropout:
+        body.append("attn_output = self.resid_dropout(attn_output)")
+    body.append("return attn_output, attn_weights" if returns_tuple else "return attn_output")
+    params = f"self, {x}, attention_mask=None" + (f", {cache}=None" if cache else "") + ", **kwargs"
+    part.lines = [
+        f"class {name}(nn.Module):",
+        *method("__init__", "self", init),
+        "",
+        *method("forward", params, body),
+    ]
+    _projection_hooks(draw, part, projections, safe)
+    part.cache_argument = cache
+    part.returns_tuple = returns_tuple
+
+    b, s = batch, seq
+    part.inputs = [f"args.append(torch.randn({b}, {s}, {hidden}, generator=generator))"]
+    if cache:
+        past = draw(_ints([2, 0]))
+        shape = f"{b}, {kv_heads}, {{}}, {head_dim}"
+        if cache_kind == "SimpleCache":
+            make = (
+                f"SimpleCache(torch.randn({shape.format(past)}, generator=generator), "
+                f"torch.randn({shape.format(past)}, generator=generator))"
+            )
+        else:
+            total = past + s
+            make = (
+                f"StaticCache(torch.randn({shape.format(total)}, generator=generator), "
+                f"torch.randn({shape.format(total)}, generator=generator), {past})"
+            )
+        part.inputs.append(f"kwargs[{cache!r}] = {make}")
+    elif draw(st.booleans()):
+        part.features.append("causal_mask")
+        part.inputs.append(
+            f"kwargs['attention_mask'] = torch.triu(torch.full(({s}, {s}), -1e9), 1)[None, None]"
+            f".expand({b}, 1, {s}, {s})"
+        )
+    return part
+
+
+# -- gated MLP ------------------------------------------------------------------------------------
+
+ACTIVATIONS = (
+    "nn.SiLU()",
+    "ACT2FN['silu']",
+    "nn.GELU()",
+    "nn.GELU(approximate='tanh')",
+    "ACT2FN['gelu']",
+    "ACT2FN['gelu_pytorch_tanh']",
+    "ACT2FN['gelu_new']",
+    "ACT2FN['quick_gelu']",
+    "nn.ReLU()",
+    "nn.Tanh()",
+    "CustomAct()",
+    "nn.SiLU(inplace=True)",
+)
+
+FUSABLE_ACTIVATIONS = frozenset(ACTIVATIONS[:7])
+"""Activations an `ActAndMul` reproduces (drawn more often, so safe MLPs usually fuse)."""
+
+
+def glu_part(draw: Draw, safe: bool, name: str = "GeneratedMLP", hidden: int | None = None) -> Part:
+    """A gated MLP: act(gate(x)) * up(x), optionally through a down projection, in one of
+    several spellings (one expression, separate statements, a functional activation)."""
+    hidden_given = hidden is not None
+    hidden = hidden if hidden is not None else draw(_ints([16, 8, 12]))
+    inter = draw(_ints([24, 8, 16]))
+    part = Part(name, [])
+    busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
+    x = draw(st.sampled_from(["x", "hidden_states", "hidden_state"]))
+    form = draw(weighted([("expr", 5), ("split", 2), ("functional", 1), ("already_fused", 1)]))
+    part.features.append(f"form:{form}")
+    # An in-place activation on a chunk of one GEMM fails under autograd in the original too.
+    act = draw(
+        weighted(
+            [
+                (a, 3 if a in FUSABLE_ACTIVATIONS else 1)
+                for a in ACTIVATIONS
+                if form != "already_fused" or "inplace" not in a
+            ]
+        )
+    )
+    if act == "CustomAct()":
+        part.snippets.append("CustomAct")
+    part.features.append(f"act:{act}")
+    swapped = draw(st.booleans())
+    if swapped:
+        part.features.append("operands_swapped")
+    # Nested in a layer (`hidden` given) the MLP must map back to the hidden width.
+    down = hidden_given or draw(st.sampled_from([True, True, False]))
+    dropout = draw(st.booleans())
+    biases = {p: draw(st.booleans()) for p in ("gate", "up", "down")}
+    init = [
+        "super().__init__()",
+        f"self.hidden_size = {hidden}",
+        f"self.intermediate_size = {inter}",
+    ]
+    if form == "already_fused":
+        init.append(f"self.gate_up_proj = nn.Linear({hidden}, {2 * inter}, bias={biases['gate']})")
+        projections = ["gate_up_proj"]
+    else:
+        for p in ("gate", "up"):
+            kind = _linear_kind(draw, part, f"{p}_proj", safe)
+            init.append(f"self.{p}_proj = {kind}({hidden}, {inter}, bias={biases[p]})")
+        projections = ["gate_proj", "up_proj"]
+    if down:
+        init.append(f"self.down_proj = nn.Linear({inter}, {hidden}, bias={biases['down']})")
+    init.append(f"self.act_fn = {act}")
+    if dropout:
+        init.append("self.dropout = nn.Dropout(0.0)")
+        part.features.append("dropout")
+
+    slot = Slot()
+    body = part.add(draw_statements(draw, x, slot, projections, safe, busy))
+
+    def product(gate: str, up: str, act_call: str = "self.act_fn") -> str:
+        left, right = f"{act_call}({gate})", up
+        return f"{right} * {left}" if swapped else f"{left} * {right}"
+
+    if form == "expr":
+        body.append(f"h = {product(f'self.gate_proj({x})', f'self.up_proj({x})')}")
+    elif form == "functional":
+        fn = draw(st.sampled_from(["F.silu", "F.gelu"]))
+        body.append(f"h = {product(f'self.gate_proj({x})', f'self.up_proj({x})', fn)}")
+    elif form == "already_fused":
+        body += [
+            f"gate, up = self.gate_up_proj({x}).chunk(2, dim=-1)",
+            f"h = {product('gate', 'up')}",
+        ]
+    else:
+        first, second = draw(st.permutations(["gate", "up"]))
+        body.append(f"{first} = self.{first}_proj({x})")
+        slot.outputs.append((first, True))
+        body += part.add(draw_statements(draw, x, slot, projections, safe, busy))
+        body.append(f"{second} = self.{second}_proj({x})")
+        slot.outputs.append((second, True))
+        body += part.add(draw_statements(draw, x, slot, projections, safe, busy))
+        body.append(f"h = {product('gate', 'up')}")
+    body += part.add(draw_statements(draw, x, Slot(), projections, safe, min(busy, 1)))
+    if down:
+        body.append("h = self.down_proj(h)")
+    if dropout:
+        body.append("h = self.dropout(h)")
+    body.append("return h")
+    part.lines = [
+        f"class {name}(nn.Module):",
+        *method("__init__", "self", init),
+        "",
+        *method("forward", f"self, {x}", body),
+    ]
+    if form != "already_fused":
+        _projection_hooks(draw, part, projections, safe)
+        if not safe and draw(st.integers(0, 6)) == 0:
+            part.snippets.append("hooks")
+            part.hooks.append("{m}.act_fn.register_forward_hook(halve_output_hook)")
+            part.hazards.append("hook:act_fn")
+    rank = draw(st.sampled_from([3, 2]))
+    shape = (
+        f"{draw(_ints([2, 1]))}, {draw(_ints([3, 1]))}, {hidden}"
+        if rank == 3
+        else f"{draw(_ints([5, 1]))}, {hidden}"
+    )
+    part.inputs = [f"args.append(torch.randn({shape}, generator=generator))"]
+    return part
+
+
+# -- RMSNorm --------------------------------------------------------------------------------------
+
+
+def rmsnorm_part(
+    draw: Draw, safe: bool, name: str = "GeneratedRMSNorm", hidden: int | None = None
+) -> Part:
+    """An RMSNorm in one of Transformers' spellings (Llama, Gemma, no weight), or a near
+    miss that is not an RMSNorm at all (mean-subtracting, eps outside the root, ...)."""
+    hidden = hidden if hidden is not None else draw(_ints([16, 8, 12]))
+    eps = draw(st.sampled_from([1e-6, 1e-5, 0.1]))
+    part = Part(name, [])
+    busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
+    x = "hidden_states"
+    eps_attr = draw(st.sampled_from(["variance_epsilon", "eps"]))
+    upcast = draw(st.sampled_from(["to", "float", "none"]))
+    variance = draw(
+        st.sampled_from(
+            [
+                "{h}.pow(2).mean(-1, keepdim=True)",
+                "torch.mean({h} * {h}, dim=-1, keepdim=True)",
+                "{h}.square().mean(-1, keepdim=True)",
+            ]
+        )
+    )
+    scale = draw(st.sampled_from(["rsqrt", "rsqrt", "div_sqrt"]))
+    output = draw(st.sampled_from(["llama", "llama", "gemma", "cast_after", "no_weight"]))
+    near_miss = draw(
+        st.sampled_from(
+            [
+                None,
+                None,
+                None,
+                "mean_subtracted",
+                "abs_mean",
+                "var",
+                "sum",
+                "eps_outside",
+                "dim0",
+                "bias",
+            ]
+        )
+    )
+    part.features += [f"upcast:{upcast}", f"scale:{scale}", f"output:{output}"]
+    if near_miss:
+        part.features.append(f"near_miss:{near_miss}")
+    init = ["super().__init__()"]
+    if output == "gemma":
+        init.append(f"self.weight = nn.Parameter(torch.randn({hidden}) * 0.1)")
+    elif output != "no_weight":
+        init.append(f"self.weight = nn.Parameter(torch.randn({hidden}) * 0.1 + 1.0)")
+    if near_miss == "bias":
+        init.append(f"self.bias = nn.Parameter(torch.randn({hidden}) * 0.1)")
+    init.append(f"self.{eps_attr} = {eps}")
+
+    body = part.add(draw_statements(draw, x, Slot(), [], safe, busy))
+    body.append(f"input_dtype = {x}.dtype")
+    if upcast == "to":
+        body.append(f"{x} = {x}.to(torch.float32)")
+    elif upcast == "float":
+        body.append(f"{x} = {x}.float()")
+    if near_miss == "mean_subtracted":
+        body.append(f"{x} = {x} - {x}.mean(-1, keepdim=True)")
+    var = variance.format(h=x)
+    if near_miss == "abs_mean":
+        var = f"{x}.abs().mean(-1, keepdim=True)"
+    elif near_miss == "var":
+        var = f"{x}.var(-1, keepdim=True)"
+    elif near_miss == "sum":
+        var = f"{x}.pow(2).sum(-1, keepdim=True)"
+    elif near_miss == "dim0":
+        var = f"{x}.pow(2).mean(0, keepdim=True)"
+    body.append(f"variance = {var}")
+    eps_ref = f"self.{eps_attr}"
+    if near_miss == "eps_outside":
+        factor = f"(torch.rsqrt(variance) + {eps_ref})"
+    elif scale == "rsqrt":
+        factor = f"torch.rsqrt(variance + {eps_ref})"
+    else:
+        factor = f"(1.0 / torch.sqrt(variance + {eps_ref}))"
+    inplace = not safe and draw(st.integers(0, 3)) == 0
+    if inplace:
+        # For a float32 input `.to(torch.float32)` / `.float()` return the input itself, so
+        # this writes the caller's tensor: a fused norm must do the same.
+        part.hazards.append("inplace_normalise")
+        body.append(f"{x} *= {factor}")
+    else:
+        body.append(f"{x} = {x} * {factor}")
+    body += part.add(draw_statements(draw, x, Slot(), [], safe, min(busy, 1)))
+    if output == "llama":
+        result = f"self.weight * {x}.to(input_dtype)"
+    elif output == "cast_after":
+        result = f"(self.weight * {x}).to(input_dtype)"
+    elif output == "gemma":
+        result = f"({x} * (1.0 + self.weight.float())).to(input_dtype)"
+    else:
+        result = f"{x}.to(input_dtype)"
+    if near_miss == "bias":
+        result = f"{result} + self.bias"
+    body.append(f"return {result}")
+    part.lines = [
+        f"class {name}(nn.Module):",
+        *method("__init__", "self", init),
+        "",
+        *method("forward", f"self, {x}", body),
+    ]
+    if not safe and draw(st.integers(0, 5)) == 0:
+        part.snippets.append("hooks")
+        part.hooks.append("{m}.register_forward_hook(halve_output_hook)")
+        part.hazards.append("hook:norm")
+    part.inputs = [
+        f"args.append(torch.randn({draw(_ints([2, 1]))}, {draw(_ints([3, 1]))}, {hidden}, generator=generator) * 2.0)"
+    ]
+    return part
+
+
+# -- mixture of experts ---------------------------------------------------------------------------
+
+
+def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | None = None) -> Part:
+    """A sparse MoE block: a router and top-k experts, either a ModuleList of gated MLPs
+    (Mixtral / Qwen2-MoE) with an optional shared expert, or 3-D expert weights (the
+    Transformers 5 `*Experts` layout)."""
+    hidden = hidden if hidden is not None else draw(_ints([8, 12]))
+    experts = draw(_ints([3, 2, 4]))
+    top_k = draw(_ints([2, 1]))
+    inter = draw(_ints([8, 16]))
+    act = draw(st.sampled_from(["silu", "gelu"]))
+    norm_topk = draw(st.booleans())
+    layout = draw(st.sampled_from(["module_list", "stacked"]))
+    part = Part(name, [])
+    busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
+    part.features += [f"layout:{layout}", f"experts:{experts}", f"top_k:{top_k}"]
+    x = "hidden_states"
+    pre = part.add(draw_statements(draw, x, Slot(), [], safe, min(busy, 1)))
+    routing = [
+        "routing_weights = F.softmax(router_logits, dim=-1, dtype=torch.float)",
+        "routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)",
+    ]
+    if norm_topk:
+        routing.append("routing_weights /= routing_weights.sum(dim=-1, keepdim=True)")
+    routing.append("routing_weights = routing_weights.to(hidden_states.dtype)")
+    if layout == "module_list":
+        expert = Part(
+            f"{name}Expert",
+            [
+                f"class {name}Expert(nn.Module):",
+                *method(
+                    "__init__",
+                    "self",
+                    [
+                        "super().__init__()",
+                        f"self.gate_proj = nn.Linear({hidden}, {inter}, bias=False)",
+                        f"self.up_proj = nn.Linear({hidden}, {inter}, bias=False)",
+                        f"self.down_proj = nn.Linear({inter}, {hidden}, bias=False)",
+                        f"self.act_fn = ACT2FN[{act!r}]",
+                    ],
+                ),
+                "",
+                *method(
+                    "forward",
+                    "self, x",
+                    ["return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"],
+                ),
+            ],
+        )
+        part.children.append(expert)
+        shared = draw(st.booleans())
+        init = [
+            "super().__init__()",
+            f"self.num_experts = {experts}",
+            f"self.top_k = {top_k}",
+            f"self.gate = nn.Linear({hidden}, {experts}, bias=False)",
+            f"self.experts = nn.ModuleList([{name}Expert() for _ in range({experts})])",
+        ]
+        if shared:
+            part.features.append("shared_expert")
+            init += [
+                f"self.shared_expert = {name}Expert()",
+                f"self.shared_expert_gate = nn.Linear({hidden}, 1, bias=False)",
+            ]
+        body = [
+            *pre,
+            "batch_size, sequence_length, hidden_dim = hidden_states.shape",
+            "hidden_states = hidden_states.view(-1, hidden_dim)",
+            "router_logits = self.gate(hidden_states)",
+            *routing,
+            "final_hidden_states = torch.zeros_like(hidden_states)",
+            "for expert_idx in range(self.num_experts):",
+            "    top_x, idx = torch.where(selected_experts == expert_idx)",
+            "    current_state = hidden_states[top_x]",
+            "    current = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]",
+            "    final_hidden_states.index_add_(0, top_x, current.to(hidden_states.dtype))",
+        ]
+        if shared:
+            body += [
+                "shared = self.shared_expert(hidden_states)",
+                "final_hidden_states = final_hidden_states + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared",
+            ]
+        body.append(
+            "return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim), router_logits"
+        )
+    else:
+        init = [
+            "super().__init__()",
+            f"self.num_experts = {experts}",
+            f"self.top_k = {top_k}",
+            f"self.router = nn.Parameter(torch.randn({experts}, {hidden}))",
+            f"self.gate_up_proj = nn.Parameter(torch.randn({experts}, {2 * inter}, {hidden}) * 0.2)",
+            f"self.down_proj = nn.Parameter(torch.randn({experts}, {hidden}, {inter}) * 0.2)",
+            f"self.act_fn = ACT2FN[{act!r}]",
+        ]
+        body = [
+            *pre,
+            "batch_size, sequence_length, hidden_dim = hidden_states.shape",
+            "hidden_states = hidden_states.reshape(-1, hidden_dim)",
+            "router_logits = F.linear(hidden_states, self.router)",
+            *routing,
+            "final_hidden_states = torch.zeros_like(hidden_states)",
+            "expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)",
+            "for expert_idx in range(self.num_experts):",
+            "    top_k_pos, token_idx = torch.where(expert_mask[expert_idx])",
+            "    current_state = hidden_states[token_idx]",
+            "    gate, up = F.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
+            "    current = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])",
+            "    current = current * routing_weights[token_idx, top_k_pos, None]",
+            "    final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))",
+            "return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim), router_logits",
+        ]
+    part.lines = [
+        f"class {name}(nn.Module):",
+        *method("__init__", "self", init),
+        "",
+        *method("forward", f"self, {x}", body),
+    ]
+    part.returns_tuple = True
+    part.inputs = [
+        f"args.append(torch.randn({draw(_ints([2, 1]))}, {draw(_ints([3, 1]))}, {hidden}, generator=generator))"
+    ]
+    return part
+
+
+# -- decoder layer ----------------------------------------------------------------------------------
+
+
+def decoder_layer_part(draw: Draw, safe: bool) -> Part:
+    """A pre-norm decoder layer nesting a generated attention block, two RMSNorms and a
+    gated MLP: fusion must find and replace the children inside a parent."""
+    hidden = draw(_ints([16, 8]))
+    attention = attention_part(draw, safe, "LayerAttention", hidden=hidden)
+    mlp = glu_part(draw, safe, "LayerMLP", hidden=hidden)
+    norm = rmsnorm_part(draw, safe, "LayerRMSNorm", hidden=hidden)
+    cache = attention.cache_argument
+    first = "attn_out[0]" if attention.returns_tuple else "attn_out"
+    cache_kw = f", {cache}={cache}" if cache else ""
+    body = [
+        "residual = hidden_states",
+        "hidden_states = self.input_layernorm(hidden_states)",
+        f"attn_out = self.self_attn(hidden_states, attention_mask=attention_mask{cache_kw})",
+        f"hidden_states = residual + {first}",
+        "residual = hidden_states",
+        "hidden_states = self.post_attention_layernorm(hidden_states)",
+        "hidden_states = self.mlp(hidden_states)",
+        "return residual + hidden_states",
+    ]
+    init = [
+        "super().__init__()",
+        "self.self_attn = LayerAttention()",
+        "self.mlp = LayerMLP()",
+        "self.input_layernorm = LayerRMSNorm()",
+        "self.post_attention_layernorm = LayerRMSNorm()",
+    ]
+    params = "self, hidden_states, attention_mask=None" + (f", {cache}=None" if cache else "")
+    layer = Part(
+        "GeneratedDecoderLayer",
+        [
+            "class GeneratedDecoderLayer(nn.Module):",
+            *method("__init__", "self", init),
+            "",
+            *method("forward", params, body),
+        ],
+        children=[attention, mlp, norm],
+    )
+    # Hooks of children address them through the layer; inputs are the attention's.
+    layer.hooks = [
+        *(hook.replace("{m}", "{m}.self_attn") for hook in attention.hooks),
+        *(hook.replace("{m}", "{m}.mlp") for hook in mlp.hooks),
+        *(hook.replace("{m}", "{m}.input_layernorm") for hook in norm.hooks),
+    ]
+    attention.hooks, mlp.hooks, norm.hooks = [], [], []
+    layer.inputs = attention.inputs
+    return layer
+
+
+# -- public strategies ----------------------------------------------------------------------------
+
+
+def wrap(part: Part) -> Part:
+    """`part` as the `block` child of a `GeneratedModel`, as every Transformers module is a
+    child of a model: fusers that replace a whole module (RMSNorm, MoE) cannot replace the
+    root, and hooks address the child through its parent."""
+    model = Part(
+        "GeneratedModel",
+        [
+            "class GeneratedModel(nn.Module):",
+            *method(
+                "__init__", "self", ["super().__init__()", f"self.block = {part.class_name}()"]
+            ),
+            "",
+            *method("forward", "self, *args, **kwargs", ["return self.block(*args, **kwargs)"]),
+        ],
+        children=[part],
+    )
+    model.hooks = [hook.replace("{m}", "module.block") for hook in part.hooks]
+    part.hooks = []
+    return model
+
+
+@st.composite
+def generated_modules(draw: Draw, shape: str, safe: bool | None = None) -> GeneratedModule:
+    """A generated module of `shape` (one of SHAPES). `safe=None` draws safe and hazardous
+    modules about half and half; True/False forces one kind."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+    is_safe = draw(st.booleans()) if safe is None else safe
+    if shape == "attention":
+        part = attention_part(draw, is_safe)
+    elif shape == "glu_mlp":
+        part = glu_part(draw, is_safe)
+    elif shape == "rmsnorm":
+        part = rmsnorm_part(draw, is_safe)
+    elif shape == "moe":
+        part = moe_part(draw, is_safe)
+    else:
+        part = decoder_layer_part(draw, is_safe)
+    model = wrap(part)
+    return assemble(shape, model, "GeneratedModel()", part.inputs)
+
+
+def any_generated_module() -> st.SearchStrategy[GeneratedModule]:
+    """A generated module of any shape."""
+    return st.sampled_from(SHAPES).flatmap(generated_modules)
