@@ -16,6 +16,8 @@ or `tox -e bench`. Selection and options:
   (seconds per benchmark, default 0.5). The environment variables work whichever directory
   pytest is started from; the options only when tests/bench is on the command line.
 - `FUSION_BENCH_JSON=FILE`: also write the speedup rows (with ratios) as JSON.
+- `FUSION_BENCH_KERNELS=a,b` and `FUSION_BENCH_TOKENS=1,16`: keep only those kernels (case
+  `kernel` names, e.g. rmsnorm_llama, moe, model_llama) and token counts of the grid.
 - `FUSION_BENCH_THREADS=N`: torch CPU threads. On a shared machine 1 is far steadier: with
   more threads than idle cores, OpenMP barriers turn a 1 ms op into 10-100 ms.
 
@@ -103,6 +105,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     settings = bench_config(metafunc.config)
     make_cases = metafunc.module.BENCH_CASES
     cases = make_cases(settings.device, settings.dtype, full=settings.full)
+    kernels = os.environ.get("FUSION_BENCH_KERNELS")
+    if kernels:
+        cases = [c for c in cases if c.kernel in kernels.split(",")]
+    tokens = os.environ.get("FUSION_BENCH_TOKENS")
+    if tokens:
+        cases = [c for c in cases if str(c.tokens) in tokens.split(",")]
     marks = [pytest.mark.gpu] if torch.device(settings.device).type == "cuda" else []
     if marks and not torch.cuda.is_available():
         marks.append(pytest.mark.skip(reason="--bench-device cuda but no CUDA device is available"))

@@ -82,7 +82,9 @@ TOLERANCE = {
 """Per output dtype: a few units in the last place (bf16 2^-8, fp16 2^-11 per ulp)."""
 
 CPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+"""On the GPU the half dtypes (float32 is covered under the interpreter; each dtype is a
+separate compile of every variant)."""
 
 RMS_VARIANTS = [
     pytest.param(
@@ -310,7 +312,7 @@ def test_rms_norm_property(
     name, device, rows, cols, dtype_index, offset, upcast, after, cast, weight_kind, scale, seed
 ) -> None:
     """Any row length (odd, tiny, not a power of two), any variant, scales far from 1."""
-    dtype = _dtypes(device)[dtype_index]
+    dtype = _dtypes(device)[dtype_index % len(_dtypes(device))]
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, cols, generator=g) * scale).to(dtype=dtype, device=device)
     w = _weight(weight_kind, cols, dtype, device, seed)
