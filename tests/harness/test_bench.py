@@ -1,0 +1,108 @@
+"""harness.bench: timers, grids, variants and the speedup table (no timing assertions: the
+numbers themselves come from the benchmark suite, never from unit tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import bench
+
+
+def test_cpu_timer_returns_one_positive_time_per_round() -> None:
+    calls = []
+    times = bench.time_cpu(lambda: calls.append(1), budget_s=0.01, min_rounds=5, max_rounds=7)
+    assert 5 <= len(times) <= 7
+    assert all(t > 0 for t in times)
+    assert len(calls) >= len(times) + 2  # warm-up calls happen before the timed rounds
+
+
+def test_reduced_grid_is_small_and_full_grid_covers_the_spec() -> None:
+    reduced = bench.kernel_cases("cpu", torch.float32) + bench.model_cases("cpu", torch.float32)
+    full = bench.kernel_cases("cpu", torch.float32, full=True) + bench.model_cases(
+        "cpu", torch.float32, full=True
+    )
+    assert len(reduced) < len(full)
+    assert {c.tokens for c in full} == {1, 16, 512, 4096}
+    assert {c.kernel for c in full} == {*bench.KERNELS, "model_llama", "model_qwen3_moe"}
+    shapes = " ".join(c.shape for c in full)
+    for width in ("H2048", "H4096", "I8192", "I14336", "E8-top2", "E64-top8"):
+        assert width in shapes, width
+    for case in full:
+        assert case.variants[0] == bench.UNFUSED
+        assert len(case.variants) >= 2
+        assert len({c.id for c in full}) == len(full)
+
+
+def test_every_variant_of_a_case_computes_the_same_function() -> None:
+    """The variants are timed against each other, so they must agree (float32, CPU)."""
+    cases = bench.kernel_cases(
+        "cpu", torch.float32, kernels=["rmsnorm_llama", "rmsnorm_gemma", "act_and_mul", "qkv"],
+        tokens=[3],
+    )  # fmt: skip
+    for case in cases:
+        fns = case.build()
+        results = {name: fns[name]() for name in case.variants}
+        baseline = results[bench.UNFUSED]
+        for name, value in results.items():
+            if isinstance(baseline, list):  # separate projections vs split merged output
+                value, baseline_cat = torch.cat(list(value), -1), torch.cat(baseline, -1)
+                torch.testing.assert_close(value, baseline_cat, msg=f"{case.id} {name}")
+            else:
+                torch.testing.assert_close(value, baseline, msg=f"{case.id} {name}")
+
+
+def test_moe_variants_agree_on_a_small_block() -> None:
+    case = bench._moe_case(64, 32, 8, 2, 5, torch.float32, "cpu", "tiny")
+    fns = case.build()
+    baseline = fns[bench.UNFUSED]()
+    for name in case.variants[1:]:
+        torch.testing.assert_close(fns[name](), baseline, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_table_rows_and_json(tmp_path) -> None:
+    case = bench.kernel_cases("cpu", torch.float32, kernels=["rmsnorm_llama"], tokens=[16])[0]
+    medians = {bench.UNFUSED: 2e-3, case.variants[1]: 1e-3}
+    rows = bench.rows_from_medians(case, medians, copy_bw=1e11, notes={})
+    assert rows[0].speedup == pytest.approx(2.0)
+    assert rows[0].copy_fraction == pytest.approx(case.bytes_moved / 1e-3 / 1e11)
+    table = bench.format_table(rows, bandwidth=True)
+    assert "2.00x" in table and "% copy BW" in table
+    missing = bench.rows_from_medians(case, {bench.UNFUSED: 1e-3}, None, {"x": "why"})
+    assert missing[0].speedup is None and "-" in bench.format_table(missing)
+
+
+def test_cli_main_prints_the_table_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    status = bench.main(
+        ["--device", "cpu", "--kernel", "rmsnorm_llama", "--tokens", "2", "--budget", "0.01",
+         "--json", str(out)]
+    )  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "rmsnorm_llama" in printed and "speedup" in printed
+    document = json.loads(out.read_text())
+    assert document["rows"] and document["machine"]["torch"] == torch.__version__
+
+
+def test_cli_refuses_cuda_without_a_gpu(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert bench.main(["--device", "cuda"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_timers_and_copy_bandwidth() -> None:
+    """CUDA-event timing: positive per-round times; the event clock pairs start/end; the
+    copy bandwidth is a positive number of bytes per second."""
+    x = torch.randn(1 << 20, device="cuda")
+    times = bench.time_cuda(lambda: x.mul_(1.0), budget_s=0.01)
+    assert times and all(t > 0 for t in times)
+    clock = bench.CudaEventClock()
+    assert clock() == 0.0
+    x.mul_(1.0)
+    assert clock() > 0.0
+    assert bench.copy_bandwidth("cuda", nbytes=1 << 26) > 0
