@@ -13,6 +13,7 @@ bundle, unusable results file); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -223,10 +224,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume is not None,
         repro_dir=args.repro_dir,
     )
-    done = sweep.previous_results(results_path, options) if args.resume else {}
-    bar = progress.Progress(len(names), initial=sum(n in done for n in names))
+    bar = progress.Progress()
     try:
-        run = sweep.sweep(sweep_options, on_result=bar.advance)
+        run = sweep.sweep(sweep_options, on_start=bar.start, on_result=bar.advance)
     finally:
         bar.close()
     print(summary.format_table(run.results))
@@ -273,9 +273,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         setup=sweep.setup_worker,
         setup_args=(options.plugins,),
     )
-    for outcome in outcomes:
-        failed = f"{outcome.status}: {outcome.detail}"
-        statuses[outcome.key] = outcome.value if outcome.status == "done" else failed
+    with contextlib.closing(outcomes):
+        for outcome in outcomes:
+            failed = f"{outcome.status}: {outcome.detail}"
+            statuses[outcome.key] = outcome.value if outcome.status == "done" else failed
     width = max((len(n) for n in chosen), default=0)
     for name in chosen:
         status = statuses.get(name) or f"unbuildable: {unbuildable[name]}"
@@ -294,7 +295,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     from harness import repro
 
     options = _check_options(args)
-    architectures.select([args.arch], architectures.available(options.plugins))
+    unbuildable = architectures.unbuildable()
+    if args.arch in unbuildable:
+        print(f"fusion-harness: {args.arch} is known unbuildable: {unbuildable[args.arch]}")
+        return 1
+    names = architectures.available(options.plugins)
+    if args.arch not in names:
+        matched = architectures.select([args.arch], names)  # no match: an error with suggestions
+        raise UsageError(f"show takes one architecture; {args.arch!r} matches {', '.join(matched)}")
     try:
         model = architectures.build(
             args.arch,

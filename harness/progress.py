@@ -9,17 +9,21 @@ from harness.results import ArchResult
 
 
 class Progress:
-    """Reports each finished architecture; `close` when done.
+    """Reports each finished architecture: `start`, then `advance` per result, then `close`.
 
     On a TTY a bar shows counts and the last architecture, and anything that is not a pass is
     also printed above the bar so it is not lost; elsewhere every result gets one line.
     """
 
-    def __init__(self, total: int, *, initial: int = 0, stream: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
-        self.total = total
-        self.count = initial
+        self.total = 0
+        self.count = 0
         self._bar = None
+
+    def start(self, total: int, initial: int = 0) -> None:
+        """`total` architectures selected, `initial` of them already done (a resume)."""
+        self.total, self.count = total, initial
         if self.stream.isatty():
             from tqdm import tqdm
 

@@ -149,16 +149,23 @@ def previous_results(path: Path, options: check.CheckOptions) -> dict[str, ArchR
 
 
 def sweep(
-    options: SweepOptions, *, on_result: Callable[[ArchResult], None] | None = None
+    options: SweepOptions,
+    *,
+    on_start: Callable[[int, int], None] | None = None,
+    on_result: Callable[[ArchResult], None] | None = None,
 ) -> SweepRun:
     """Check every selected architecture not already done; return all their results.
 
-    Ctrl-C (KeyboardInterrupt) stops the sweep: workers are killed, the results file keeps
-    every finished line, and the partial run is returned with `interrupted=True`.
+    `on_start(total, already_done)` is called once before any work, `on_result(result)` for
+    each new result (both for progress reporting). Ctrl-C (KeyboardInterrupt) stops the sweep:
+    workers are killed, the results file keeps every finished line, and the partial run is
+    returned with `interrupted=True`.
     """
     started = time.perf_counter()
     done = previous_results(options.results, options.check) if options.resume else {}
     todo = [name for name in options.architectures if name not in done]
+    if on_start is not None:
+        on_start(len(options.architectures), len(options.architectures) - len(todo))
     repro_dir = str(options.repro_dir) if options.repro_dir else None
     tasks = [(name, (name, options.check, repro_dir)) for name in todo]
     interrupted = False

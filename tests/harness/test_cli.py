@@ -147,6 +147,15 @@ def test_show_prints_plan_and_diffs(capsys):
         assert "+++ LlamaAttention.forward (rewritten by" in out
 
 
+def test_show_takes_exactly_one_known_architecture(capsys):
+    assert cli.main(["show", "qwen*"]) == 2
+    assert "show takes one architecture; 'qwen*' matches qwen2" in capsys.readouterr().err
+    unbuildable = sorted(cli.architectures.unbuildable())
+    if unbuildable:
+        assert cli.main(["show", unbuildable[0]]) == 1
+        assert "is known unbuildable" in capsys.readouterr().out
+
+
 def test_show_of_an_unbuildable_architecture_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setenv("FUSION_HARNESS_TEST_PLUGINS", "tests.harness.plugin_archs")
     assert cli.main(["show", "harness-test-unbuildable"]) == 1

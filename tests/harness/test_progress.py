@@ -19,7 +19,8 @@ def _r(name: str, status: str = "pass", message: str = "") -> ArchResult:
 
 def test_plain_lines_when_not_a_terminal():
     stream = io.StringIO()
-    progress = Progress(12, initial=2, stream=stream)
+    progress = Progress(stream)
+    progress.start(12, initial=2)
     progress.advance(_r("llama"))
     progress.advance(_r("gpt2", "fail", "logits: bad"))
     progress.close()
@@ -31,7 +32,8 @@ def test_plain_lines_when_not_a_terminal():
 
 def test_a_bar_on_a_terminal_still_prints_problems():
     stream = _Terminal()
-    progress = Progress(2, stream=stream)
+    progress = Progress(stream)
+    progress.start(2)
     progress.advance(_r("llama"))
     progress.advance(_r("gpt2", "crashed", "worker killed by SIGABRT"))
     progress.close()
