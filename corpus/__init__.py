@@ -4,7 +4,9 @@ Public API::
 
     corpus.architectures()            # buildable architecture names (installed Transformers)
     corpus.all_types()                # every causal-LM model type, buildable or not
-    corpus.entry(name)                # Entry(name, config_class, model_class_name, status, reason)
+    corpus.entry(name)                # Entry(name, config_class, model_class_name, status,
+                                      #       reason, noncausal)
+    corpus.arch_for_config(config)    # the architecture a (tiny) config belongs to
     corpus.tiny_config(name)          # the tiny config the model is built from
     corpus.build(name, *, seed, dtype, device)
     corpus.build_from_config(config, *, seed, dtype, device, name=None)
@@ -15,14 +17,13 @@ Public API::
 """
 
 from corpus.builder import (
-    architectures,
     build,
     build_from_config,
     check,
     config_from_dict,
     tiny_config,
 )
-from corpus.catalog import Entry, all_types, arch_for_config, entry
+from corpus.catalog import Entry, all_types, arch_for_config, architectures, entry
 from corpus.errors import BuildError
 from corpus.inputs import make_inputs
 

@@ -34,7 +34,6 @@ from corpus.tiny import is_config, shrink_kwargs
 from corpus.weights import deterministic_construction, randomise
 
 __all__ = [
-    "architectures",
     "build",
     "build_from_config",
     "check",
@@ -58,13 +57,6 @@ def quiet_transformers() -> Iterator[None]:
         yield
     finally:
         hf_logging.set_verbosity(level)
-
-
-def architectures() -> list[str]:
-    """Names of every causal-LM architecture of the installed Transformers that the corpus
-    builds: all of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` except those ``overrides.toml`` records
-    as broken (each with its reason; see ``corpus.entry(name).reason``)."""
-    return [n for n in all_types() if entry(n).status == "ok"]
 
 
 def _one_line(exc: BaseException) -> str:

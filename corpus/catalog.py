@@ -18,6 +18,7 @@ __all__ = [
     "all_types",
     "arch_for_config",
     "arch_for_config_type",
+    "architectures",
     "config_class",
     "entry",
     "model_class",
@@ -54,6 +55,13 @@ def all_types() -> tuple[str, ...]:
     """Every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, in mapping order (the order
     Transformers lists them), buildable or not."""
     return tuple(_causal_lm_names())
+
+
+def architectures() -> list[str]:
+    """Names of every causal-LM architecture of the installed Transformers that the corpus
+    builds: all of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` except those ``overrides.toml`` records
+    as broken (each with its reason; see ``corpus.entry(name).reason``)."""
+    return [n for n in all_types() if entry(n).status == "ok"]
 
 
 def config_class(name: str) -> type:

@@ -1,7 +1,7 @@
 """The forward inputs the harness and the corpus share.
 
 Batch of ``batch`` rows of ``seq`` random token ids, with right padding on every odd row (the
-last ``min(2, seq - 1)`` positions masked). Right padding is the broadly safe choice: every query
+last ``min(2, seq - 1)`` positions masked and, when the config has a pad token, holding it). Right padding is the broadly safe choice: every query
 still attends to at least one real key, so no attention row is fully masked (a fully masked row
 is NaN in several eager attention paths, and the parity oracle never accepts NaN). Token ids avoid
 every special id the config names (pad, bos, image/audio placeholders...), so multimodal models
@@ -22,8 +22,12 @@ from corpus.tiny import is_config, special_token_ids
 __all__ = ["make_inputs"]
 
 
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _text_vocab(config: Any) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     for c in (text, config):
         v = getattr(c, "vocab_size", None)
         if isinstance(v, int) and v > 0:
@@ -79,6 +83,10 @@ def make_inputs(
     pad = min(2, seq - 1)
     if pad > 0:
         mask[1::2, seq - pad :] = 0
+        # Padded positions hold the pad token, as a tokenizer would produce (when there is one).
+        pad_id = getattr(_text_config(config), "pad_token_id", None)
+        if isinstance(pad_id, int) and 0 <= pad_id < vocab and rows == batch:
+            input_ids[mask == 0] = pad_id
     kwargs: dict[str, Any] = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
     if forward_owner is not None and _accepts(forward_owner, "use_cache"):
         kwargs["use_cache"] = False

@@ -21,6 +21,14 @@ def test_shape_padding_and_cache_flag():
     assert inp["use_cache"] is False
 
 
+def test_padded_positions_hold_the_pad_token():
+    cfg = corpus.tiny_config("gemma")
+    inp = corpus.make_inputs(cfg, seed=0)
+    assert cfg.pad_token_id is not None
+    assert inp["input_ids"][1, -2:].tolist() == [cfg.pad_token_id] * 2
+    assert cfg.pad_token_id not in inp["input_ids"][0].tolist()
+
+
 def test_deterministic_and_seed_dependent():
     cfg = corpus.tiny_config("llama")
     a = corpus.make_inputs(cfg, seed=1)
