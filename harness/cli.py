@@ -4,6 +4,7 @@
     fusion-harness list   the corpus with the build status of every architecture
     fusion-harness show   the fusion plan of one architecture and the diff of every rewrite
     fusion-harness repro  replay a repro bundle (exit 1 if the failure reproduces)
+    fusion-harness bench  fused vs unfused timings (harness.bench)
 
 Exit status: 0 success; 1 a parity failure, an unexpected crash or error (run), or a
 reproducing failure (repro); 2 bad usage or unusable input (unknown architecture, malformed
@@ -164,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("dir", type=Path, metavar="DIR", help="bundle directory")
     replay.set_defaults(handler=cmd_repro)
+
+    from harness import bench  # owns its options and handler
+
+    bench.add_parser(commands)
     return parser
 
 

@@ -25,7 +25,6 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import architectures, check
-from harness.results import ArchResult, Failure
+from harness.results import ArchResult, Failure, json_safe
 
 BUNDLE_FORMAT = 1
 KINDS = ("fuse-error", "fused-forward-error", "model-parity", "module-parity", "module-error")
@@ -148,12 +147,6 @@ def bundle_dirname(architecture: str, failure: Failure) -> str:
     return f"{re.sub(r'[^A-Za-z0-9._+-]', '_', readable)}--{digest}"
 
 
-def _json_number(value: float | None) -> float | str | None:
-    if value is None or math.isfinite(value):
-        return value
-    return str(value)
-
-
 def bundle_fields(failure: Failure, subject: check.Subject) -> dict[str, Any]:
     """The bundle.json content for `failure` found on `subject` (a Subject with a config)."""
     options = subject.options
@@ -174,8 +167,8 @@ def bundle_fields(failure: Failure, subject: check.Subject) -> dict[str, Any]:
         "source_class": failure.source_class,
         "error": failure.message,
         "detail": failure.detail,
-        "tolerance": _json_number(failure.tolerance),
-        "observed": _json_number(failure.observed),
+        "tolerance": json_safe(failure.tolerance),
+        "observed": json_safe(failure.observed),
         "signature": failure.signature,
     }
 

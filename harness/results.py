@@ -119,13 +119,14 @@ class ResultsError(ValueError):
     """A results file that cannot be used (bad line, other dtype/device/seed)."""
 
 
-def _encode(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """`value` with non-finite floats (also inside dicts and lists) as "nan"/"inf"/"-inf"."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # "nan", "inf", "-inf"
     if isinstance(value, dict):
-        return {k: _encode(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_encode(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -135,7 +136,7 @@ def _number(value: Any) -> float | None:
 
 def to_dict(result: ArchResult) -> dict[str, Any]:
     """A strict-JSON-safe dict of the result (non-finite floats as strings)."""
-    return _encode(dataclasses.asdict(result))
+    return json_safe(dataclasses.asdict(result))
 
 
 def to_json_line(result: ArchResult) -> str:

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
         (["list"], "knows it cannot"),
         (["show"], "unified diff"),
         (["repro"], "malformed"),
+        (["bench"], "speedup table"),
     ],
 )
 def test_every_command_explains_itself(argv, phrase, capsys):
