@@ -9,10 +9,13 @@ only where they compute exactly the reference's function:
 - `rms_norm`: vLLM's kernel is Llama's variant (statistics in float32, normalised value cast
   back to the input dtype, *then* multiplied by a weight of the input's dtype). It is used for
   `upcast=True, weight_after_cast=True, offset=0` with a weight of `x`'s dtype and a
-  half/bfloat16/float32 input; every other variant (Gemma's offset and cast order, weightless,
-  mixed dtypes) goes to the next backend.
+  half/bfloat16/float32 input (T5's `cast_to_weight` is then the same function); every other
+  variant (Gemma's offset and cast order, weightless, mixed dtypes) goes to the next backend.
 - `act_and_mul`: vLLM's `silu_and_mul`, `gelu_and_mul` and `gelu_tanh_and_mul` compute the
   activation in float32, round it to the input dtype and multiply: the reference's function.
+- `moe_experts`: always the next backend. vLLM's `fused_experts` sums the K routed products
+  in float32 before one rounding (the reference rounds each product first) and its Python
+  signature changes between vLLM releases; wiring it is future work.
 
 "The next backend" is Triton when it runs on the tensor's device, else the torch reference,
 so a call always computes the documented function.
