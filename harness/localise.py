@@ -19,6 +19,8 @@ from torch import nn
 
 from harness import parity
 
+NAN = float("nan")  # the errors of a module that could not be compared: there are none
+
 
 @dataclass(frozen=True)
 class ModuleCall:
@@ -161,7 +163,7 @@ def check_module(
     """
     if not calls:
         verdict = parity.Verdict(
-            "inconclusive", 0.0, 0.0, 0.0, "module was not called by the model's forward"
+            "inconclusive", NAN, NAN, NAN, "module was not called by the model's forward"
         )
         return ModuleCheck(qualname, verdict, 0)
     modules = [m.get_submodule(qualname) for m in (unfused, fused, reference)]
@@ -173,13 +175,13 @@ def check_module(
                 reference_out = run_call(modules[2], to_float64(call))
         except Exception as exc:  # the unfused twins ran inside the model; outside, they may not
             reason = f"unfused/reference module raised on replay: {one_line(exc)}"
-            verdicts.append(parity.Verdict("inconclusive", 0.0, 0.0, 0.0, reason))
+            verdicts.append(parity.Verdict("inconclusive", NAN, NAN, NAN, reason))
             continue
         try:
             fused_out = run_call(modules[1], call)
         except Exception as exc:
             raised = one_line(exc)
-            verdict = parity.Verdict("fail", 0.0, 0.0, 0.0, f"fused module raised: {raised}")
+            verdict = parity.Verdict("fail", NAN, NAN, NAN, f"fused module raised: {raised}")
             return ModuleCheck(qualname, verdict, len(calls), raised=raised, detail=tail(exc))
         verdicts.append(
             parity.compare_outputs(fused_out, unfused_out, reference_out, dtype=dtype, mask=mask)
