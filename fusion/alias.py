@@ -347,10 +347,13 @@ def aliasing_names(
 ) -> set[str]:
     """`seed` plus every name of `funcdef` that may alias one of them, to a fixed point.
 
-    A binding whose value may alias (`alias_reads`) a tracked name taints every name it
-    binds: `h = x.view(-1)`, `a, b = x.chunk(2)`, `lst = [x]`, `lst.append(x)`,
-    `for t in (x,)`, `f = x.add_`, `match x: case h:`. A value built from locals reached by
-    name (`d = locals()`) taints whatever it binds. Flow-insensitive on purpose: a name
+    Aliasing is symmetric, so a binding joins the names it binds and the names its value
+    may alias (`alias_reads`) whenever either side is tracked: `h = x.view(-1)`,
+    `a, b = x.chunk(2)`, `lst = [x]`, `lst.append(x)`, `for t in (x,)`, `f = x.add_`,
+    `match x: case h:` track the new name; `x = v` tracks `v` (from there on, writes
+    through `v` write the input). A value built from locals reached by name (`d = locals()`)
+    taints whatever it binds, and binding a tracked name to one (`x = eval("v")`) adds
+    `EVERYTHING`: any name may then hold the input. Flow-insensitive on purpose: a name
     tainted anywhere is tainted everywhere.
     """
     return _aliasing(funcdef, seed, module, _shadowed(funcdef))
@@ -364,18 +367,22 @@ def _aliasing(
 ) -> set[str]:
     names = set(seed)
     bindings = [
-        (stores, value)
+        (stores, alias_reads(value, module))
         for stores, value in _bindings(funcdef, module, shadowed)
         if value is not None
     ]
     changed = True
     while changed:
         changed = False
-        for stores, value in bindings:
-            if stores <= names:
+        for stores, reads in bindings:
+            joined = stores | reads
+            if joined <= names:
                 continue
-            reads = alias_reads(value, module)
-            if EVERYTHING in reads or reads & names:
+            if stores & names or reads & names:
+                names |= joined
+                changed = True
+            elif EVERYTHING in reads and not stores <= names:
+                # The value may be any local (`d = locals()`): what it binds may hold `x`.
                 names |= stores
                 changed = True
     return names
@@ -501,7 +508,12 @@ def _known_pure(call: ast.Call, module: nn.Module | None, shadowed: Iterable[str
         return False
     func = call.func
     if isinstance(func, ast.Name):
-        return func.id in PURE_BUILTINS and func.id not in shadowed
+        # `min(xs, key=f)` calls `f` on each element: a pure builtin, an impure callback.
+        return (
+            func.id in PURE_BUILTINS
+            and func.id not in shadowed
+            and not any(keyword.arg == "key" for keyword in call.keywords)
+        )
     if not isinstance(func, ast.Attribute):
         return False
     if isinstance(func.value, ast.Name) and func.value.id == "self":
@@ -639,6 +651,11 @@ def check_input_stable(
     rebound, through = _effects(region, module, shadowed)
     if EVERYTHING in through:
         raise RewriteRefused("the region between projections can write any local (exec/locals)")
+    if EVERYTHING in tracked and through:
+        raise RewriteRefused(
+            "the projection input may be any local (exec/locals) and the region writes "
+            f"through {', '.join(sorted(through))}"
+        )
     # Rebinding an alias leaves the input's storage alone; rebinding a name the input
     # expression reads changes the input itself.
     hit = sorted((tracked & through) | (names & rebound))

@@ -89,6 +89,8 @@ class Gen:
 
     draw: Any
     env: dict[str, Var] = field(default_factory=lambda: {"x": TensorVar((4, 4))})
+    attrs: dict[str, TensorVar] = field(default_factory=dict)
+    """Tensors stored on the module (`self.s1 = t`), readable as `self.s1`."""
     counter: int = 0
 
     # -- choices ---------------------------------------------------------------------------
@@ -125,6 +127,7 @@ class Gen:
                 assert isinstance(container, ContainerVar)
                 for key, item in zip(container.keys(), container.items):
                     options.append((f"{name}[{key}]", item))
+            options += [(f"self.{attr}", var) for attr, var in sorted(self.attrs.items())]
         return self.pick(options)
 
     def tensor_name(self) -> tuple[str, TensorVar]:
@@ -162,6 +165,9 @@ class Gen:
             self.s_match,
             self.s_shadow,
             self.s_set_storage,
+            self.s_attribute,
+            self.s_with,
+            self.s_star_unpack,
         ]
         if depth == 0:
             forms.append(self.s_nested)
@@ -276,6 +282,7 @@ class Gen:
                 (f"{t} if False else {u}", uvar),
                 (f"{t} if len(x) > 0 else {u}", var),
                 (f"({t}, {u})[0]", var),
+                (f"max([{t}], key=lambda e: e.add_(1.0).sum())", var),
                 (f"{t} or {u}", var) if _numel(var.shape) == 1 else (t, var),
             ]
         )
@@ -521,6 +528,7 @@ class Gen:
                     f"{t}.__iadd__(1.0)",
                     f"{t}.__setitem__(Ellipsis, 4.0)",
                     f"torch.Tensor.__imul__({t}, 2.0)",
+                    f"type({t}).__isub__({t}, 1.0)",
                     f"operator.add({t}, 1.0)",
                 ]
             )
@@ -585,12 +593,36 @@ class Gen:
         u = self.pick(sorted(same, key=_name_order))
         return [self.pick([f"{t}.set_({u})", f"{t}.data = {u}", f"{t}.data = {u} + 1.0"])]
 
+    def s_attribute(self) -> list[str]:
+        t, var = self.tensor_expr()
+        attr = self.pick([*sorted(self.attrs), f"s{self.counter + 1}"])
+        self.counter += 1
+        self.attrs[attr] = var
+        return [f"self.{attr} = {t}"]
+
+    def s_with(self) -> list[str]:
+        t, var = self.tensor_expr()
+        name = self.target(var)
+        body = self.pick(["pass", f"{name}.mul_(2.0)"])
+        self.env[name] = var
+        return [f"with contextlib.nullcontext({t}) as {name}:", f"    {body}"]
+
+    def s_star_unpack(self) -> list[str]:
+        t, var = self.tensor_expr()
+        u, uvar = self.tensor_expr()
+        first, rest = self.fresh_name(), self.fresh_name()
+        self.env[first] = var
+        self.env[rest] = ContainerVar("list", (uvar, uvar))
+        return [f"{first}, *{rest} = ({t}, {u}, {u})"]
+
     def s_nested(self) -> list[str]:
         header = self.pick(
-            ["if True:", "for _i in range(1):", "with torch.no_grad():", "if len(x):"]
+            ["if True:", "for _i in range(1):", "with torch.no_grad():", "if len(x):", "try:"]
         )
-        lines = self.statement(depth=1)
-        return [header, *(f"    {line}" for line in lines)]
+        lines = [header, *(f"    {line}" for line in self.statement(depth=1))]
+        if header == "try:":
+            lines += ["except Exception:", "    pass"]
+        return lines
 
 
 def _name_order(name: str) -> tuple[int, int, str]:
@@ -683,7 +715,13 @@ class TwoProjections(nn.Module):
         self.p3 = nn.Linear(IN_FEATURES, IN_FEATURES, **kw)
 
 
-NAMESPACE: dict[str, Any] = {"torch": torch, "F": F, "nn": nn, "operator": __import__("operator")}
+NAMESPACE: dict[str, Any] = {
+    "torch": torch,
+    "F": F,
+    "nn": nn,
+    "operator": __import__("operator"),
+    "contextlib": __import__("contextlib"),
+}
 
 
 def run(program: Program, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -166,6 +166,7 @@ WRITES = [
     ("nested-def", "def f():\n    x.neg_()", "f()"),
     ("lambda-inline", "", "(lambda: x.add_(1.0))()"),
     ("shadowed-builtin", "min = lambda v: v.add_(1.0)", "y = min(x)"),
+    ("builtin-key-callback", "", "m = max([x], key=lambda t: t.add_(1.0).sum())"),
     (
         "shadowed-namespace",
         "class F:\n    relu = staticmethod(lambda v: v.add_(1.0))",
@@ -179,6 +180,23 @@ WRITES = [
     ("locals-snapshot", "d = locals()", 'd["x"].add_(1.0)'),
     ("locals-alias", "L = locals", 'L()["x"].add_(1.0)'),
     ("frame-locals", "import sys", 'sys._getframe().f_locals["x"].add_(1.0)'),
+    # the input name rebound to another name's object: writes through that name count
+    ("input-rebound-to-local", "v = torch.zeros(4, 4, dtype=torch.float64)\nx = v", "v.add_(1.0)"),
+    (
+        "input-rebound-via-closure",
+        "v = torch.zeros(4, 4, dtype=torch.float64)\ndef f():\n    return v\nx = f()",
+        "v.add_(1.0)",
+    ),
+    (
+        "input-rebound-via-eval",
+        "v = torch.zeros(4, 4, dtype=torch.float64)\nx = eval('v')",
+        "v.add_(1.0)",
+    ),
+    (
+        "input-rebound-in-loop",
+        "v = torch.zeros(4, 4, dtype=torch.float64)\nfor x in (v,):\n    pass",
+        "v.add_(1.0)",
+    ),
     # match captures
     ("match-capture", "", "match x:\n    case h:\n        h.add_(1.0)"),
     ("match-capture-after", "match x:\n    case h:\n        pass", "h.add_(1.0)"),
@@ -255,6 +273,7 @@ UNRUNNABLE_WRITES = [
     ("unknown-function", "y = helper(x)"),
     ("unknown-method", "y = x.custom_write()"),
     ("requires-grad", "x.requires_grad_(False)"),
+    ("setattr-plain", "x.note = 1"),
 ]
 
 
@@ -583,4 +602,4 @@ def test_grammar_is_not_vacuous() -> None:
 
 def test_namespace_matches_the_grammar() -> None:
     # Generated programs reach for these globals; a rename would silently break them all.
-    assert set(NAMESPACE) == {"torch", "F", "nn", "operator"}
+    assert set(NAMESPACE) == {"torch", "F", "nn", "operator", "contextlib"}
