@@ -240,6 +240,7 @@ if triton is not None:
         XDT: tl.constexpr,
         ACTIVATION: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -253,7 +254,8 @@ if triton is not None:
         XDT (the reference's GEMM output), then the activation and the product are rounded
         to XDT where the reference's `act_and_mul` rounds. DOT_FP32: feed `tl.dot` float32
         copies of the tiles (exact for half inputs; needed by the interpreter, whose dot
-        cannot multiply bfloat16).
+        cannot multiply bfloat16). DOT_PRECISION: "ieee" for float32 tiles (no TF32, as
+        torch.mm by default), "tf32" (the default; unused by half-precision MMA) otherwise.
         """
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -289,8 +291,8 @@ if triton is not None:
             )
             if DOT_FP32:
                 a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         gate = _rnd(acc_gate, XDT)
         up = _rnd(acc_up, XDT)
         value = _rnd(_activation(gate, ACTIVATION), XDT) * up
@@ -318,6 +320,7 @@ if triton is not None:
         PROD_DT: tl.constexpr,
         PROD_ACC: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -352,7 +355,7 @@ if triton is not None:
             )
             if DOT_FP32:
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         route = tl.load(route_w_ptr + rows, mask=row_mask, other=0.0).to(PROD_ACC)
         value = _rnd(_rnd(acc, XDT).to(PROD_ACC) * route[:, None], PROD_DT)
         tl.store(
@@ -601,6 +604,8 @@ class TritonKernels:
         block_n, block_k = 64, (32 if hidden.dtype == torch.float32 else 64)
         extra = {} if INTERPRETED else {"num_warps": 4, "num_stages": 3}
         dot_fp32 = INTERPRETED and hidden.dtype != torch.float32
+        # float32 GEMMs in full precision (as torch.mm without TF32); half inputs use MMA
+        dot_precision = "ieee" if (dot_fp32 or hidden.dtype == torch.float32) else "tf32"
         with _launch_context():
             _moe_up_kernel[(n_blocks, triton.cdiv(inter, block_n))](
                 hidden,
@@ -619,6 +624,7 @@ class TritonKernels:
                 XDT=x_tl,
                 ACTIVATION=_ACTIVATION_CODES[activation],
                 DOT_FP32=dot_fp32,
+                DOT_PRECISION=dot_precision,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
                 BLOCK_K=block_k,
@@ -641,6 +647,7 @@ class TritonKernels:
                 PROD_DT=_tl_dtype(prod_dtype),
                 PROD_ACC=_acc(prod_dtype),
                 DOT_FP32=dot_fp32,
+                DOT_PRECISION=dot_precision,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
                 BLOCK_K=block_k,
