@@ -60,8 +60,13 @@ def all_types() -> tuple[str, ...]:
 def architectures() -> list[str]:
     """Names of every causal-LM architecture of the installed Transformers that the corpus
     builds: all of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` except those ``overrides.toml`` records
-    as broken (each with its reason; see ``corpus.entry(name).reason``)."""
-    return [n for n in all_types() if entry(n).status == "ok"]
+    as broken (each with its reason; see ``corpus.entry(name).reason``) and those whose class
+    this install does not export. Cheap: imports no modeling or configuration module."""
+    names = _causal_lm_names()
+    exported = _exported_names()
+    return [
+        n for n in all_types() if not override(n).get("broken") and _primary(names[n]) in exported
+    ]
 
 
 def config_class(name: str) -> type:
@@ -75,10 +80,21 @@ def model_class(name: str) -> type:
     """The causal-LM class for ``name``, resolved by its class name in ``transformers``."""
     import transformers
 
-    cls_name = _causal_lm_names()[name]
-    if isinstance(cls_name, (list, tuple)):  # some versions list alternatives; first is primary
-        cls_name = cls_name[0]
-    return getattr(transformers, cls_name)
+    return getattr(transformers, _primary(_causal_lm_names()[name]))
+
+
+def _primary(cls_name: Any) -> str:
+    """The class name of a mapping value (some versions list alternatives; first is primary)."""
+    return cls_name[0] if isinstance(cls_name, (list, tuple)) else cls_name
+
+
+@functools.cache
+def _exported_names() -> frozenset[str]:
+    """Names the ``transformers`` package exports (its lazy module lists them without importing
+    the modeling modules)."""
+    import transformers
+
+    return frozenset(dir(transformers))
 
 
 @functools.cache
@@ -87,14 +103,15 @@ def entry(name: str) -> Entry:
     names = _causal_lm_names()
     if name not in names:
         raise KeyError(f"{name!r} is not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
-    cls_name = names[name]
-    if isinstance(cls_name, (list, tuple)):
-        cls_name = cls_name[0]
+    cls_name = _primary(names[name])
     broken = override(name).get("broken")
     cfg_cls: type | None = None
     try:
         cfg_cls = config_class(name)
-        model_class(name)
+        # The modeling module is imported only when a model is built (importing all of them
+        # would make listing the corpus take seconds): here, only check the class is exported.
+        if cls_name not in _exported_names():
+            raise ImportError(f"transformers does not export {cls_name}")
     except Exception as exc:  # a mapping entry whose modules do not import in this install
         broken = broken or f"does not import: {type(exc).__name__}: {exc}"
     return Entry(
