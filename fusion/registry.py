@@ -14,13 +14,22 @@ from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser, has_hooks
 from fusion.fusers.glu import GLUFuser
 from fusion.fusers.mla import MLAFuser
+from fusion.fusers.moe import MoEFuser
 from fusion.fusers.qkv import QKVFuser
+from fusion.fusers.rmsnorm import RMSNormFuser
 from fusion.fusers.sibling import SiblingFuser
 from fusion.trace import trace
 
 logger = logging.getLogger(__name__)
 
-FUSERS: tuple[type[Fuser], ...] = (MLAFuser, GLUFuser, QKVFuser, SiblingFuser)
+FUSERS: tuple[type[Fuser], ...] = (
+    MLAFuser,
+    GLUFuser,
+    QKVFuser,
+    SiblingFuser,
+    RMSNormFuser,
+    MoEFuser,
+)
 """Every fuser, highest priority first. Only the first one that validates for an instance
 may redefine its forward; others that leave the forward alone may still apply."""
 

@@ -27,7 +27,7 @@ def test_plan_leaves_model_untouched() -> None:
     model = tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     report = fusion.plan(model)
-    assert report.dry_run and report.counts() == {"qkv": 2, "glu": 2}
+    assert report.dry_run and report.counts() == {"qkv": 2, "glu": 2, "rmsnorm": 5}
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -37,8 +37,8 @@ def test_plan_leaves_model_untouched() -> None:
 def test_report_str_summarises() -> None:
     report = fusion.fuse(tiny_model("llama"))
     text = str(report)
-    assert text.splitlines()[0] == "FusionReport: 4 applied, 0 skipped"
-    assert "  glu: 2" in text and "  qkv: 2" in text
+    assert text.splitlines()[0] == "FusionReport: 9 applied, 0 skipped"
+    assert "  glu: 2" in text and "  qkv: 2" in text and "  rmsnorm: 5" in text
     assert (
         "model.layers.0.self_attn: q_proj + k_proj + v_proj -> qkv_proj (LlamaAttention) [qkv]"
         in text

@@ -17,7 +17,8 @@ from tests.fusion.tiny_models import relative_error, tiny_model, token_ids
 def test_deepseek_v3_mla(q_lora_rank: int | None, shards: tuple[str, str]) -> None:
     model = tiny_model("deepseek_v3", q_lora_rank=q_lora_rank)
     fused, report = fuse_copy(model)
-    assert report.counts() == {"mla": 2, "glu": 2}, str(report)
+    norms = 9 if q_lora_rank else 7  # 4 per layer with q-LoRA (q_a_layernorm), 3 without; final
+    assert report.counts() == {"mla": 2, "glu": 2, "rmsnorm": norms}, str(report)
     attn = fused.model.layers[0].self_attn
     assert attn.fused_qkv_a_proj.shard_names == shards
     record = next(r for r in report.applied if r.fuser == "mla")
