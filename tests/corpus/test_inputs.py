@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import corpus
 from corpus.tiny import special_token_ids
@@ -63,3 +67,24 @@ def test_extra_kwargs_merge():
         corpus.tiny_config("llama"), seed=0, extra={"output_hidden_states": True}
     )
     assert inp["output_hidden_states"] is True
+
+
+@functools.cache
+def _llama():
+    return corpus.tiny_config("llama")
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 5), seq=st.integers(1, 32), seed=st.integers(0, 2**31 - 1))
+def test_inputs_shape_mask_and_range_properties(batch, seq, seed):
+    cfg = _llama()
+    inp = corpus.make_inputs(cfg, seed=seed, batch=batch, seq=seq)
+    ids, mask = inp["input_ids"], inp["attention_mask"]
+    assert ids.shape == mask.shape == (batch, seq)
+    assert ids.dtype == mask.dtype == torch.long
+    assert int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size
+    assert mask[0::2].all()  # even rows unpadded
+    assert mask[:, 0].all()  # every row keeps at least its first token
+    # right padding only: once a row is masked it stays masked
+    assert torch.equal(mask, mask.cummin(dim=1).values)
+    assert torch.equal(ids, corpus.make_inputs(cfg, seed=seed, batch=batch, seq=seq)["input_ids"])
