@@ -69,6 +69,8 @@ def run(
     for qualname, module in list(model.named_modules()):
         if any(qualname.startswith(prefix) for prefix in replaced):
             continue  # inside a module that was replaced: no longer part of the model
+        if not dry_run and _detached(model, qualname, module):
+            continue  # dropped by a replacement that kept some children (FusedMoE)
         found = registry.candidates(module, chosen_fusers)
         cls_name = type(module).__name__
         redefined = False
@@ -96,6 +98,15 @@ def run(
             if fuser.replaces_module:
                 replaced.append(f"{qualname}." if qualname else "")
     return report
+
+
+def _detached(model: nn.Module, qualname: str, module: nn.Module) -> bool:
+    """Is `module` no longer at `qualname` (a replacement kept some old children, e.g. a
+    shared expert, but not this one)?"""
+    try:
+        return model.get_submodule(qualname) is not module
+    except AttributeError:
+        return True
 
 
 def _fuse_transactionally(

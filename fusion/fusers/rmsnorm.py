@@ -859,6 +859,7 @@ class RMSNormFuser(Fuser):
 
     name: ClassVar[str] = "rmsnorm"
     redefines_forward: ClassVar[bool] = True
+    replaces_module: ClassVar[bool] = True
 
     match_: NormMatch | None = None
     signature: tuple = ()
