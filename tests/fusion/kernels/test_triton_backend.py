@@ -467,25 +467,32 @@ def test_vllm_backend_absent_without_vllm() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fused_model_on_the_interpreter_in_a_fresh_process() -> None:
     """End to end in a process that sets TRITON_INTERPRET=1 before anything imports triton:
-    the registry lists `triton` for CPU, `auto` still picks `torch`, and a tiny Llama fused
-    with `backend="triton"` gives the unfused logits."""
+    the registry lists `triton` for CPU, `auto` still picks `torch`, and tiny Llama, Gemma-2
+    and Qwen3-MoE models fused with `backend="triton"` (norms, act-and-mul, MoE experts on the
+    Triton kernels) give the unfused logits."""
     script = textwrap.dedent(
         """
         import copy, torch
         import fusion
         from fusion import kernels
-        from tests.fusion.tiny_models import tiny_model, token_ids
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from tests.fusion.tiny_models import COMMON, randomize_, tiny_model, token_ids
         assert "triton" in kernels.available_backends("cpu"), kernels.available_backends("cpu")
         assert kernels.get("auto", "cpu").name == "torch"
-        model = tiny_model("llama")
-        fused = copy.deepcopy(model)
-        report = fusion.fuse(fused, backend="triton")
-        assert report.applied, str(report)
-        ids = token_ids()
-        with torch.no_grad():
-            a, b = model(ids).logits, fused(ids).logits
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-        print("ok", len(report.applied))
+        moe = AutoConfig.for_model(
+            "qwen3_moe", **COMMON, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+        moe._attn_implementation = "eager"
+        qwen3_moe = randomize_(AutoModelForCausalLM.from_config(moe)).eval()
+        for model in (tiny_model("llama"), tiny_model("gemma2"), qwen3_moe):
+            fused = copy.deepcopy(model)
+            report = fusion.fuse(fused, backend="triton")
+            assert report.applied, str(report)
+            ids = token_ids()
+            with torch.no_grad():
+                a, b = model(ids).logits, fused(ids).logits
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        print("ok")
         """
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
