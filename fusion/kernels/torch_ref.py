@@ -92,7 +92,7 @@ def moe_experts(
     `index_add_`. No Python loop over tokens, no one-hot over the experts.
     """
     num_tokens, hidden_size = hidden.shape
-    num_experts = gate_up.shape[0]
+    num_experts, two_inter, _ = gate_up.shape
     top_k = topk_ids.shape[-1]
     out = hidden.new_zeros(num_tokens, hidden_size)
     if num_tokens == 0 or top_k == 0:
@@ -102,29 +102,29 @@ def moe_experts(
     token_of_row = order // top_k
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     rows = hidden.index_select(0, token_of_row)
-    weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    projected = rows.new_empty(rows.shape[0], gate_up.shape[1])
+    projected = rows.new_empty(rows.shape[0], two_inter)
+    slices = []  # (expert, first row, end row) of every expert with tokens
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            torch.mm(
-                rows[start : start + count],
-                gate_up[expert].t(),
-                out=projected[start : start + count],
-            )
+            slices.append((expert, start, start + count))
             start += count
-    activated = act_and_mul(projected, activation)
+    for expert, first, end in slices:
+        torch.mm(rows[first:end], gate_up[expert].t(), out=projected[first:end])
+    # act(gate) * up over all rows at once: the activation is rounded to the input dtype
+    # and multiplied in it, as `act_and_mul` does, but into the activation's own buffer.
+    inter = two_inter // 2
+    activated = ACTIVATIONS[activation](projected[:, :inter])
+    activated.mul_(projected[:, inter:])
     expert_out = rows.new_empty(rows.shape[0], hidden_size)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            torch.mm(
-                activated[start : start + count],
-                down[expert].t(),
-                out=expert_out[start : start + count],
-            )
-            start += count
-    out.index_add_(0, token_of_row, (expert_out * weights).to(out.dtype))
+    for expert, first, end in slices:
+        torch.mm(activated[first:end], down[expert].t(), out=expert_out[first:end])
+    weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    if weights.dtype == expert_out.dtype:
+        weighted = expert_out.mul_(weights)
+    else:  # the product in the promoted dtype, then rounded (as the eager loop does)
+        weighted = torch.mul(expert_out, weights).to(out.dtype)
+    out.index_add_(0, token_of_row, weighted)
     return out
 
 
