@@ -108,6 +108,10 @@ except Exception:
 print(json.dumps(info, indent=1))
 EOF
 cat "$OUT_DIR/versions.json" | tee -a "$LOG"
+if ! "$PY" -c "import torch, transformers" 2>/dev/null; then
+    say "$PY cannot import torch and transformers: activate the environment or set PYTHON="
+    exit 1
+fi
 if [ "$MODE" = gpu ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     say "no CUDA device visible: run with --cpu for the dry run"
     exit 1
