@@ -28,7 +28,7 @@ from torch.nn.modules import module as nn_module
 from fusion import source
 from fusion.alias import check_input_stable
 from fusion.errors import RewriteRefused
-from fusion.fusers.layout import needs_contiguous
+from fusion.fusers.layout import FRESH, OK, piece_verdicts, written_pieces
 from fusion.modules import MergedLinear
 
 
@@ -165,8 +165,13 @@ def rewrite_stacked(
     shards: tuple[str, ...],
     merged_name: str,
     contiguous: tuple[bool, ...] = (),
+    fresh: tuple[bool, ...] = (),
 ) -> tuple[Any, str, str]:
     """Rewrite `type(module).forward` so the `shards` projections become one merged call.
+
+    Split pieces flagged in `contiguous` become `.contiguous()`; those flagged in `fresh`,
+    or written in place according to the rewritten source (`layout.written_pieces`), become
+    `.clone()`.
 
     Returns (compiled forward, original source, rewritten source). Refuses unless: each shard
     is called exactly once as `self.<shard>(input)` with the same side-effect-free input,
@@ -206,9 +211,52 @@ def rewrite_stacked(
         raise RewriteRefused("control can leave before an unconditional projection call")
     # Evaluation order: temporaries replace calls in source order, so the split order is the
     # shard order given, whatever order the calls appear in.
-    source.splice_merged_call(funcdef, calls, block, start, merged_name, contiguous=contiguous)
+    temps = source.splice_merged_call(
+        funcdef, calls, block, start, merged_name, contiguous=contiguous
+    )
+    written = written_pieces(funcdef, temps)
+    flags = list(fresh) + [False] * (len(temps) - len(fresh))
+    _make_fresh(funcdef, [t for t, f, w in zip(temps, flags, written) if f or w])
     compiled = source.compile_forward(funcdef, fn)
     return compiled, original, source.unparse(funcdef)
+
+
+def _make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
+    """Replace each use of a split temporary in `temps` (`t` or `t.contiguous()`, where the
+    projection call was) by `t.clone()`: a fresh, contiguous tensor that is not a view, as
+    the projection's own output was, so writing it in place behaves the same."""
+    for node in list(ast.walk(funcdef)):
+        for field_name, value in ast.iter_fields(node):
+            items = value if isinstance(value, list) else [value]
+            for index, item in enumerate(items):
+                target = item
+                if (
+                    isinstance(item, ast.Call)
+                    and isinstance(item.func, ast.Attribute)
+                    and item.func.attr == "contiguous"
+                    and not item.args
+                    and isinstance(item.func.value, ast.Name)
+                ):
+                    target = item.func.value
+                if not (
+                    isinstance(target, ast.Name)
+                    and isinstance(target.ctx, ast.Load)
+                    and target.id in temps
+                ):
+                    continue
+                clone = ast.Call(
+                    func=ast.Attribute(
+                        value=ast.Name(id=target.id, ctx=ast.Load()), attr="clone", ctx=ast.Load()
+                    ),
+                    args=[],
+                    keywords=[],
+                )
+                for part in ast.walk(clone):
+                    ast.copy_location(part, item)
+                if isinstance(value, list):
+                    value[index] = clone
+                else:
+                    setattr(node, field_name, clone)
 
 
 @dataclass
@@ -224,7 +272,8 @@ class StackedFuser(Fuser):
 
         Refuses a shard that is an `nn.Linear` subclass with its own forward up front (child
         types are part of the cache key, so this holds for every instance sharing the match),
-        and makes contiguous the split pieces whose uses need it (`fusion.fusers.layout`)."""
+        and makes contiguous (or fresh) the split pieces whose uses need it
+        (`fusion.fusers.layout`)."""
         for name in self.shards:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear) and type(child).forward is not nn.Linear.forward:
@@ -236,9 +285,13 @@ class StackedFuser(Fuser):
                 raise RewriteRefused(f"{name} has {hooks}")
         by_target = {str(n.target): n for n in graph.nodes if n.op == "call_module"}
         nodes = [by_target[name] for name in self.shards]
-        contiguous = needs_contiguous(graph, module, nodes)
+        verdicts = piece_verdicts(graph, module, nodes)
         self.forward_fn, self.original_source, self.rewritten_source = rewrite_stacked(
-            module, self.shards, self.merged_name, contiguous
+            module,
+            self.shards,
+            self.merged_name,
+            contiguous=tuple(v != OK for v in verdicts),
+            fresh=tuple(v == FRESH for v in verdicts),
         )
 
     def validate(self, module: nn.Module) -> None:

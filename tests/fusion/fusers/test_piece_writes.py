@@ -1,0 +1,166 @@
+"""Split pieces of a merged GEMM that are written in place must be fresh tensors (found by
+tests/fuzz).
+
+A projection returns a fresh tensor, which a forward may write in place (OLMo clamps q/k/v
+with `clamp_`). A piece of `merged.split(...)` is a view of a multi-output op, and autograd
+forbids writing those in place ("Output 0 of SplitWithSizes is a view and is being modified
+inplace"), so the fused forward crashed where the original ran. Shrunk fuzzer example:
+
+    query_states = self.q_proj(x)         # q/k/v merged by the QKV fuser
+    key_states = self.k_proj(x)
+    value_states = self.v_proj(x)
+    query_states *= 0.5                   # RuntimeError in the fused forward (autograd on)
+
+Such pieces now become `piece.clone()` (alias analysis is flow-insensitive, so a sibling
+piece passed to the same call may be cloned too); in a forward that writes no piece, every
+piece stays a view (no copy).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fusion
+from fusion import registry
+
+from .hazards import eager_attention_forward
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int = 8, q: int = 8, kv: int = 4, clip: float | None = None):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, q, bias=False)
+        self.k_proj = nn.Linear(hidden, kv, bias=False)
+        self.v_proj = nn.Linear(hidden, kv, bias=False)
+        self.o_proj = nn.Linear(kv, hidden, bias=False)
+        self.clip = clip
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class AugAssign(Attention):
+    """The shrunk fuzzer example (fx traces `q *= s` as `q = q * s`: only the source shows it)."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        q *= 0.5
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class InplaceMethod(Attention):
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        k.mul_(0.5)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ItemAssign(Attention):
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        v[..., 0] = 0.0
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ThroughView(Attention):
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        heads = q.view(*q.shape[:-1], 2, -1)
+        heads.mul_(0.5)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ClipBranch(Attention):
+    """OLMo's spelling: the in-place clamp sits in a branch the trace need not take."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if self.clip is not None:
+            q.clamp_(min=-self.clip, max=self.clip)
+            k.clamp_(min=-self.clip, max=self.clip)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class InplaceActivationMLP(nn.Module):
+    """Separate statements, so the sibling fuser merges gate/up; the activation child
+    writes the gate piece in place (only the traced replay sees that)."""
+
+    def __init__(self, hidden: int = 8, inter: int = 16) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        up = self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
+    """Fuse a copy; with autograd on, the forward, the input and the input's gradient must
+    agree with the original's. Returns the rewritten source."""
+    fused = copy.deepcopy(module)
+    report = fusion.fuse(fused)
+    assert report.applied, report.skipped
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    a_in, b_in = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = module(a_in), fused(b_in)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    a.sum().backward()
+    b.sum().backward()
+    torch.testing.assert_close(a_in.grad, b_in.grad, rtol=1e-5, atol=1e-6)
+    return report.applied[0].rewritten_source or ""
+
+
+@pytest.mark.parametrize("cls", [AugAssign, InplaceMethod, ItemAssign, ThroughView])
+@pytest.mark.parametrize("shape", [(2, 3, 8), (1, 1, 8)], ids=["prefill", "decode"])
+def test_written_piece_is_cloned(cls: type[nn.Module], shape: tuple[int, ...]) -> None:
+    registry.clear_cache()
+    rewritten = _check_same(cls(), shape)
+    assert ".clone()" in rewritten, rewritten
+
+
+def test_branch_the_trace_did_not_take() -> None:
+    """The class is matched on an instance without clipping; another instance clips."""
+    registry.clear_cache()
+    unclipped = ClipBranch()
+    assert fusion.fuse(copy.deepcopy(unclipped)).applied
+    rewritten = _check_same(ClipBranch(clip=0.1), (2, 3, 8))
+    assert ".clone()" in rewritten, rewritten
+
+
+def test_inplace_child_activation_on_piece() -> None:
+    registry.clear_cache()
+    rewritten = _check_same(InplaceActivationMLP(), (2, 3, 8))
+    assert "_0.clone()" in rewritten, rewritten
+
+
+def test_unwritten_pieces_stay_views() -> None:
+    registry.clear_cache()
+    rewritten = _check_same(Attention(), (2, 3, 8))
+    assert ".clone()" not in rewritten, rewritten
