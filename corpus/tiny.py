@@ -196,14 +196,17 @@ def _resize(attr: _PerLayer, kept: list[int], sizes: Sizes) -> Any:
 
 
 def _rescale_sections(sections: list[int], total: int) -> list[int]:
-    """Rescale mrope sections to sum to ``total`` keeping each >= 1 where possible."""
+    """Rescale mrope sections to sum exactly to ``total`` (the tiny rotary half-dim), in
+    proportion, keeping each non-zero section >= 1 while ``total`` allows it."""
     old = sum(sections) or 1
     out = [max(1, int(x * total / old)) if x else 0 for x in sections]
-    i = 0
-    while sum(out) > total and any(x > 1 for x in out):
-        j = max(range(len(out)), key=lambda k: out[k])
+    while sum(out) > total:
+        # Take from the largest section; once all are 1, drop the smallest-by-default ones.
+        if any(x > 1 for x in out):
+            j = max(range(len(out)), key=lambda k: out[k])
+        else:
+            j = min((k for k in range(len(out)) if out[k]), key=lambda k: sections[k])
         out[j] -= 1
-        i += 1
     while sum(out) < total:
         j = max(range(len(out)), key=lambda k: sections[k])
         out[j] += 1

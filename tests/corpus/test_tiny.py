@@ -113,6 +113,15 @@ def test_rescale_sections():
     assert all(x >= 1 for x in _rescale_sections([16, 24, 24], 4))
 
 
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=4), st.integers(1, 64))
+def test_rescale_sections_sums_exactly(sections, total):
+    out = _rescale_sections(sections, total)
+    assert sum(out) == total
+    assert len(out) == len(sections) and all(x >= 0 for x in out)
+    if total >= len(sections):
+        assert all(x >= 1 for x in out)
+
+
 # --- properties -----------------------------------------------------------------------------
 
 _KINDS = st.sampled_from(["full_attention", "sliding_attention", "linear_attention", "conv"])
