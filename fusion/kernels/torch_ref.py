@@ -102,23 +102,24 @@ def moe_experts(
     token_of_row = order // top_k
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     rows = hidden.index_select(0, token_of_row)
-    projected = rows.new_empty(rows.shape[0], two_inter)
     slices = []  # (expert, first row, end row) of every expert with tokens
     start = 0
     for expert, count in enumerate(counts):
         if count:
             slices.append((expert, start, start + count))
             start += count
-    for expert, first, end in slices:
-        torch.mm(rows[first:end], gate_up[expert].t(), out=projected[first:end])
+    # `out=` writes into preallocated slices, which autograd cannot differentiate: while it
+    # records (a model called outside no_grad), the same GEMMs are concatenated instead.
+    grouped = (
+        _grouped_mm_out if not _records_grad(hidden, gate_up, down, topk_weights) else _grouped_mm
+    )
+    projected = grouped(rows, gate_up, slices, two_inter)
     # act(gate) * up over all rows at once: the activation is rounded to the input dtype
     # and multiplied in it, as `act_and_mul` does, but into the activation's own buffer.
     inter = two_inter // 2
     activated = ACTIVATIONS[activation](projected[:, :inter])
     activated.mul_(projected[:, inter:])
-    expert_out = rows.new_empty(rows.shape[0], hidden_size)
-    for expert, first, end in slices:
-        torch.mm(activated[first:end], down[expert].t(), out=expert_out[first:end])
+    expert_out = grouped(activated, down, slices, hidden_size)
     weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     if weights.dtype == expert_out.dtype:
         weighted = expert_out.mul_(weights)
@@ -126,6 +127,29 @@ def moe_experts(
         weighted = torch.mul(expert_out, weights).to(out.dtype)
     out.index_add_(0, token_of_row, weighted)
     return out
+
+
+def _records_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _grouped_mm_out(
+    rows: torch.Tensor, weights: torch.Tensor, slices: list[tuple[int, int, int]], width: int
+) -> torch.Tensor:
+    """`rows[first:end] @ weights[expert].t()` for every slice, written into one buffer."""
+    result = rows.new_empty(rows.shape[0], width)
+    for expert, first, end in slices:
+        torch.mm(rows[first:end], weights[expert].t(), out=result[first:end])
+    return result
+
+
+def _grouped_mm(
+    rows: torch.Tensor, weights: torch.Tensor, slices: list[tuple[int, int, int]], width: int
+) -> torch.Tensor:
+    """The same products as `_grouped_mm_out`, differentiable (slices cover every row)."""
+    return torch.cat(
+        [torch.mm(rows[first:end], weights[expert].t()) for expert, first, end in slices]
+    )
 
 
 class TorchKernels:
