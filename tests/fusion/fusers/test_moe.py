@@ -1,0 +1,458 @@
+"""MoE fuser: real Transformers 5 blocks, a Transformers 4 `ModuleList` block, refusals,
+routing decisions, block and whole-model parity, checkpoints, and the experts kernel.
+
+Tiny configs only (hidden 64, 2 layers, 4-8 experts, top-2), built directly, never
+downloaded; every weight is random so a dropped term, a wrong expert or a wrong routing
+weight shows in the outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fusion
+from fusion.checkpoint import unfused_state_dict
+from fusion.kernels import torch_ref
+from fusion.moe_modules import FusedMoE, PackedExperts
+from harness.check import float64_reference
+from tests.fusion.fusers.helpers import reasons
+from tests.fusion.tiny_models import randomize_, relative_error, token_ids
+
+HIDDEN = 64
+COMMON = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+FUSED = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+REFUSED = {
+    "deepseek_v3": (
+        dict(
+            num_key_value_heads=4,
+            head_dim=8,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "grouped top-k",
+    ),
+    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), "returns a tuple"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    # Blocks built outside a model warn that no experts implementation is configured.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*experts_implementation.*")
+
+
+def tiny_moe(model_type: str, seed: int = 0, **overrides) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = FUSED.get(model_type) or REFUSED[model_type][0]
+    config = AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomize_(AutoModelForCausalLM.from_config(config), seed).eval()
+
+
+def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if hasattr(module, "experts") and name.count(".") == 3
+    }
+
+
+@pytest.mark.parametrize("model_type", sorted(FUSED))
+def test_blocks_fused_with_bit_identical_routing_and_block_parity(model_type: str) -> None:
+    model = tiny_moe(model_type)
+    fused = copy.deepcopy(model)
+    report = fusion.fuse(fused)
+    originals = moe_blocks(model)
+    assert report.counts()["moe"] == len(originals) == 2, str(report)
+    for name, block in originals.items():
+        fused_block = fused.get_submodule(name)
+        assert isinstance(fused_block, FusedMoE)
+        router = block.get_submodule(fused_block.router_name)
+        for seed in range(4):
+            x = torch.randn(3, 11, HIDDEN, generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                _, weights, ids = router(x.reshape(-1, HIDDEN))
+                _, fused_weights, fused_ids = fused_block.route(x.reshape(-1, HIDDEN))
+                assert torch.equal(ids, fused_ids)  # the same routing decisions
+                assert torch.equal(weights, fused_weights) and weights.dtype == fused_weights.dtype
+                expected, actual = block(x), fused_block(x)
+            assert actual.shape == expected.shape
+            assert relative_error(expected, actual) <= 1e-5
+
+
+def test_qwen2_moe_shared_expert_and_its_gate_found_by_dataflow() -> None:
+    fused = tiny_moe("qwen2_moe")
+    report = fusion.fuse(fused)
+    block = fused.model.layers[0].mlp
+    assert (block.shared_name, block.shared_gate_name) == ("shared_expert", "shared_expert_gate")
+    record = next(r for r in report.applied if r.fuser == "moe")
+    assert "shared_expert (gated by shared_expert_gate)" in record.description
+    # The shared expert stays a child, so the GLU fuser still merges its projections.
+    assert hasattr(block.shared_expert, "gate_up_proj")
+
+
+@pytest.mark.parametrize("model_type", sorted(FUSED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_model_parity_against_float64(model_type: str, dtype: torch.dtype) -> None:
+    model = tiny_moe(model_type)
+    fused = copy.deepcopy(model)
+    assert fusion.fuse(fused).counts()["moe"] == 2
+    ids = token_ids()
+    with torch.no_grad():
+        truth = float64_reference(model)(ids).logits
+        unfused = copy.deepcopy(model).to(dtype)(ids).logits.double()
+        out = fused.to(dtype)(ids).logits.double()
+    assert torch.isfinite(out).all()
+    unfused_error, fused_error = relative_error(truth, unfused), relative_error(truth, out)
+    assert fused_error <= 2 * unfused_error + (1e-3 if dtype != torch.float32 else 1e-6), (
+        fused_error,
+        unfused_error,
+    )
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_real_blocks_say_why(model_type: str) -> None:
+    model = tiny_moe(model_type)
+    report = fusion.plan(model)
+    assert "moe" not in report.counts()
+    moe_reasons = [r.reason for r in report.skipped if r.fuser == "moe"]
+    assert moe_reasons and all(REFUSED[model_type][1] in r for r in moe_reasons), moe_reasons
+
+
+def test_output_router_logits_still_recorded() -> None:
+    """Transformers records router logits with hooks on the router; a hooked router is called
+    (its outputs were proven identical to the fused routing), so the hooks still fire."""
+    model = tiny_moe("mixtral")
+    fused = copy.deepcopy(model)
+    fusion.fuse(fused)
+    ids = token_ids()
+    with torch.no_grad():
+        a = model(ids, output_router_logits=True)
+        b = fused(ids, output_router_logits=True)
+    assert len(a.router_logits) == len(b.router_logits) == 2
+    assert torch.equal(a.router_logits[0], b.router_logits[0])  # layer 0 sees identical inputs
+    assert torch.allclose(a.aux_loss, b.aux_loss, rtol=1e-5)
+
+
+def test_training_mode_is_refused_at_run_time_when_the_block_reads_it() -> None:
+    fused = tiny_moe("mixtral")
+    fusion.fuse(fused)
+    block = fused.model.layers[0].mlp
+    assert block.training_sensitive  # Mixtral jitters router inputs when training
+    block.train()
+    with pytest.raises(RuntimeError, match="eval mode only"):
+        block(torch.randn(1, 3, HIDDEN))
+
+
+# --- Transformers 4 style: a ModuleList of expert MLPs and the routing in the block ----------
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        return self.w2(self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+class SparseMoeV4(nn.Module):
+    """Transformers 4.x Mixtral's block, returning only the hidden states."""
+
+    def __init__(self, hidden: int = HIDDEN, inter: int = 32, num_experts: int = 8, top_k: int = 2):
+        super().__init__()
+        self.hidden_dim = hidden
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList([ExpertMLP(hidden, inter) for _ in range(num_experts)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim),
+            dtype=hidden_states.dtype,
+            device=hidden_states.device,
+        )
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+
+
+class SparseMoeV4Tuple(SparseMoeV4):
+    """The real Transformers 4 block also returns the router logits, through a name."""
+
+    def forward(self, hidden_states):
+        hidden = super().forward(hidden_states)
+        result = (hidden, self.gate(hidden_states.view(-1, self.hidden_dim)))
+        return result
+
+
+def randomized(module: nn.Module, seed: int = 0) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    return module
+
+
+def test_transformers4_modulelist_block_is_packed_and_matches() -> None:
+    model = nn.Sequential(randomized(SparseMoeV4()))
+    fused = copy.deepcopy(model)
+    report = fusion.fuse(fused)
+    # One record: the experts left the model with the ModuleList, so nothing else is fused
+    # (or reported) inside the block.
+    assert [(r.qualname, r.fuser) for r in report.applied] == [("0", "moe")], str(report)
+    block = fused[0]
+    assert isinstance(block.experts, PackedExperts)
+    assert block.experts.gate_up_proj.shape == (8, 64, HIDDEN)
+    assert block.experts.names == ("w1", "w3", "w2")
+    for seed in range(3):
+        x = torch.randn(2, 17, HIDDEN, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert relative_error(model(x), fused(x)) <= 1e-5
+
+
+def test_transformers4_checkpoint_round_trip_bit_identical() -> None:
+    unfused = nn.Sequential(randomized(SparseMoeV4(), seed=1))
+    fused = nn.Sequential(randomized(SparseMoeV4(), seed=2))
+    fusion.fuse(fused)
+    fused.load_state_dict(unfused.state_dict())  # strict: every per-expert key maps
+    exported, original = unfused_state_dict(fused), unfused.state_dict()
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    x = torch.randn(1, 9, HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert relative_error(unfused(x), fused(x)) <= 1e-5
+
+
+def test_transformers4_block_returning_a_tuple_through_a_name_is_refused() -> None:
+    report = fusion.plan(nn.Sequential(randomized(SparseMoeV4Tuple())))
+    assert "moe" not in report.counts()
+    assert "returns a tuple" in reasons(report)
+
+
+def test_partial_checkpoint_of_modulelist_experts_is_a_clear_error() -> None:
+    fused = nn.Sequential(SparseMoeV4())
+    fusion.fuse(fused)
+    state = nn.Sequential(SparseMoeV4()).state_dict()
+    del state["0.experts.3.w2.weight"]
+    with pytest.raises(KeyError, match="unfused checkpoint lacks"):
+        fused.load_state_dict(state)
+
+
+# --- routers: what is reproduced exactly and what refuses ---------------------------------
+
+
+def qwen3_block(**overrides) -> nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        **overrides,
+    )
+    return randomized(Qwen3MoeSparseMoeBlock(config))
+
+
+def with_router(block: nn.Module, forward, **state) -> nn.Module:
+    """`block` with its router's class replaced by one whose forward is `forward`."""
+    router = block.gate
+    router.__class__ = type("CustomTopKRouter", (type(router),), {"forward": forward})
+    for name, value in state.items():
+        if isinstance(value, nn.Parameter):
+            router.register_parameter(name, value)
+        else:
+            router.register_buffer(name, value)
+    return block
+
+
+def sigmoid_scaled_router(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states, self.weight)
+    scores = logits.sigmoid()
+    top_value, top_index = torch.topk(scores, self.top_k, dim=-1)
+    top_value = top_value / (top_value.sum(dim=-1, keepdim=True) + 1e-20)
+    top_value = top_value * 2.5
+    return logits, top_value, top_index
+
+
+def biased_router(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states, self.weight, self.bias)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
+    return logits, top_value.to(logits.dtype), top_index
+
+
+def corrected_router(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states, self.weight)
+    scores = logits.sigmoid()
+    top_index = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1)[1]
+    top_value = scores.gather(1, top_index)
+    return logits, top_value, top_index
+
+
+def test_sigmoid_router_with_renorm_eps_and_scaling_is_reproduced_exactly() -> None:
+    block = with_router(qwen3_block(), sigmoid_scaled_router)
+    holder = nn.Sequential(block)
+    fused = copy.deepcopy(holder)
+    report = fusion.fuse(fused)
+    assert report.counts() == {"moe": 1}, reasons(report)
+    kinds = [(s.kind, s.value) for s in fused[0].spec.steps]
+    assert kinds == [("sigmoid", None), ("topk", 2), ("renorm", 1e-20), ("scale", 2.5)]
+    x = torch.randn(2, 7, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert relative_error(holder(x), fused(x)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("forward", "state", "reason"),
+    [
+        (biased_router, {"bias": nn.Parameter(torch.zeros(8))}, "bias"),
+        (
+            corrected_router,
+            {"e_score_correction_bias": torch.zeros(8)},
+            "correction bias",
+        ),
+    ],
+)
+def test_router_refusals(forward, state, reason: str) -> None:
+    block = with_router(qwen3_block(), forward, **state)
+    report = fusion.plan(nn.Sequential(block))
+    assert "moe" not in report.counts()
+    assert reason in reasons(report)
+
+
+def test_unused_stateful_child_is_refused() -> None:
+    block = qwen3_block()
+    block.extra = nn.Linear(HIDDEN, HIDDEN)  # never run by the block, nor by a FusedMoE
+    report = fusion.plan(nn.Sequential(block))
+    assert "moe" not in report.counts()
+    assert "child extra holds state" in reasons(report)
+
+
+def test_instances_with_different_top_k_get_their_own_routing() -> None:
+    model = nn.Sequential(qwen3_block(), qwen3_block())
+    model[1].gate.top_k = 3
+    fused = copy.deepcopy(model)
+    report = fusion.fuse(fused)
+    assert report.counts() == {"moe": 2}, reasons(report)
+    assert (fused[0].spec.top_k, fused[1].spec.top_k) == (2, 3)
+    x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for a, b in zip(model, fused):
+            assert relative_error(a(x), b(x)) <= 1e-5
+
+
+def test_hooked_experts_are_refused() -> None:
+    block = qwen3_block()
+    block.experts.register_forward_hook(lambda *args: None)
+    report = fusion.plan(nn.Sequential(block))
+    assert "moe" not in report.counts() and "hooks" in reasons(report)
+
+
+# --- the experts kernel -------------------------------------------------------------------
+
+
+def naive_experts(x, gate_up, down, ids, weights):
+    """Per (token, choice): the Transformers eager function, one row at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = F.linear(x[t : t + 1], gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down[e]) * weights[t, k]
+            out[t] += y.to(x.dtype)[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, "same"])
+def test_moe_experts_kernel_matches_the_eager_function(dtype, weights_dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens, experts, inter, top_k = 37, 6, 16, 2
+    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    gate_up = (0.2 * torch.randn(experts, 2 * inter, HIDDEN, generator=g)).to(dtype)
+    down = (0.2 * torch.randn(experts, HIDDEN, inter, generator=g)).to(dtype)
+    ids = torch.randint(0, experts - 1, (tokens, top_k), generator=g)  # expert 5 gets nothing
+    w = torch.rand(tokens, top_k, generator=g).to(
+        dtype if weights_dtype == "same" else torch.float32
+    )
+    out = torch_ref.moe_experts(x, gate_up, down, ids, w, "silu")
+    expected = naive_experts(x, gate_up, down, ids, w)
+    assert out.dtype == dtype and out.shape == expected.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative_error(expected, out) <= tolerance
+
+
+def test_moe_experts_kernel_empty_input() -> None:
+    x = torch.empty(0, HIDDEN)
+    out = torch_ref.moe_experts(
+        x,
+        torch.randn(4, 8, HIDDEN),
+        torch.randn(4, HIDDEN, 4),
+        torch.empty(0, 2, dtype=torch.long),
+        torch.empty(0, 2),
+        "silu",
+    )
+    assert out.shape == (0, HIDDEN)
