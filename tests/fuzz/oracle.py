@@ -224,6 +224,15 @@ def _same_state(a: nn.Module, b: nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def _plan(module: nn.Module) -> FusionReport | None:
+    """What `fusion.plan` decides for a copy (the forward sources for a repro bundle when
+    `fuse` itself raised), or None when planning raises too."""
+    try:
+        return fusion.plan(copy.deepcopy(module))
+    except Exception:
+        return None
+
+
 def _tail(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:])
 
@@ -240,9 +249,8 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
         try:
             report = fusion.fuse(fused)
         except Exception as exc:
-            return Outcome(
-                "fused", None, Failure("fuse-error", f"{type(exc).__name__}: {exc}", _tail(exc))
-            )
+            failure = Failure("fuse-error", f"{type(exc).__name__}: {exc}", _tail(exc))
+            return Outcome("fused", _plan(original), failure)
         status = "fused" if report.applied else "refused"
         if not report.applied and (structure(fused) != before or not _same_state(original, fused)):
             return Outcome(

@@ -198,6 +198,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.integrations import use_experts_implementation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 """
 
@@ -848,18 +849,11 @@ def rmsnorm_part(
     scale = draw(st.sampled_from(["rsqrt", "rsqrt", "div_sqrt"]))
     output = draw(st.sampled_from(["llama", "llama", "gemma", "cast_after", "no_weight"]))
     near_miss = draw(
-        st.sampled_from(
+        weighted(
             [
-                None,
-                None,
-                None,
-                "mean_subtracted",
-                "abs_mean",
-                "var",
-                "sum",
-                "eps_outside",
-                "dim0",
-                "bias",
+                (None, 14),
+                *((miss, 1) for miss in ("mean_subtracted", "abs_mean", "var", "sum")),
+                *((miss, 1) for miss in ("eps_outside", "dim0", "bias")),
             ]
         )
     )
@@ -949,12 +943,17 @@ def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | N
     inter = draw(_ints([8, 16]))
     act = draw(st.sampled_from(["silu", "gelu"]))
     norm_topk = draw(st.booleans())
-    layout = draw(st.sampled_from(["module_list", "stacked"]))
+    layout = draw(st.sampled_from(["module_list", "packed"]))
+    returns_logits = draw(weighted([(False, 3), (True, 1)]))
     part = Part(name, [])
     busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
     part.features += [f"layout:{layout}", f"experts:{experts}", f"top_k:{top_k}"]
     x = "hidden_states"
     pre = part.add(draw_statements(draw, x, Slot(), [], safe, min(busy, 1)))
+    hazard_kinds = draw(st.sampled_from(["input", "hook", "both"])) if not safe else ""
+    if hazard_kinds in ("input", "both"):
+        label, _, lines, snippets = draw(st.sampled_from(INPUT_HAZARDS))
+        pre += part.add([Stmt(label, True, tuple(line.format(x=x) for line in lines), snippets)])
     routing = [
         "routing_weights = F.softmax(router_logits, dim=-1, dtype=torch.float)",
         "routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)",
@@ -1020,42 +1019,108 @@ def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | N
                 "final_hidden_states = final_hidden_states + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared",
             ]
         body.append(
-            "return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim), router_logits"
+            "final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)"
         )
     else:
-        init = [
-            "super().__init__()",
-            f"self.num_experts = {experts}",
-            f"self.top_k = {top_k}",
-            f"self.router = nn.Parameter(torch.randn({experts}, {hidden}))",
-            f"self.gate_up_proj = nn.Parameter(torch.randn({experts}, {2 * inter}, {hidden}) * 0.2)",
-            f"self.down_proj = nn.Parameter(torch.randn({experts}, {hidden}, {inter}) * 0.2)",
-            f"self.act_fn = ACT2FN[{act!r}]",
+        # The Transformers 5 layout: a router child and a packed experts-interface child.
+        router_body = [
+            f"hidden_states = hidden_states.reshape(-1, {hidden})",
+            "router_logits = F.linear(hidden_states, self.weight)",
+            "router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)",
+            "top_value, top_index = torch.topk(router_probs, self.top_k, dim=-1)",
         ]
-        body = [
-            *pre,
-            "batch_size, sequence_length, hidden_dim = hidden_states.shape",
-            "hidden_states = hidden_states.reshape(-1, hidden_dim)",
-            "router_logits = F.linear(hidden_states, self.router)",
-            *routing,
+        if norm_topk:
+            router_body.append("top_value /= top_value.sum(dim=-1, keepdim=True)")
+        router_body += [
+            "top_value = top_value.to(router_logits.dtype)",
+            "return router_logits, top_value, top_index",
+        ]
+        router = Part(
+            f"{name}Router",
+            [
+                f"class {name}Router(nn.Module):",
+                *method(
+                    "__init__",
+                    "self",
+                    [
+                        "super().__init__()",
+                        f"self.top_k = {top_k}",
+                        f"self.weight = nn.Parameter(torch.randn({experts}, {hidden}))",
+                    ],
+                ),
+                "",
+                *method("forward", "self, hidden_states", router_body),
+            ],
+        )
+        experts_body = [
             "final_hidden_states = torch.zeros_like(hidden_states)",
-            "expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)",
+            "expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)",
             "for expert_idx in range(self.num_experts):",
             "    top_k_pos, token_idx = torch.where(expert_mask[expert_idx])",
             "    current_state = hidden_states[token_idx]",
             "    gate, up = F.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
             "    current = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])",
-            "    current = current * routing_weights[token_idx, top_k_pos, None]",
+            "    current = current * top_k_weights[token_idx, top_k_pos, None]",
             "    final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))",
-            "return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim), router_logits",
+            "return final_hidden_states",
         ]
+        packed = Part(
+            f"{name}Experts",
+            [
+                "@use_experts_implementation",
+                f"class {name}Experts(nn.Module):",
+                *method(
+                    "__init__",
+                    "self, config",
+                    [
+                        "super().__init__()",
+                        f"self.num_experts = {experts}",
+                        f"self.gate_up_proj = nn.Parameter(torch.randn({experts}, {2 * inter}, {hidden}) * 0.2)",
+                        f"self.down_proj = nn.Parameter(torch.randn({experts}, {hidden}, {inter}) * 0.2)",
+                        f"self.act_fn = ACT2FN[{act!r}]",
+                    ],
+                ),
+                "",
+                *method("forward", "self, hidden_states, top_k_index, top_k_weights", experts_body),
+            ],
+        )
+        part.children += [router, packed]
+        init = [
+            "super().__init__()",
+            f"self.gate = {name}Router()",
+            f"self.experts = {name}Experts(types.SimpleNamespace(_experts_implementation='eager'))",
+        ]
+        body = [
+            *pre,
+            "batch_size, sequence_length, hidden_dim = hidden_states.shape",
+            "hidden_states_reshaped = hidden_states.view(-1, hidden_dim)",
+            "router_logits, routing_weights, selected_experts = self.gate(hidden_states_reshaped)",
+            "final_hidden_states = self.experts(hidden_states_reshaped, selected_experts, routing_weights)",
+            "final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)",
+        ]
+    if returns_logits:
+        part.features.append("returns_router_logits")
+        body.append("return final_hidden_states, router_logits")
+    else:
+        body.append("return final_hidden_states")
     part.lines = [
         f"class {name}(nn.Module):",
         *method("__init__", "self", init),
         "",
         *method("forward", f"self, {x}", body),
     ]
-    part.returns_tuple = True
+    if hazard_kinds in ("hook", "both"):
+        target = draw(
+            st.sampled_from(
+                ["gate", "experts[0]", "experts[0].gate_proj"]
+                if layout == "module_list"
+                else ["gate", "experts"]
+            )
+        )
+        part.snippets.append("hooks")
+        part.hooks.append(f"{{m}}.{target}.register_forward_hook(halve_output_hook)")
+        part.hazards.append(f"hook:{target}")
+    part.returns_tuple = returns_logits
     part.inputs = [
         f"args.append(torch.randn({draw(_ints([2, 1]))}, {draw(_ints([3, 1]))}, {hidden}, generator=generator))"
     ]

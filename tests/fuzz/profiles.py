@@ -1,0 +1,50 @@
+"""Hypothesis settings for the fusion fuzzer, chosen with `FUZZ_PROFILE` (default fuzz-ci).
+
+They are separate from the suite-wide `HYPOTHESIS_PROFILE` profiles of tests/conftest.py
+because one fuzzer example (write, import, trace, fuse, two forwards) costs about as much
+as a hundred alias-analysis examples, so its counts are set here. `FUZZ_EXAMPLES=<n>`
+overrides the number of examples per property of any profile.
+
+- fuzz-ci: derandomized (the same examples on every run and machine, so CI is never
+  flaky), no database, CI_EXAMPLES examples per generated shape.
+- fuzz: randomized, 10 000 examples per shape, and an example database in
+  `.hypothesis/fuzz/` (git-ignored): a failure found once is replayed first on every later
+  run until it is fixed. The `fuzz` tox environment.
+- fuzz-dev: randomized, 30 examples per shape: a smoke run while editing a generator.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+REPO = Path(__file__).resolve().parents[2]
+DATABASE_DIR = REPO / ".hypothesis" / "fuzz"
+CI_EXAMPLES = 200
+"""Per generated shape; five shapes: 1000 examples, about a minute on two cores."""
+
+_COMMON = {
+    "deadline": None,
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+
+settings.register_profile(
+    "fuzz-ci", max_examples=CI_EXAMPLES, derandomize=True, database=None, **_COMMON
+)
+settings.register_profile(
+    "fuzz",
+    max_examples=10_000,
+    database=DirectoryBasedExampleDatabase(str(DATABASE_DIR)),
+    **_COMMON,
+)
+settings.register_profile("fuzz-dev", max_examples=30, database=None, **_COMMON)
+
+PROFILE = os.environ.get("FUZZ_PROFILE", "fuzz-ci")
+FUZZ_SETTINGS = settings.get_profile(PROFILE)
+if os.environ.get("FUZZ_EXAMPLES"):
+    FUZZ_SETTINGS = settings(FUZZ_SETTINGS, max_examples=int(os.environ["FUZZ_EXAMPLES"]))
+"""The settings every fuzz property runs under."""
