@@ -36,8 +36,9 @@ effectively "at most twice the unfused error"; the floor only matters where the 
 sum must still pass. In float32 the floor is ~3x the median unfused error: rounding differences
 of a reordered reduction stay below it, while any changed function (a wrong weight slice, a
 dropped bias, a swapped activation) errs by orders of magnitude more; scaling one MLP's output
-by 1.01 gives ~1e-3. The torch-backend fused kernels measured equal to the unfused error
-(fused/unfused ratio 1.0 in half precision, at most 1.07 in float32).
+by 1.01 gives ~1e-3. With the torch-backend kernels (glu, mla, moe, qkv, rmsnorm, sibling;
+1575 fusions) the largest fused/unfused error ratio was 1.10 in float32, 1.27 in bfloat16 and
+1.59 in float16 (per module; on the logits 1.07 / 1.17 / 1.03): inside the 2x multiple.
 
 NaN never passes: a non-finite fused output where the unfused output is finite is a failure;
 when the unfused output is non-finite too, the dtype cannot run that model at all and the verdict
