@@ -1114,7 +1114,7 @@ def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | N
             st.sampled_from(
                 ["gate", "experts[0]", "experts[0].gate_proj"]
                 if layout == "module_list"
-                else ["gate", "experts"]
+                else ["experts"]  # the packed router returns a tuple
             )
         )
         part.snippets.append("hooks")

@@ -1,0 +1,206 @@
+"""The fuzzing oracle must notice every kind of failure it claims to (each is injected), and
+its repro bundles must replay them from text alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion import apply
+from fusion.modules import MergedLinear
+from fusion.report import FusionReport
+from tests.fuzz.oracle import Tally, check, relative_error
+from tests.fuzz.profiles import REPO
+from tests.fuzz.repro import write_bundle
+from tests.fuzz.strategies import GeneratedModule
+
+SOURCE = """\
+import torch
+from torch import nn
+
+
+def eager_attention_forward(module, query, key, value):
+    weights = torch.softmax(query[..., :4] @ key.transpose(-1, -2), dim=-1)
+    return weights @ value, weights
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(8, 8)
+        self.k_proj = nn.Linear(8, 4)
+        self.v_proj = nn.Linear(8, 4)
+        self.o_proj = nn.Linear(4, 8)
+
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class GeneratedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Attention()
+
+    def forward(self, *args, **kwargs):
+        return self.block(*args, **kwargs)
+
+
+def build():
+    return GeneratedModel()
+
+
+def make_inputs(generator):
+    return (torch.randn(2, 3, 8, generator=generator),), {}
+"""
+
+ATTENTION = GeneratedModule("attention", "GeneratedModel", SOURCE, (), ("handwritten",))
+BROKEN = GeneratedModule(
+    "attention",
+    "GeneratedModel",
+    SOURCE.replace("return self.o_proj(out)", "return self.o_proj(out[..., :3])"),
+    (),
+    (),
+)
+
+
+def _scaled(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, self.weight, self.bias) * 1.001
+
+
+def _raising(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("injected kernel failure")
+
+
+def _writes_input(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
+    out = F.linear(x, self.weight, self.bias)
+    x.mul_(2.0)
+    return out
+
+
+def test_correct_fusion_passes(tmp_path: Path) -> None:
+    outcome = check(ATTENTION, 0, tmp_path)
+    assert outcome.status == "fused" and outcome.failure is None
+    assert outcome.fusers == ("qkv",)
+
+
+@pytest.mark.parametrize(
+    ("forward", "kind"),
+    [
+        (_scaled, "module-parity"),
+        (_raising, "fused-forward-error"),
+        (_writes_input, "input-state"),
+    ],
+)
+def test_injected_kernel_faults_are_caught(
+    forward, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(MergedLinear, "forward", forward)
+    outcome = check(ATTENTION, 0, tmp_path)
+    assert outcome.failure is not None and outcome.failure.kind == kind, outcome
+
+
+def test_fuse_raising_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(model: nn.Module, **kwargs) -> FusionReport:
+        raise RuntimeError("injected fuse failure")
+
+    monkeypatch.setattr(apply, "run", run)
+    outcome = check(ATTENTION, 0, tmp_path)
+    assert outcome.failure is not None and outcome.failure.kind == "fuse-error"
+
+
+def test_refusal_that_changes_the_module_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def run(model: nn.Module, **kwargs) -> FusionReport:
+        model.block.extra = nn.Identity()
+        return FusionReport()
+
+    monkeypatch.setattr(apply, "run", run)
+    outcome = check(ATTENTION, 0, tmp_path)
+    assert outcome.failure is not None and outcome.failure.kind == "refused-but-changed"
+
+
+def test_a_module_that_cannot_run_counts_as_crashed(tmp_path: Path) -> None:
+    outcome = check(BROKEN, 0, tmp_path)
+    assert outcome.status == "crashed" and outcome.failure is None
+    tally = Tally()
+    tally.record(BROKEN, outcome)
+    assert tally.counts["attention"]["crashed"] == 1
+
+
+def test_relative_error() -> None:
+    a = torch.tensor([1.0, -2.0, float("nan")])
+    assert relative_error(a, a.clone()) == 0.0
+    assert relative_error(a, torch.tensor([1.0, -2.0, 0.0])) == float("inf")
+    assert relative_error(a, torch.tensor([1.0, -2.2, float("nan")])) == pytest.approx(0.1)
+    assert relative_error(torch.zeros(2), torch.zeros(3)) == float("inf")
+
+
+def _replay(bundle: Path) -> int:
+    return runpy.run_path(str(bundle / "repro.py"), run_name="fuzz_repro")["main"](bundle)
+
+
+def test_bundle_replays_from_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(MergedLinear, "forward", _scaled)
+    outcome = check(ATTENTION, 7, tmp_path)
+    assert outcome.failure is not None
+    bundle = write_bundle(tmp_path / "bundles", "fuzz--attention", ATTENTION, 7, outcome)
+    names = sorted(p.name for p in bundle.iterdir())
+    assert names == [
+        "bundle.json",
+        "forward.diff",
+        "module.py",
+        "original.py",
+        "repro.py",
+        "rewritten.py",
+    ]
+    for path in bundle.iterdir():
+        path.read_text(encoding="utf-8")  # text only: nothing to unpickle
+    fields = json.loads((bundle / "bundle.json").read_text())
+    assert fields["seed"] == 7 and fields["kind"] == "module-parity"
+    assert fields["generated"]["kind"] == "module-parity"
+    assert (bundle / "module.py").read_text() == SOURCE
+    assert "qkv_proj" in (bundle / "forward.diff").read_text()
+    # The fault is still injected in this process: the failure reproduces.
+    assert _replay(bundle) == 1
+    monkeypatch.undo()
+    assert _replay(bundle) == 0
+    # A fresh process (only torch, transformers and the package) sees the fixed fusion.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(bundle / "repro.py")], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "does not reproduce" in done.stdout
+
+
+def test_rewriting_a_bundle_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While Hypothesis shrinks, each smaller failure overwrites the shape's bundle."""
+    monkeypatch.setattr(MergedLinear, "forward", _scaled)
+    outcome = check(ATTENTION, 1, tmp_path)
+    root = tmp_path / "bundles"
+    write_bundle(root, "b", ATTENTION, 1, outcome)
+    bundle = write_bundle(root, "b", ATTENTION, 2, outcome)
+    assert json.loads((bundle / "bundle.json").read_text())["seed"] == 2
+    assert [p.name for p in root.iterdir()] == ["b"]
+
+
+def test_unusable_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(MergedLinear, "forward", _scaled)
+    outcome = check(ATTENTION, 1, tmp_path)
+    bundle = write_bundle(tmp_path / "bundles", "b", ATTENTION, 1, outcome)
+    (bundle / "bundle.json").write_text("{")
+    assert _replay(bundle) == 2
