@@ -152,6 +152,33 @@ def _grouped_mm(
     )
 
 
+_NO_ATEN = object()
+_ATEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _aten_scale(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    offset: float,
+    upcast: bool,
+    weight_after_cast: bool,
+) -> torch.Tensor | object | None:
+    """The weight to hand `torch.rms_norm` so it computes `rms_norm` bit for bit, or
+    `_NO_ATEN`. On CPU (PyTorch 2.x) `torch.rms_norm` upcasts to float32, normalises,
+    multiplies by `weight.to(float32)` and casts back: our weight-before-cast variant."""
+    if x.device.type != "cpu" or not upcast or x.dtype not in _ATEN_DTYPES or x.dim() == 0:
+        return _NO_ATEN
+    if weight is None:
+        return None
+    if weight.dtype not in _ATEN_DTYPES or weight.shape[0] != x.shape[-1]:
+        return _NO_ATEN
+    if weight_after_cast and not (x.dtype == weight.dtype == torch.float32):
+        return _NO_ATEN  # Llama's order rounds the normalised value first: not aten's
+    if not offset:
+        return weight
+    return weight.float() + offset
+
+
 class TorchKernels:
     """Backend object for the reference kernels."""
 
@@ -174,6 +201,14 @@ class TorchKernels:
         weight_after_cast: bool = True,
         cast_to_weight: bool = False,
     ) -> torch.Tensor:
+        """`rms_norm`, through PyTorch's own `torch.rms_norm` where that computes the same
+        ops in the same order (so the same bits; checked over the dtype grid by the tests):
+        on CPU, statistics in float32, and the weight applied in float32 before the cast
+        back (or after it, when everything is float32 and the cast is the identity)."""
+        if weight is None or weight.dim() == 1:
+            scale = _aten_scale(x, weight, offset, upcast, weight_after_cast)
+            if scale is not _NO_ATEN:
+                return torch.rms_norm(x, (x.shape[-1],), scale, eps)
         return rms_norm(
             x,
             weight,

@@ -416,3 +416,27 @@ def test_candidate_skips_modules_with_children_or_matrices() -> None:
     assert not RMSNormFuser.candidate(nn.Linear(4, 4))
     assert not RMSNormFuser.candidate(nn.Sequential(nn.RMSNorm(4)))
     assert RMSNormFuser.candidate(nn.RMSNorm(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16, None])
+def test_torch_backend_fast_path_is_the_reference_bit_for_bit(dtype, wdtype) -> None:
+    """`TorchKernels.rms_norm` hands some variants to `torch.rms_norm`; that must compute
+    `torch_ref.rms_norm` exactly (same dtype, same bits) for every variant flag."""
+    import itertools
+
+    from fusion.kernels import torch_ref
+
+    backend = torch_ref.TorchKernels()
+    generator = torch.Generator().manual_seed(0)
+    for offset, upcast, after, to_weight in itertools.product(
+        (0.0, 1.0), (True, False), (True, False), (False, True)
+    ):
+        x = (3 * torch.randn(4, 3, 96, generator=generator)).to(dtype)
+        w = None if wdtype is None else (0.3 * torch.randn(96, generator=generator) + 1).to(wdtype)
+        flags = dict(
+            offset=offset, upcast=upcast, weight_after_cast=after, cast_to_weight=to_weight
+        )
+        expected = torch_ref.rms_norm(x, w, 1e-5, **flags)
+        actual = backend.rms_norm(x, w, 1e-5, **flags)
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), flags
