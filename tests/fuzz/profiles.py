@@ -26,6 +26,8 @@ DATABASE_DIR = REPO / ".hypothesis" / "fuzz"
 CI_EXAMPLES = 200
 """Per generated shape; five shapes: 1000 examples, about a minute on two cores."""
 
+# Every setting that matters is spelled out: a profile registered here inherits the rest
+# from whichever profile tests/conftest.py loaded (its "ci" is derandomized).
 _COMMON = {
     "deadline": None,
     "print_blob": True,
@@ -38,10 +40,11 @@ settings.register_profile(
 settings.register_profile(
     "fuzz",
     max_examples=10_000,
+    derandomize=False,
     database=DirectoryBasedExampleDatabase(str(DATABASE_DIR)),
     **_COMMON,
 )
-settings.register_profile("fuzz-dev", max_examples=30, database=None, **_COMMON)
+settings.register_profile("fuzz-dev", max_examples=30, derandomize=False, database=None, **_COMMON)
 
 PROFILE = os.environ.get("FUZZ_PROFILE", "fuzz-ci")
 FUZZ_SETTINGS = settings.get_profile(PROFILE)
