@@ -100,10 +100,30 @@ def check_plain_linear(module: nn.Module, name: str) -> nn.Linear:
         raise RewriteRefused(f"{name} is {type(child).__name__}, an nn.Linear with its own forward")
     if "forward" in child.__dict__:
         raise RewriteRefused(f"{name} has an instance-level forward")
+    call = _own_call_path(child)
+    if call:
+        raise RewriteRefused(f"{name} is {type(child).__name__}, an nn.Linear with its own {call}")
     hooks = has_hooks(child)
     if hooks:
         raise RewriteRefused(f"{name} has {hooks}")
     return child
+
+
+_CALL_PATH = ("__call__", "_wrapped_call_impl", "_call_impl")
+"""What runs between `self.<linear>(x)` and `forward`: a merged call bypasses all of it."""
+
+
+def _own_call_path(child: nn.Module) -> str | None:
+    """The first of `_CALL_PATH` that `child` does not take from `nn.Module` (its class
+    overrides it, or the instance carries its own), or None.
+
+    Such a call path may compute anything around `forward`, and may do it differently per
+    instance (an attribute read at call time), so the one traced instance of a class
+    proves nothing about the others."""
+    for attr in _CALL_PATH:
+        if getattr(type(child), attr) is not getattr(nn.Module, attr) or attr in child.__dict__:
+            return attr
+    return None
 
 
 def check_stackable(
@@ -279,6 +299,11 @@ class StackedFuser(Fuser):
             if isinstance(child, nn.Linear) and type(child).forward is not nn.Linear.forward:
                 raise RewriteRefused(
                     f"{name} is {type(child).__name__}, an nn.Linear with its own forward"
+                )
+            call = _own_call_path(child) if isinstance(child, nn.Linear) else None
+            if call:
+                raise RewriteRefused(
+                    f"{name} is {type(child).__name__}, an nn.Linear with its own {call}"
                 )
             hooks = has_hooks(child) if isinstance(child, nn.Module) else None
             if hooks:
