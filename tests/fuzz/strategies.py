@@ -161,6 +161,17 @@ SNIPPETS: dict[str, str] = {
             def __call__(self, input):
                 return super().__call__(input) * 0.5
         ''',
+    "FlagCallLinear": '''
+        class FlagCallLinear(nn.Linear):
+            """An nn.Linear subclass whose __call__ depends on an instance attribute: one
+            instance may look plain to a trace while another scales its output."""
+
+            scale = 1.0
+
+            def __call__(self, input):
+                output = super().__call__(input)
+                return output * self.scale if self.scale != 1.0 else output
+        ''',
     "CustomAct": '''
         class CustomAct(nn.Module):
             """An activation no fused kernel reproduces (quick GELU spelled by hand)."""
@@ -391,6 +402,9 @@ class Part:
     snippets: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
     """Statements for build(), `{m}` standing for the instance's expression."""
+    tweaks: list[str] = field(default_factory=list)
+    """Per-instance changes for build() (`{m}` as in `hooks`), applied to a second instance
+    of the class when the model has one: what one instance's trace cannot show."""
     inputs: list[str] = field(default_factory=list)
     """Statements for make_inputs() that bind `args` (a list) and `kwargs` (a dict)."""
     hazards: list[str] = field(default_factory=list)
@@ -472,11 +486,13 @@ def _linear_kind(draw: Draw, part: Part, attr: str, safe: bool) -> str:
     """The class used for projection `attr`: nn.Linear mostly, a subclass sometimes."""
     options = ["nn.Linear"] * 7 + ["SubLinear"]
     if not safe:
-        options += ["ScaledLinear", "CallLinear"]
+        options += ["ScaledLinear", "CallLinear", "FlagCallLinear"]
     kind = draw(st.sampled_from(options))
     if kind != "nn.Linear":
         part.snippets.append(kind)
         (part.features if kind == "SubLinear" else part.hazards).append(f"{attr}:{kind}")
+    if kind == "FlagCallLinear":
+        part.tweaks.append(f"{{m}}.{attr}.scale = 0.5")
     return kind
 
 
@@ -584,6 +600,7 @@ def attention_part(
     for p in order:
         if guards[p].startswith("flag"):
             init.append(f"self.use_{p} = {guards[p] == 'flag_on'}")
+            part.tweaks.append(f"{{m}}.use_{p} = {guards[p] != 'flag_on'}")
 
     def shaped(p: str, value: str) -> str:
         if norm and p in ("q", "k"):
@@ -868,6 +885,7 @@ def rmsnorm_part(
     if near_miss == "bias":
         init.append(f"self.bias = nn.Parameter(torch.randn({hidden}) * 0.1)")
     init.append(f"self.{eps_attr} = {eps}")
+    part.tweaks.append(f"{{m}}.{eps_attr} = {0.1 if eps != 0.1 else 1e-6}")
 
     body = part.add(draw_statements(draw, x, Slot(), [], safe, busy))
     body.append(f"input_dtype = {x}.dtype")
@@ -1174,7 +1192,13 @@ def decoder_layer_part(draw: Draw, safe: bool) -> Part:
         *(hook.replace("{m}", "{m}.mlp") for hook in mlp.hooks),
         *(hook.replace("{m}", "{m}.input_layernorm") for hook in norm.hooks),
     ]
+    layer.tweaks = [
+        *(tweak.replace("{m}", "{m}.self_attn") for tweak in attention.tweaks),
+        *(tweak.replace("{m}", "{m}.mlp") for tweak in mlp.tweaks),
+        *(tweak.replace("{m}", "{m}.post_attention_layernorm") for tweak in norm.tweaks),
+    ]
     attention.hooks, mlp.hooks, norm.hooks = [], [], []
+    attention.tweaks, mlp.tweaks, norm.tweaks = [], [], []
     layer.inputs = attention.inputs
     return layer
 
@@ -1182,24 +1206,36 @@ def decoder_layer_part(draw: Draw, safe: bool) -> Part:
 # -- public strategies ----------------------------------------------------------------------------
 
 
-def wrap(part: Part) -> Part:
+def wrap(draw: Draw, part: Part) -> Part:
     """`part` as the `block` child of a `GeneratedModel`, as every Transformers module is a
     child of a model: fusers that replace a whole module (RMSNorm, MoE) cannot replace the
-    root, and hooks address the child through its parent."""
+    root, and hooks address the child through its parent.
+
+    Sometimes the model holds a second instance, `block2` (run on the positional inputs
+    only), which takes the per-instance tweaks and some of the hooks: fusion matches once
+    per class, so what one instance's trace shows must not be taken for the other's.
+    """
+    twin = draw(st.booleans())
+    init = ["super().__init__()", f"self.block = {part.class_name}()"]
+    body = ["return self.block(*args, **kwargs)"]
+    if twin:
+        init.append(f"self.block2 = {part.class_name}()")
+        body = ["return self.block(*args, **kwargs), self.block2(*args)"]
     model = Part(
         "GeneratedModel",
         [
             "class GeneratedModel(nn.Module):",
-            *method(
-                "__init__", "self", ["super().__init__()", f"self.block = {part.class_name}()"]
-            ),
+            *method("__init__", "self", init),
             "",
-            *method("forward", "self, *args, **kwargs", ["return self.block(*args, **kwargs)"]),
+            *method("forward", "self, *args, **kwargs", body),
         ],
         children=[part],
+        features=["twin_instances"] if twin else [],
     )
-    model.hooks = [hook.replace("{m}", "module.block") for hook in part.hooks]
-    part.hooks = []
+    targets = ["module.block", "module.block2"] if twin else ["module.block"]
+    model.hooks = [hook.replace("{m}", draw(st.sampled_from(targets))) for hook in part.hooks]
+    model.hooks += [tweak.replace("{m}", targets[-1]) for tweak in part.tweaks]
+    part.hooks, part.tweaks = [], []
     return model
 
 
@@ -1220,7 +1256,7 @@ def generated_modules(draw: Draw, shape: str, safe: bool | None = None) -> Gener
         part = moe_part(draw, is_safe)
     else:
         part = decoder_layer_part(draw, is_safe)
-    model = wrap(part)
+    model = wrap(draw, part)
     return assemble(shape, model, "GeneratedModel()", part.inputs)
 
 
