@@ -148,6 +148,7 @@ def check_model(
     applied = _applied_by_qualname(report.applied)
     fusion_fields = {
         "applied": dict(report.counts()),
+        "applied_by_class": count_by_class(report.applied),
         "refusals": group_refusals(report.skipped),
     }
 
@@ -314,6 +315,15 @@ def module_result(check: localise.ModuleCheck, records) -> ModuleResult:
         reason=v.reason,
         calls=check.calls,
     )
+
+
+def count_by_class(applied) -> dict[str, dict[str, int]]:
+    """Applied records counted per module class and fuser: {class: {fuser: instances}}."""
+    counts: dict[str, dict[str, int]] = {}
+    for record in applied:
+        per_fuser = counts.setdefault(record.source_class, {})
+        per_fuser[record.fuser] = per_fuser.get(record.fuser, 0) + 1
+    return counts
 
 
 def group_refusals(skipped) -> list[Refusal]:

@@ -1,6 +1,7 @@
 """The `fusion-harness` command line (also `python -m harness`).
 
     fusion-harness run    sweep the corpus: build, fuse, compare with a float64 reference
+                          (--update-expected: record the golden fusion plans, harness.plans)
     fusion-harness list   the corpus with the build status of every architecture
     fusion-harness show   the fusion plan of one architecture and the diff of every rewrite
     fusion-harness repro  replay a repro bundle (exit 1 if the failure reproduces)
@@ -127,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where repro bundles of failures go (default repro-bundles)",
     )
+    run.add_argument(
+        "--update-expected",
+        action="store_true",
+        help="write the fusion plans of this run into the golden file of the installed "
+        "Transformers line, corpus/expected/MAJOR.MINOR.json (only the architectures run are "
+        "replaced), and print what changed; review it as a git diff",
+    )
     run.set_defaults(handler=cmd_run)
 
     listing = commands.add_parser(
@@ -218,6 +226,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("-j must be at least 1 and --timeout positive")
     pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = _check_options(args)
+    if args.update_expected:
+        _check_golden_options(options)
     names = _selected(args, options.plugins)
     results_path = args.resume or args.results or sweep.default_results(options)
     sweep_options = sweep.SweepOptions(
@@ -256,7 +266,36 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
+    if args.update_expected:
+        _update_expected(run.results, options)
     return summary.exit_status(run.results)
+
+
+def _check_golden_options(options: check.CheckOptions) -> None:
+    from harness import plans
+
+    chosen = {k: getattr(options, k) for k in plans.GOLDEN_OPTIONS}
+    if chosen != plans.GOLDEN_OPTIONS:
+        raise UsageError(
+            f"--update-expected records golden plans with {plans.GOLDEN_OPTIONS}, not {chosen}"
+        )
+
+
+def _update_expected(results, options: check.CheckOptions) -> None:
+    from harness import plans
+
+    path, changes = plans.update(
+        results,
+        unbuildable=architectures.unbuildable(),
+        known=architectures.available(options.plugins),
+    )
+    if not changes:
+        print(f"\n{path}: no change")
+        return
+    print(f"\n{path}: {len(changes)} architecture(s) changed (review with `git diff {path}`):")
+    for name, lines in changes.items():
+        print(f"{name}:")
+        print("\n".join(f"  - {line}" for line in lines))
 
 
 def cmd_list(args: argparse.Namespace) -> int:

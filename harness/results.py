@@ -94,6 +94,8 @@ class ArchResult:
     seconds: float
     message: str = ""
     applied: dict[str, int] = field(default_factory=dict)
+    applied_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
+    """{module class: {fuser: instances}} of the applied fusions (the plan, harness.plans)."""
     refusals: list[Refusal] = field(default_factory=list)
     unfused_error: float | None = None
     fused_error: float | None = None

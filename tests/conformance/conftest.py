@@ -38,3 +38,11 @@ def check_options() -> CheckOptions:
 def repro_dir(tmp_path_factory) -> Path:
     configured = os.environ.get("FUSION_HARNESS_REPRO_DIR")
     return Path(configured) if configured else tmp_path_factory.mktemp("repro")
+
+
+def pytest_report_header(config):
+    from harness import plans
+
+    path = plans.golden_path()
+    state = "" if path.exists() else " (missing: run `fusion-harness run --update-expected`)"
+    return f"golden fusion plans: {path}{state}"
