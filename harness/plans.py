@@ -70,7 +70,7 @@ class PlanError(ValueError):
 
 
 def transformers_line(version: str | None = None) -> str:
-    """"major.minor" of a Transformers version (the installed one by default): "5.24"."""
+    """The "major.minor" of a Transformers version (the installed one by default): "5.24"."""
     if version is None:
         import transformers
 
