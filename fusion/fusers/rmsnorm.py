@@ -416,11 +416,32 @@ class _NormTracer(LeafTracer):
         return proxy
 
     def to_bool(self, obj: fx.Proxy) -> bool:
+        # Only a branch on dtypes is answered: the grid traces every dtype point, so each
+        # path is judged. A branch on a shape or a value would be judged on the one meta
+        # shape only, so it ends the trace (and the norm is refused).
         value = getattr(obj, "meta", UNKNOWN)
-        if isinstance(value, bool):
+        if isinstance(value, bool) and _depends_on_dtypes_only(obj.node):
             self.guarded = True
             return value
         return super().to_bool(obj)
+
+
+def _depends_on_dtypes_only(node: fx.Node) -> bool:
+    """Does `node` read tensors only through `.dtype` (and otherwise constants)?"""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "call_function" and current.target is getattr:
+            if current.args[1] == "dtype":
+                continue
+            return False
+        if current.op in ("placeholder", "get_attr", "call_module", "call_method"):
+            return False
+        stack.extend(current.all_input_nodes)
+    return True
 
 
 def _input_name(module: nn.Module) -> tuple[str | None, str | None, int]:

@@ -440,3 +440,27 @@ def test_torch_backend_fast_path_is_the_reference_bit_for_bit(dtype, wdtype) -> 
         expected = torch_ref.rms_norm(x, w, 1e-5, **flags)
         actual = backend.rms_norm(x, w, 1e-5, **flags)
         assert actual.dtype == expected.dtype and torch.equal(actual, expected), flags
+
+
+class ShapeBranchRMSNorm(nn.Module):
+    """Computes differently for wide inputs: a branch the meta trace sees one side of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HIDDEN))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        if x.shape[-1] > 1024:
+            h = h * 2.0
+        v = h.pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(v + self.variance_epsilon)).to(x.dtype)
+
+
+def test_branch_on_a_shape_is_refused_while_branches_on_dtypes_are_traced_per_point() -> None:
+    _, report = fused_norm(ShapeBranchRMSNorm())
+    assert report.counts() == {} and "does not trace" in reasons(report)
+    # T5 branches on the weight's dtype: traced once per dtype point, and fused.
+    _, report = fused_norm(real_norms()["t5"])
+    assert report.counts() == {"rmsnorm": 1}
