@@ -619,10 +619,30 @@ def _router_program(router: nn.Module) -> _Routing:
     return routing
 
 
-def _match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMatch:
+def _looks_routed(graph: fx.Graph, module: nn.Module) -> bool:
+    """Does the (possibly partial) graph select experts: a top-k over a linear child's
+    output? A decoder stack also holds a `ModuleList` of linear-bearing modules, but no
+    top-k; it is not an MoE block at all, so it gets no verdict."""
+    for node in graph.nodes:
+        if is_op(node, "topk"):
+            stack, seen = [node], set()
+            while stack:
+                current = stack.pop()
+                if current in seen or not isinstance(current, fx.Node):
+                    continue
+                seen.add(current)
+                if current.op == "call_module" and isinstance(
+                    module.get_submodule(str(current.target)), nn.Linear
+                ):
+                    return True
+                stack.extend(current.all_input_nodes)
+    return False
+
+
+def _match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMatch | None:
     x = _input(graph)
-    if x is None:
-        raise RewriteRefused("the block has no input")
+    if x is None or not _looks_routed(graph, module):
+        return None
     if output_value(graph) is not None and isinstance(output_value(graph), (tuple, list)):
         raise RewriteRefused("the block returns a tuple")
     if _returns_tuple(type(module)):
@@ -784,6 +804,8 @@ def derive(graph: fx.Graph | None, module: nn.Module) -> MoEMatch | None:
         found = _match_packed(graph, module, experts_name)
     else:
         found = _match_modulelist(graph, module, experts_name)
+        if found is None:
+            return None
     _check_numerically(module, found)
     return found
 

@@ -718,8 +718,10 @@ def check_write_free(module: nn.Module, name: str = "forward", depth: int = 0) -
 
 
 def derive(module: nn.Module) -> NormMatch:
-    """Prove which `FusedRMSNorm` variant `module` computes; RewriteRefused says why not."""
-    check_write_free(module)
+    """Prove which `FusedRMSNorm` variant `module` computes; RewriteRefused says why not.
+
+    The dataflow is judged first (so a LayerNorm or a gated norm is refused as such), then
+    the source is checked free of in-place writes, which the dataflow cannot show."""
     weight_name = _weight_name(module)
     weight = module._parameters[weight_name] if weight_name else None
     width = int(weight.shape[0]) if weight is not None else 8
@@ -779,6 +781,7 @@ def derive(module: nn.Module) -> NormMatch:
                 for point in (*required, *extra)
                 if _kernel_expr(variant, *point) == exprs[point]
             )
+            check_write_free(module)
             return NormMatch(
                 variant=variant,
                 eps_attr=eps_attr,
