@@ -305,7 +305,11 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
 @dataclass
 class Tally:
     """fused / refused / crashed counts per shape, for all modules and for safe ones, and
-    which fusers applied. Shared by the property tests and the pytest terminal summary."""
+    which fusers applied. Shared by the property tests and the pytest terminal summary.
+
+    A module counts as fused when any fuser applied anywhere in it (a decoder layer whose
+    norms fused counts, whatever its attention did); `fusers` says which. When a property
+    fails, the calls Hypothesis makes while shrinking are counted too."""
 
     counts: dict[str, Counter[str]] = field(default_factory=dict)
     fusers: dict[str, Counter[str]] = field(default_factory=dict)
