@@ -722,6 +722,15 @@ def derive(module: nn.Module) -> NormMatch:
 
     The dataflow is judged first (so a LayerNorm or a gated norm is refused as such), then
     the source is checked free of in-place writes, which the dataflow cannot show."""
+    extra = [
+        p.name
+        for p in list(forward_parameters(module).values())[2:]
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if extra:
+        # FusedRMSNorm takes one tensor; a caller passing `gate` (or a residual) must not
+        # meet a module that silently ignores it.
+        raise RewriteRefused(f"gated norm: forward takes a second input ({', '.join(extra)})")
     weight_name = _weight_name(module)
     weight = module._parameters[weight_name] if weight_name else None
     width = int(weight.shape[0]) if weight is not None else 8
