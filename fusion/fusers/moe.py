@@ -68,6 +68,17 @@ _PACKED_FLAGS = {
 }
 """Transformers' experts-interface flags of the layout `moe_experts` computes."""
 
+_FLAGS_IMPLIED_WHEN_ABSENT = {
+    "has_gate": True,
+    "is_concatenated": True,
+    "has_post_expert_norm": False,
+    "_is_expert_parallel": False,
+}
+"""Flags an older experts interface (Transformers 5.0 sets only has_bias and is_transposed)
+does not define because it has no other variant: its only layout is gated, concatenated
+[gate; up], without a post-expert norm, not expert-parallel. Read from the instance (the
+flag is absent), never from a version number; the numeric check still runs."""
+
 _TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 """Max-normalised error the numeric check allows between the block and its fused twin: the
 expert sums are reordered (rounding), while a changed function errs by far more."""
@@ -398,8 +409,9 @@ def _packed_experts(child: nn.Module) -> str:
     ):
         raise RewriteRefused(f"{name} is not a Transformers experts-interface class")
     for flag, expected in _PACKED_FLAGS.items():
-        if getattr(child, flag, None) != expected:
-            raise RewriteRefused(f"experts {flag}={getattr(child, flag, None)!r} (need {expected})")
+        value = getattr(child, flag, _FLAGS_IMPLIED_WHEN_ABSENT.get(flag))
+        if value != expected:
+            raise RewriteRefused(f"experts {flag}={value!r} (need {expected})")
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError as exc:  # pragma: no cover - Transformers 5 always has it
