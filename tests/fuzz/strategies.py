@@ -36,6 +36,14 @@ from hypothesis import strategies as st
 SHAPES = ("attention", "glu_mlp", "rmsnorm", "moe", "decoder_layer")
 """Kinds of generated module, one tally row each."""
 
+try:
+    from transformers.modeling_utils import AttentionInterface
+
+    HAS_GET_INTERFACE = hasattr(AttentionInterface, "get_interface")
+except ImportError:
+    HAS_GET_INTERFACE = False
+"""Transformers 5 resolves attention with `ALL_ATTENTION_FUNCTIONS.get_interface(...)`."""
+
 Draw = Callable[[st.SearchStrategy[Any]], Any]
 
 
@@ -209,8 +217,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.integrations import use_experts_implementation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+try:
+    from transformers.integrations import use_experts_implementation
+except ImportError:  # Transformers 4 has no experts interface: a plain class
+
+    def use_experts_implementation(experts_class):
+        return experts_class
 """
 
 
@@ -568,7 +582,10 @@ def attention_part(
         )
         for p in order
     }
-    interface = draw(weighted([("interface", 8), ("direct", 5), ("local", 4), ("inline_sdpa", 3)]))
+    interfaces = [("interface_v4", 4), ("direct", 5), ("local", 4), ("inline_sdpa", 3)]
+    if HAS_GET_INTERFACE:
+        interfaces.append(("interface", 8))
+    interface = draw(weighted(interfaces))
     part.features.append(f"attention:{interface}")
     cache = draw(weighted([(None, 5), ("past_key_values", 2), ("cache", 2), ("layer_past", 1)]))
     cache_kind = draw(st.sampled_from(["SimpleCache", "StaticCache"])) if cache else None
@@ -664,6 +681,13 @@ def attention_part(
                 "self.config._attn_implementation, eager_attention_forward)"
             )
             body.append(f"attn_output, attn_weights = attention_interface({call_args})")
+        elif interface == "interface_v4":  # the Transformers 4 spelling
+            body += [
+                "attention_interface = eager_attention_forward",
+                "if self.config._attn_implementation != 'eager':",
+                "    attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]",
+                f"attn_output, attn_weights = attention_interface({call_args})",
+            ]
         elif interface == "local":
             body.append("attention_interface = eager_attention_forward")
             body.append(f"attn_output, attn_weights = attention_interface({call_args})")
