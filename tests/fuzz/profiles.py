@@ -23,8 +23,8 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 REPO = Path(__file__).resolve().parents[2]
 DATABASE_DIR = REPO / ".hypothesis" / "fuzz"
-CI_EXAMPLES = 200
-"""Per generated shape; five shapes: 1000 examples, about 50 s on two idle cores."""
+CI_EXAMPLES = 150
+"""Per generated shape; five shapes: 750 examples (about 40 s of one core)."""
 
 # Every setting that matters is spelled out: a profile registered here inherits the rest
 # from whichever profile tests/conftest.py loaded (its "ci" is derandomized).
