@@ -19,11 +19,12 @@ run (no timings, errors, qualnames or layer indices)::
 
 Reason categories (`reason_category`): a fuser's refusal reason cut to its stable head: the text
 before the first ": " (what follows is detail: a graph dump, the written names, an exception),
-without trailing parenthesised asides (" (3 top-k ops, ...)", " (need False)"), addresses and
-paths folded, white space collapsed. Numbers stay: reasons are made from the tiny config, so
-they are stable, and in "router(x)[2]" they mean something. So "grouped top-k routing (3 top-k ops, ...): not implemented exactly"
-is "grouped top-k routing" and "fuse failed, module left unchanged: RuntimeError: ..." is "fuse
-failed, module left unchanged". A failing test prints the full current reason next to it.
+with addresses and paths folded and white space collapsed. So "computes no FusedRMSNorm variant:
+mul:float32(...)" is "computes no FusedRMSNorm variant" and "fuse failed, module left unchanged:
+RuntimeError: ..." is "fuse failed, module left unchanged". Numbers and names stay: a reason is
+made from the class and the tiny config, so it is the same on every run, and in "router(x)[2]"
+or "(logits, routing weights, expert ids)" they carry the meaning. A failing test prints the
+full current reason next to its category.
 
 The golden file is JSON with sorted keys, two-space indent and a trailing newline, so a change
 is a small reviewable git diff. It also records the options it was made with (default float32 /
@@ -113,10 +114,6 @@ def fold(text: str) -> str:
 def reason_category(reason: str) -> str:
     """The stable short form of a refusal reason (see the module docstring)."""
     head = reason.split(": ", 1)[0]
-    previous = None
-    while previous != head:  # trailing asides, innermost first
-        previous = head
-        head = re.sub(r"\s+\([^()]*\)\s*$", "", head)
     return _fold_places(head).rstrip(" .,;:") or _fold_places(reason)
 
 

@@ -44,17 +44,20 @@ def _refusal(fuser, cls, reason, count=1, example="model.layers.0.x") -> Refusal
         (
             "grouped top-k routing (3 top-k ops, e.g. experts chosen within the best groups): "
             "not implemented exactly",
-            "grouped top-k routing",
+            "grouped top-k routing (3 top-k ops, e.g. experts chosen within the best groups)",
         ),
-        ("experts is_transposed=True (need False)", "experts is_transposed=True"),
-        ("BeamExperts has its own gating (_apply_gate)", "BeamExperts has its own gating"),
+        ("experts is_transposed=True (need False)", "experts is_transposed=True (need False)"),
+        (
+            "the router does not return (logits, routing weights, expert ids)",
+            "the router does not return (logits, routing weights, expert ids)",
+        ),
         (
             "fuse failed, module left unchanged: RuntimeError: boom at 0x7f00",
             "fuse failed, module left unchanged",
         ),
         ("computes no FusedRMSNorm variant: mul:float32(x, w)", "computes no FusedRMSNorm variant"),
         ("matcher error: KeyError: 'q_proj'", "matcher error"),
-        # content in parentheses that is not a trailing aside stays, and so do numbers
+        # parentheses and numbers stay: they are stable and carry meaning
         (
             "experts do not take (ids, weights) = router(x)[2], router(x)[1]",
             "experts do not take (ids, weights) = router(x)[2], router(x)[1]",
@@ -104,8 +107,8 @@ def test_entry_aggregates_per_class_and_sorts():
         applied_by_class={"LlamaRMSNorm": {"rmsnorm": 5}, "LlamaAttention": {"qkv": 2}},
         refusals=[
             _refusal("sibling", "LlamaAttention", "statements are not plain assignments", 2),
-            _refusal("moe", "Block", "grouped top-k routing (3 top-k ops): not implemented", 1),
-            _refusal("moe", "Block", "grouped top-k routing (4 top-k ops): not implemented", 1),
+            _refusal("moe", "Block", "grouped top-k routing: 3 top-k ops", 1),
+            _refusal("moe", "Block", "grouped top-k routing: 4 top-k ops", 1),
         ],
     )
     entry = plans.entry_of(result)
