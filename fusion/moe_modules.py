@@ -26,22 +26,31 @@ class RouteStep:
     """One op of the routing program, in the order the matched router runs them.
 
     `kind`: `cast` (to `dtype`), `softmax` (over the experts; `dtype` is softmax's own
-    `dtype=` argument), `sigmoid`, `topk` (`value` = k, `sorted`), `renorm` (divide by the
-    sum of the selection plus `value`), `scale` (multiply by `value`).
+    `dtype=` argument), `sigmoid`, `topk` (`value` = k, `sorted`), `select` (top-k ids of the
+    scores plus `bias`, within the `groups` limit; the weights are the scores at those ids),
+    `renorm` (divide by the sum of the selection plus `value`), `scale` (multiply by
+    `value`).
     """
 
     kind: str
     dtype: DtypeRule = None
     value: float | int | None = None
     sorted: bool = True
+    groups: tuple[int, int, int, bool] | None = None
+    """`select` only: (groups, groups kept, per-group top-k, sorted) of group-limited
+    routing: experts may only come from the groups whose best `per-group top-k` choice
+    values sum highest."""
+    bias: str | None = None
+    """`select` only: the router buffer added to the scores for the choice (not to the
+    weights), e.g. DeepSeek V3's `e_score_correction_bias`."""
 
 
 @dataclass(frozen=True)
 class RouteSpec:
     """The router: `logits = linear(x.to(input_cast), weight.to(weight_cast))`, then `steps`.
 
-    Exactly one step is `topk`; the indices are its second output and the routing weights are
-    the value after the last step.
+    Exactly one step is `topk` or `select`; the indices are its ids and the routing weights
+    are the value after the last step.
     """
 
     input_cast: DtypeRule
@@ -50,13 +59,19 @@ class RouteSpec:
 
     @property
     def top_k(self) -> int:
-        return int(next(step.value for step in self.steps if step.kind == "topk"))
+        return int(next(s.value for s in self.steps if s.kind in ("topk", "select")))
 
     def describe(self) -> str:
         names = []
         for step in self.steps:
             if step.kind == "topk":
                 names.append(f"top-{step.value}")
+            elif step.kind == "select":
+                bias = f" of scores + {step.bias}" if step.bias else ""
+                groups = ""
+                if step.groups:
+                    groups = f" in the best {step.groups[1]} of {step.groups[0]} groups"
+                names.append(f"top-{step.value}{bias}{groups}")
             elif step.kind == "renorm":
                 names.append("renormalise")
             elif step.kind == "scale":
@@ -66,7 +81,10 @@ class RouteSpec:
             else:
                 suffix = f"[{_dtype_name(step.dtype)}]" if step.dtype is not None else ""
                 names.append(step.kind + suffix)
-        return " -> ".join(["linear", *names])
+        linear = "linear"
+        if self.input_cast is not None or self.weight_cast is not None:
+            linear += f"[{_dtype_name(self.input_cast)}, {_dtype_name(self.weight_cast)}]"
+        return " -> ".join([linear, *names])
 
 
 def _dtype_name(rule: DtypeRule) -> str:
@@ -88,6 +106,7 @@ def route(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     logits: torch.Tensor | None = None,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, routing weights, expert ids) for 2-D `x`, running `spec`'s ops in its order,
     so every rounding the original router does happens here too (bit-identical results).
@@ -111,6 +130,9 @@ def route(
             value = torch.sigmoid(value)
         elif step.kind == "topk":
             value, ids = torch.topk(value, int(step.value), dim=-1, sorted=step.sorted)
+        elif step.kind == "select":
+            ids = _select(step, value, buffers or {})
+            value = value.gather(1, ids)
         elif step.kind == "renorm":
             denominator = value.sum(dim=-1, keepdim=True)
             if step.value:
@@ -122,6 +144,24 @@ def route(
             raise ValueError(f"unknown routing step {step.kind!r}")
     assert ids is not None, "a routing program without top-k"
     return logits, value, ids
+
+
+def _select(
+    step: RouteStep, scores: torch.Tensor, buffers: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """Expert ids of a `select` step, with the ops (and their order) of DeepSeek V3's router."""
+    choice = scores if step.bias is None else scores + buffers[step.bias]
+    if step.groups is not None:
+        groups, kept, per_group_k, group_sorted = step.groups
+        experts = choice.shape[-1]
+        grouped = choice.view(-1, groups, experts // groups)
+        group_scores = grouped.topk(per_group_k, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=kept, dim=-1, sorted=group_sorted)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups)
+        choice = choice.masked_fill(~score_mask.reshape(-1, experts).bool(), float("-inf"))
+    return torch.topk(choice, k=int(step.value), dim=-1, sorted=step.sorted)[1]
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -241,7 +281,8 @@ class FusedMoE(nn.Module):
         if _hooked(router):
             logits, weights, ids = router(x)
             return logits, weights, ids
-        return route(self.spec, x, getattr(router, self.router_weight))
+        buffers = dict(router.named_buffers(recurse=False))
+        return route(self.spec, x, getattr(router, self.router_weight), buffers=buffers)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.training and self.training_sensitive:

@@ -268,40 +268,129 @@ def _linear_of(node: Any, module: nn.Module) -> tuple[fx.Node, Any, Any, str] | 
     return None
 
 
-def _routing(graph: fx.Graph, module: nn.Module, x: fx.Node) -> _Routing:
-    """Read the routing program of `graph` (a router's own forward, or a Transformers 4
-    block's): the one top-k, the linear feeding it and the ops around both."""
-    topks = [n for n in graph.nodes if is_op(n, "topk")]
-    if not topks:
-        raise RewriteRefused("no top-k in the router")
-    if len(topks) > 1:
-        raise RewriteRefused(
-            f"grouped top-k routing ({len(topks)} top-k ops, e.g. experts chosen within "
-            "the best groups): not implemented exactly"
-        )
-    topk = topks[0]
+def _topk_params(topk: fx.Node) -> tuple[int, bool]:
+    """(k, sorted) of a top-k over the last dim that picks the largest; refuses otherwise."""
     k = _arg(topk, 1, "k")
     if not isinstance(k, int) or _arg(topk, 2, "dim", -1) not in (-1, 1):
         raise RewriteRefused("top-k is not over the experts of each token")
     if not _arg(topk, 3, "largest", True):
         raise RewriteRefused("top-k selects the smallest scores")
-    sorted_ = bool(_arg(topk, 4, "sorted", True))
-    # Backwards from the top-k's input to the linear: casts and one scoring op.
+    return k, bool(_arg(topk, 4, "sorted", True))
+
+
+def _user(node: fx.Node, predicate) -> fx.Node | None:
+    return next((u for u in node.users if predicate(u)), None)
+
+
+def _groups(masked: fx.Node, choice: fx.Node, topks: list[fx.Node]) -> tuple[int, int, int, bool]:
+    """(groups, groups kept, per-group top-k, sorted) of DeepSeek's group-limited choice:
+
+        group_scores = choice.view(-1, G, E // G).topk(PK, dim=-1)[0].sum(dim=-1)
+        kept = topk(group_scores, k=TG, dim=-1)[1]
+        mask = zeros_like(group_scores).scatter_(1, kept, 1)
+        masked = choice.masked_fill(~mask.unsqueeze(-1).expand(-1, G, E // G)
+                                         .reshape(-1, E).bool(), -inf)
+
+    read op by op from the graph; anything else refuses."""
+    refuse = RewriteRefused("top-k over a masked choice that is not group-limited routing")
+    mask_expr, fill = masked.args[1], masked.args[2] if len(masked.args) > 2 else None
+    if masked.args[0] is not choice or fill != float("-inf") or not is_op(mask_expr, "invert"):
+        raise refuse
+    node = mask_expr.args[0]
+    chain = []
+    for name in ("bool", "reshape", "expand", "unsqueeze"):
+        if not is_op(node, name):
+            raise refuse
+        chain.append(node)
+        node = node.args[0]
+    mask = node
+    if not is_op(mask, "zeros_like"):
+        raise refuse
+    unsqueeze, expand = chain[3], chain[2]
+    if _arg(unsqueeze, 1, "dim") != -1 or len(expand.args) != 4:
+        raise refuse
+    groups, per_group = expand.args[2], expand.args[3]
+    scatter = _user(mask, lambda u: is_op(u, "scatter_"))
+    if scatter is None or scatter.args[1] != 1 or scatter.args[3] != 1:
+        raise refuse
+    kept = scatter.args[2]
+    group_topk = kept.args[0] if isinstance(kept, fx.Node) else None
+    group_scores = mask.args[0]
+    if not (_is_getitem(kept, group_topk, 1) and group_topk.args[0] is group_scores):
+        raise refuse
+    kept_groups, group_sorted = _topk_params(group_topk)
+    if not (is_op(group_scores, "sum") and _arg(group_scores, 1, "dim") == -1):
+        raise refuse
+    best = group_scores.args[0]
+    inner = best.args[0] if isinstance(best, fx.Node) else None
+    if not (_is_getitem(best, inner, 0) and is_op(inner, "topk")):
+        raise refuse
+    per_group_k, _ = _topk_params(inner)
+    view = inner.args[0]
+    if not (
+        (is_op(view, "view") or is_op(view, "reshape"))
+        and view.args[0] is choice
+        and tuple(view.args[1:]) == (-1, groups, per_group)
+    ):
+        raise refuse
+    if len(topks) != 3 or set(topks[:2]) != {inner, group_topk}:
+        raise refuse
+    if not all(isinstance(v, int) for v in (groups, per_group, kept_groups, per_group_k)):
+        raise refuse
+    return groups, kept_groups, per_group_k, group_sorted
+
+
+def _selection(
+    topks: list[fx.Node], module: nn.Module
+) -> tuple[RouteStep, fx.Node, fx.Node] | None:
+    """(select step, scores node, gathered weights node) when experts are chosen on other
+    values than the weights come from (a correction bias, group limits: DeepSeek V3 style:
+    `ids = topk(choice)[1]`, `weights = scores.gather(1, ids)`); None for a plain top-k."""
+    final = topks[-1]
+    ids = _user(final, lambda u: _is_getitem(u, final, 1))
+    gather = _user(ids, lambda u: is_op(u, "gather")) if ids is not None else None
+    if gather is None:
+        return None
+    scores = gather.args[0]
+    if _arg(gather, 1, "dim") not in (-1, 1) or gather.args[2] is not ids:
+        raise RewriteRefused("routing weights are gathered in an unexpected way")
+    choice = final.args[0]
+    groups = None
+    if is_op(choice, "masked_fill"):
+        masked = choice
+        choice = masked.args[0]
+        groups = _groups(masked, choice, topks)
+    elif len(topks) > 1:
+        raise RewriteRefused("several top-k ops that are not group-limited routing")
+    bias = None
+    if choice is not scores:
+        if not (is_op(choice, "add") and len(choice.args) == 2 and scores in choice.args):
+            raise RewriteRefused("experts are chosen on values other than scores (+ a bias)")
+        other = choice.args[1] if choice.args[0] is scores else choice.args[0]
+        if not (isinstance(other, fx.Node) and other.op == "get_attr"):
+            raise RewriteRefused("experts are chosen on scores plus something not a buffer")
+        bias = str(other.target)
+        if not torch.is_tensor(module.get_buffer(bias)):
+            raise RewriteRefused(f"{bias} is not a buffer")
+    k, sorted_ = _topk_params(final)
+    step = RouteStep("select", value=k, sorted=sorted_, groups=groups, bias=bias)
+    return step, scores, gather
+
+
+def _back_to_linear(node: Any, module: nn.Module) -> tuple[tuple, list[tuple[str, fx.Node]]]:
+    """Walk back from `node` to the router linear through casts and one scoring op."""
     before: list[tuple[str, fx.Node]] = []
-    node = topk.args[0]
-    found = None
-    while found is None:
+    while True:
         found = _linear_of(node, module)
         if found is not None:
-            break
+            return found, before
         if not isinstance(node, fx.Node):
             raise RewriteRefused("top-k does not read a linear's output")
         if is_op(node, "add") and any(
             isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args
         ):
             raise RewriteRefused(
-                "a correction bias (e_score_correction_bias) is added to the scores for the "
-                "expert choice: not implemented"
+                "a correction bias is added to the scores that are also the routing weights"
             )
         if _is_cast(node):
             before.append(("cast", node))
@@ -310,6 +399,27 @@ def _routing(graph: fx.Graph, module: nn.Module, x: fx.Node) -> _Routing:
         else:
             raise RewriteRefused(f"router op {node.target} between the linear and the top-k")
         node = node.args[0]
+
+
+def _routing(graph: fx.Graph, module: nn.Module, x: fx.Node) -> _Routing:
+    """Read the routing program of `graph` (a router's own forward, or a Transformers 4
+    block's): the final top-k, the linear feeding it and the ops around both, including a
+    correction bias and group limits on the expert choice (DeepSeek V3)."""
+    topks = [n for n in graph.nodes if is_op(n, "topk")]
+    if not topks:
+        raise RewriteRefused("no top-k in the router")
+    selection = _selection(topks, module)
+    if selection is None and len(topks) > 1:
+        raise RewriteRefused(
+            f"grouped top-k routing ({len(topks)} top-k ops) in a form not reproduced exactly"
+        )
+    if selection is None:
+        topk = topks[0]
+        k, sorted_ = _topk_params(topk)
+        start = topk.args[0]
+    else:
+        select, start, gather = selection
+    found, before = _back_to_linear(start, module)
     linear, linear_input, weight_expr, weight_name = found
     if _unwrap(peel(linear_input), module) is not x:
         raise RewriteRefused("the router linear does not read the block input")
@@ -321,9 +431,14 @@ def _routing(graph: fx.Graph, module: nn.Module, x: fx.Node) -> _Routing:
             steps.append(RouteStep("cast", _cast_step(step_node, x, linear, module)))
         else:
             steps.append(_scores_step(step_node, x, linear, module))
-    steps.append(RouteStep("topk", value=k, sorted=sorted_))
-    values = next((u for u in topk.users if _is_getitem(u, topk, 0)), None)
-    ids = next((u for u in topk.users if _is_getitem(u, topk, 1)), None)
+    if selection is None:
+        steps.append(RouteStep("topk", value=k, sorted=sorted_))
+        values = _user(topk, lambda u: _is_getitem(u, topk, 0))
+        ids = _user(topk, lambda u: _is_getitem(u, topk, 1))
+    else:
+        steps.append(select)
+        final = topks[-1]
+        values, ids = gather, _user(final, lambda u: _is_getitem(u, final, 1))
     if values is None or ids is None:
         raise RewriteRefused("top-k values or indices are not used as the routing")
     end = values
@@ -617,8 +732,9 @@ def _router_program(router: nn.Module) -> _Routing:
     routing = _routing(graph, router, x)
     if set(params) != {routing.weight_name}:
         raise RewriteRefused(f"the router holds parameters {sorted(params)} besides its weight")
-    if buffers:
-        raise RewriteRefused(f"the router holds buffers {buffers} (e.g. a correction bias)")
+    used = {step.bias for step in routing.spec.steps if step.bias}
+    if set(buffers) != used:
+        raise RewriteRefused(f"the router holds buffers {buffers} its routing does not read")
     out = output_value(graph)
     if not (
         isinstance(out, (tuple, list))

@@ -49,26 +49,27 @@ FUSED = {
     ),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    # Sigmoid scores, a correction bias for the choice, experts limited to the best 2 of 4
+    # groups, renormalised with an epsilon, scaled: reproduced op by op.
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        head_dim=8,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=0,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
 }
 REFUSED = {
-    "deepseek_v3": (
-        dict(
-            num_key_value_heads=4,
-            head_dim=8,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-        ),
-        "grouped top-k",
-    ),
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), "returns a tuple"),
 }
 
@@ -87,7 +88,13 @@ def tiny_moe(model_type: str, seed: int = 0, **overrides) -> nn.Module:
     config = AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    return randomize_(AutoModelForCausalLM.from_config(config), seed).eval()
+    model = randomize_(AutoModelForCausalLM.from_config(config), seed).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros would hide a dropped bias
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+    return model
 
 
 def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -365,15 +372,55 @@ def test_sigmoid_router_with_renorm_eps_and_scaling_is_reproduced_exactly() -> N
         assert relative_error(holder(x), fused(x)) <= 1e-5
 
 
+def biased_weights_router(self, hidden_states):
+    """The correction bias leaks into the routing weights (not DeepSeek's choice-only use)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states, self.weight)
+    choice = logits.sigmoid() + self.e_score_correction_bias
+    top_value, top_index = torch.topk(choice, self.top_k, dim=-1)
+    return logits, top_value, top_index
+
+
+def two_topk_router(self, hidden_states):
+    """Two top-k ops in a form that is not group-limited routing."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states, self.weight)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    floor = torch.topk(probs, 4, dim=-1)[0][:, -1:]
+    top_value, top_index = torch.topk(probs - floor, self.top_k, dim=-1)
+    return logits, top_value, top_index
+
+
+def test_correction_bias_for_the_choice_only_is_reproduced_exactly() -> None:
+    bias = 0.3 * torch.randn(8, generator=torch.Generator().manual_seed(7))
+    block = with_router(qwen3_block(), corrected_router, e_score_correction_bias=bias)
+    holder = nn.Sequential(block)
+    fused = copy.deepcopy(holder)
+    report = fusion.fuse(fused)
+    assert report.counts() == {"moe": 1}, reasons(report)
+    [select] = [s for s in fused[0].spec.steps if s.kind == "select"]
+    assert (select.bias, select.groups) == ("e_score_correction_bias", None)
+    x = torch.randn(4, 9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, weights, ids = block.gate(x.reshape(-1, HIDDEN))
+        _, fused_weights, fused_ids = fused[0].route(x.reshape(-1, HIDDEN))
+        assert torch.equal(ids, fused_ids) and torch.equal(weights, fused_weights)
+        # The bias matters: without it, other experts would be chosen for some tokens.
+        plain = torch.topk(F.linear(x.reshape(-1, HIDDEN), block.gate.weight).sigmoid(), 2)[1]
+        assert not torch.equal(plain.sort(-1).values, ids.sort(-1).values)
+        assert relative_error(holder(x), fused(x)) <= 1e-5
+
+
 @pytest.mark.parametrize(
     ("forward", "state", "reason"),
     [
         (biased_router, {"bias": nn.Parameter(torch.zeros(8))}, "bias"),
         (
-            corrected_router,
+            biased_weights_router,
             {"e_score_correction_bias": torch.zeros(8)},
-            "correction bias",
+            "correction bias is added to the scores that are also the routing weights",
         ),
+        (two_topk_router, {}, "grouped top-k routing"),
     ],
 )
 def test_router_refusals(forward, state, reason: str) -> None:
