@@ -9,7 +9,7 @@ from torch import fx, nn
 
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import StackedFuser, linear_inputs, unique_targets, width
-from fusion.graph import find_node, is_leaf_call, returned_linear
+from fusion.graph import find_node, is_leaf_call, is_linear, output_value, returned_linear
 
 
 @dataclass
@@ -30,6 +30,16 @@ class QKVFuser(StackedFuser):
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> QKVFuser | None:
         if graph is None or find_node(graph, is_leaf_call) is None:
+            if (
+                graph is not None
+                and type(module).forward is not nn.Module.forward  # containers: no forward
+                and output_value(graph) is None
+                and not any(is_linear(node, module) for node in graph.nodes)
+            ):
+                # The trace stopped before the first projection (e.g. Transformers 4's
+                # `if output_attentions: return super().forward(...)`): no verdict is
+                # possible, and that is worth saying rather than passing over in silence.
+                raise RewriteRefused("the forward does not trace as far as its projections")
             return None
         output = returned_linear(graph, module)
         groups = [
