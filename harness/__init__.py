@@ -12,6 +12,7 @@ Modules, one responsibility each:
     sweep           the corpus through `check` in the pool: JSONL, resume, Ctrl-C safety
     progress        progress bar / plain progress lines
     summary         totals, final table, JSON document, exit status
+    plans           golden fusion plans per Transformers line: entries, files, diffs in words
     repro           repro bundles: write, validate, replay
     architectures   corpus names, --arch globs, test-plugin architectures
     bench           fused vs unfused timings
