@@ -45,7 +45,7 @@ import torch
 from torch import fx, nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser, has_hooks
+from fusion.fusers.base import Fuser, _own_call_path, has_hooks
 from fusion.fusers.glu import activation_kind
 from fusion.graph import is_op, output_value, peel
 from fusion.moe_modules import DtypeRule, FusedMoE, PackedExperts, RouteSpec, RouteStep
@@ -985,15 +985,32 @@ class MoEFuser(Fuser):
         return found
 
     def validate(self, module: nn.Module) -> None:
-        found = self._match_for(module)
+        # Instance checks first: `_match_for` caches what it derives per instance signature,
+        # and must never derive (and cache) from an instance these checks refuse.
         hooks = has_hooks(module)
         if hooks:
             raise RewriteRefused(f"block has {hooks}")
+        # The routing and the experts are recomputed from weights, bypassing every linear's
+        # call path: a linear that computes anything else around `forward` (per class or per
+        # instance, which one traced instance cannot show) must refuse the whole block.
+        for name, child in module.named_modules():
+            if isinstance(child, nn.Linear):
+                own = _own_call_path(child)
+                if (
+                    own
+                    or "forward" in child.__dict__
+                    or type(child).forward is not nn.Linear.forward
+                ):
+                    raise RewriteRefused(f"{name} is a linear with its own {own or 'forward'}")
+        located = _experts_child(module)
+        if located is not None:
+            experts = module.get_submodule(located[0])
+            for name, child in [(located[0], experts), *experts.named_modules(prefix=located[0])]:
+                hooks = has_hooks(child)
+                if hooks:
+                    raise RewriteRefused(f"{name} has {hooks}")
+        found = self._match_for(module)
         experts = module.get_submodule(found.experts_name)
-        for name, child in [(found.experts_name, experts), *experts.named_children()]:
-            hooks = has_hooks(child)
-            if hooks:
-                raise RewriteRefused(f"{name} has {hooks}")
         if found.style == "packed":
             activation = _packed_experts(experts)
             router = module.get_submodule(found.router_name)
