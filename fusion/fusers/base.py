@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import types
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -75,6 +76,26 @@ class Fuser(ABC):
 
     original_source: str | None = field(default=None, init=False, repr=False)
     rewritten_source: str | None = field(default=None, init=False, repr=False)
+
+
+def per_signature(
+    cache: dict[Any, Any], signature: Any, derive: Callable[[], Any], absent: str
+) -> Any:
+    """The match `derive()` gives for instances with this `signature`, derived once.
+
+    For fusers whose class-level match depends on per-instance flags: each distinct signature
+    is derived on its first instance and the verdict (match, or refusal reason; `absent` when
+    `derive` finds nothing) cached in `cache`. Raises RewriteRefused for a refused signature.
+    """
+    if signature not in cache:
+        try:
+            cache[signature] = derive() or absent
+        except RewriteRefused as exc:
+            cache[signature] = str(exc)
+    found = cache[signature]
+    if isinstance(found, str):
+        raise RewriteRefused(f"this instance differs from its class's match: {found}")
+    return found
 
 
 def has_hooks(module: nn.Module) -> str | None:
@@ -219,8 +240,7 @@ def rewrite_stacked(
     anchors = [
         index
         for call, index in zip(calls, indices)
-        if source.block_chain(block, call)[0][0] is block
-        and len(source.block_chain(block, call)) == 1
+        if len(source.block_chain(block, call)) == 1  # directly in `block`, not nested
         and not _conditional_in_statement(block[index], call)
     ]
     if not anchors:

@@ -45,7 +45,7 @@ import torch
 from torch import fx, nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser, _own_call_path, has_hooks
+from fusion.fusers.base import Fuser, _own_call_path, has_hooks, per_signature
 from fusion.fusers.glu import activation_kind
 from fusion.graph import is_op, output_value, peel
 from fusion.moe_modules import DtypeRule, FusedMoE, PackedExperts, RouteSpec, RouteStep
@@ -973,16 +973,9 @@ class MoEFuser(Fuser):
             signature = _signature(module, self._names(self.match_))
         except AttributeError as exc:
             raise RewriteRefused(f"instance lacks a child of its class's match: {exc}") from exc
-        if signature not in self.by_signature:
-            try:
-                found = derive(trace(module), module)
-                self.by_signature[signature] = found or "not an MoE block"
-            except RewriteRefused as exc:
-                self.by_signature[signature] = str(exc)
-        found = self.by_signature[signature]
-        if isinstance(found, str):
-            raise RewriteRefused(f"this instance differs from its class's match: {found}")
-        return found
+        return per_signature(
+            self.by_signature, signature, lambda: derive(trace(module), module), "not an MoE block"
+        )
 
     def validate(self, module: nn.Module) -> None:
         # Instance checks first: `_match_for` caches what it derives per instance signature,

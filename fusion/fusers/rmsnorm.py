@@ -44,7 +44,7 @@ from torch import fx, nn
 
 from fusion import alias
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser, has_hooks
+from fusion.fusers.base import Fuser, has_hooks, per_signature
 from fusion.kernels import torch_ref
 from fusion.modules import FusedRMSNorm
 from fusion.trace import UNKNOWN, LeafTracer, forward_parameters
@@ -926,15 +926,7 @@ class RMSNormFuser(Fuser):
         its own, derived once per distinct signature."""
         assert self.match_ is not None
         signature = _signature(module, self.match_.eps_attr)
-        if signature not in self.by_signature:
-            try:
-                self.by_signature[signature] = derive(module)
-            except RewriteRefused as exc:
-                self.by_signature[signature] = str(exc)
-        found = self.by_signature[signature]
-        if isinstance(found, str):
-            raise RewriteRefused(f"this instance differs from its class's match: {found}")
-        return found
+        return per_signature(self.by_signature, signature, lambda: derive(module), "not an RMSNorm")
 
     def validate(self, module: nn.Module) -> None:
         found = self._match_for(module)

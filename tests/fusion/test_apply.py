@@ -72,33 +72,31 @@ def test_failure_part_way_leaves_module_exactly_as_it_was(monkeypatch: pytest.Mo
 
 
 def test_replacing_fuser_installs_in_parent_and_rolls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    parent = nn.Sequential(hazards.Attention())
-    original_child = parent[0]
-
-    def replacing_fuse(self, target, backend):
-        return nn.Identity()
-
-    monkeypatch.setattr(QKVFuser, "fuse", replacing_fuse)
+    monkeypatch.setattr(registry, "FUSERS", (QKVFuser,))
     registry.clear_cache()
+
+    parent = nn.Sequential(hazards.Attention())
+    monkeypatch.setattr(QKVFuser, "fuse", lambda self, target, backend: nn.Identity())
     apply.run(parent)
     assert isinstance(parent[0], nn.Identity)
 
+    # A replacement that cannot be installed (not a module): the slot and the module it held
+    # are restored exactly, and the failure is reported.
     parent = nn.Sequential(hazards.Attention())
     original_child = parent[0]
+    children_before = dict(original_child.named_children())
 
-    def replacing_then_failing(self, target, backend):
-        raise RewriteRefusedLike("late refusal")
+    def uninstallable(self, target, backend):
+        del target.q_proj  # a partial change first
+        return "not a module"
 
-    class RewriteRefusedLike(Exception):
-        pass
-
-    monkeypatch.setattr(QKVFuser, "fuse", replacing_then_failing)
-    monkeypatch.setattr(registry, "FUSERS", (QKVFuser,))
-    registry.clear_cache()
+    monkeypatch.setattr(QKVFuser, "fuse", uninstallable)
     report = apply.run(parent)
     registry.clear_cache()
     assert parent[0] is original_child
-    assert not report.applied and "late refusal" in report.skipped[0].reason
+    assert dict(original_child.named_children()) == children_before
+    assert not report.applied
+    assert "fuse failed, module left unchanged: TypeError" in report.skipped[0].reason
 
 
 def test_one_class_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
