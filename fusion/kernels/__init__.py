@@ -64,6 +64,12 @@ def _triton() -> Kernels | None:
     return triton_backend.create()
 
 
+def _onednn() -> Kernels | None:
+    from fusion.kernels import onednn_backend  # probes oneDNN only when first asked for
+
+    return onednn_backend.create()
+
+
 def _vllm() -> Kernels | None:
     from fusion.kernels import vllm_backend  # imports vllm only when first asked for
 
@@ -72,6 +78,7 @@ def _vllm() -> Kernels | None:
 
 _FACTORIES: dict[str, Callable[[], Kernels | None]] = {
     "torch": TorchKernels,
+    "onednn": _onednn,
     "triton": _triton,
     "vllm": _vllm,
 }
@@ -80,8 +87,9 @@ _FACTORIES: dict[str, Callable[[], Kernels | None]] = {
 _INSTANCES: dict[str, Kernels | None] = {}
 """Explicit cache of constructed backends, keyed by name."""
 
-PREFERENCE = ("vllm", "triton", "torch")
-"""Order `auto` tries backends in for a device: fastest first, the reference last."""
+PREFERENCE = ("vllm", "triton", "onednn", "torch")
+"""Order `auto` tries backends in for a device: fastest first, the reference last (on CPU:
+oneDNN's float32 expert GEMMs, see `fusion.kernels.onednn_backend`, else the reference)."""
 
 
 def register(name: str, factory: Callable[[], Kernels | None]) -> None:

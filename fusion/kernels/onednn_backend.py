@@ -1,0 +1,262 @@
+"""oneDNN GEMMs for the MoE experts on CPU (float32), with prepacked expert weights.
+
+Why this backend exists: on x86 CPUs PyTorch's float32 `mm`/`linear` calls MKL, which on
+some machines (AMD Zen 4 here) runs a narrower code path; oneDNN's JIT kernels reach about
+twice the throughput on the same core. Transformers' expert loop and its `grouped_mm` both
+go through `mm`, so the experts' GEMMs, ~95% of a CPU MoE block, are where a fused block can
+win. Measured numbers are in `tests/bench/test_bench_moe.py`'s docstring.
+
+What it computes: exactly `torch_ref.moe_experts` (the same routed products, rounded to the
+input dtype before the K-term sum), with two differences confined to rounding:
+
+- The GEMMs are oneDNN's. oneDNN accumulates a whole reduction in registers, which in
+  float32 errs 2-3x more than MKL's blocked accumulation at H >= 512 (max error against
+  float64); the harness' parity oracle allows at most 2x. So the reduction is split into
+  blocks of `K_BLOCK` and each block's product is added to the running sum by the GEMM's own
+  `add` post-op: the same blocked accumulation MKL does, with no extra pass over memory.
+  `tests/fusion/kernels/test_onednn_backend.py` checks the error stays within 1.5x of
+  `mm`'s against a float64 reference.
+- Each expert's weights are reordered once into oneDNN's blocked layout and cached (see
+  `PackCache`): one extra copy of the expert weights, made the first time an expert runs.
+
+Fail closed, always by falling back to the torch reference (slower, never different):
+
+- Only float32 on CPU takes the oneDNN path. bf16/fp16 CPU GEMMs already run in oneDNN
+  through `mm`, and a blocked sum would round the running value to half precision between
+  blocks, which `mm` does not.
+- When autograd records (the oneDNN ops have no derivative), when
+  `torch.backends.mkldnn` is disabled, or when its float32 math mode allows bf16/tf32
+  (oneDNN would round inputs that MKL does not).
+- The backend is unavailable (`create()` returns None) when the ops are missing or a probe
+  product at construction differs from `mm` beyond rounding.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fusion.kernels import torch_ref
+
+K_BLOCK = 128
+"""Reduction block length: each GEMM sums `K_BLOCK` products in registers, then adds the
+block's result to the running sum (MKL-like accuracy; see the module docstring)."""
+
+MIN_OUTPUTS = 16384
+"""Smallest GEMM (rows x output features) that goes to oneDNN; smaller ones take `mm`.
+Each oneDNN call (one per reduction block) costs ~10 us of fixed overhead on a 2-core Zen 4
+against ~3 us for `mm`, so below this size `mm` is faster. Measured there (float32, one
+thread, mm time / oneDNN time): N=512 breaks even at 16 rows (0.96-1.02) and wins 1.5x at 64;
+N=2048 wins 1.4x at 4 rows and 2.1x at 64. A fixed shape rule, not a timing, so the same
+inputs always take the same path (reproducible rounding)."""
+
+_STRICT_FP32 = ("none", "ieee")
+"""`torch.backends.mkldnn` float32 precision settings under which oneDNN computes in float32."""
+
+
+def _ops_available() -> bool:
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._linear_pointwise.default is not None
+            and torch.ops.mkldnn._linear_pointwise.binary is not None
+            and torch.ops.mkldnn._reorder_linear_weight.default is not None
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def strict_fp32() -> bool:
+    """Whether oneDNN currently computes float32 GEMMs in float32 (no bf16/tf32 math mode)."""
+    setting = getattr(torch.backends.mkldnn, "matmul", None)
+    precision = getattr(setting, "fp32_precision", "none") if setting is not None else "none"
+    overall = getattr(torch.backends.mkldnn, "fp32_precision", "none")
+    return precision in _STRICT_FP32 and overall in _STRICT_FP32
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One `[N, K]` weight (F.linear's layout) split into `K_BLOCK`-wide column blocks, each
+    reordered for oneDNN. `blocks[i]` multiplies input columns `bounds[i]`."""
+
+    blocks: tuple[torch.Tensor, ...]
+    bounds: tuple[tuple[int, int], ...]
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """`weight [N, K]` packed for `linear`; a copy (the weight itself is not touched)."""
+    k = weight.shape[1]
+    bounds = tuple((a, min(a + K_BLOCK, k)) for a in range(0, k, K_BLOCK))
+    blocks = tuple(
+        torch.ops.mkldnn._reorder_linear_weight(weight[:, a:b].contiguous(), None)
+        for a, b in bounds
+    )
+    return PackedWeight(blocks, bounds)
+
+
+def linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """`x @ weight.t()` for 2-D float32 `x` and the packed `weight`: a new `[M, N]` tensor.
+
+    The running sum lives in float32 and each block's product is added by the GEMM's `add`
+    post-op, so the result is a sum of `K_BLOCK`-long register-accumulated partial products:
+    the same function as `mm`, with MKL-like rounding."""
+    (a, b), first = packed.bounds[0], packed.blocks[0]
+    # Column slices of `x` go in as strided views: oneDNN reads them in place, and the
+    # result is bit-identical to passing contiguous copies (checked by the tests).
+    out = torch.ops.mkldnn._linear_pointwise(x[:, a:b], first, None, "none", [], "")
+    for (a, b), block in zip(packed.bounds[1:], packed.blocks[1:], strict=True):
+        out = torch.ops.mkldnn._linear_pointwise.binary(x[:, a:b], out, block, None, "add")
+    return out
+
+
+class PackCache:
+    """Packed copies of expert weights, keyed by the weight tensor and what makes it current.
+
+    An entry belongs to one tensor object (by `id`, removed by `weakref.finalize` when the
+    tensor is freed, so the cache never keeps a model's memory alive) and is used only while
+    the tensor's storage pointer, version counter (bumped by every in-place write, including
+    `load_state_dict`'s `copy_`), shape, strides and dtype are those it was packed from; any
+    difference repacks. Per expert, packing happens on first use.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[tuple, dict[int, PackedWeight]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _key(weight: torch.Tensor) -> tuple:
+        return (
+            weight.data_ptr(),
+            weight._version,
+            tuple(weight.shape),
+            weight.stride(),
+            weight.dtype,
+        )
+
+    def expert(self, weights: torch.Tensor, expert: int) -> PackedWeight:
+        """`weights[expert]` (of a `[E, N, K]` stack) packed, from the cache when current."""
+        ident, key = id(weights), self._key(weights)
+        entry = self._entries.get(ident)
+        if entry is None or entry[0] != key:
+            if entry is None:
+                weakref.finalize(weights, self._entries.pop, ident, None)
+            entry = (key, {})
+            self._entries[ident] = entry
+        packs = entry[1]
+        if expert not in packs:
+            with torch.no_grad():
+                packs[expert] = pack(weights[expert])
+        return packs[expert]
+
+
+class OneDnnKernels:
+    """Backend object: the oneDNN MoE experts; RMSNorm and act-and-mul are the reference's."""
+
+    name = "onednn"
+
+    def __init__(self) -> None:
+        self.packs = PackCache()
+
+    @classmethod
+    def create(cls) -> OneDnnKernels | None:
+        """The backend, or None when oneDNN is missing or fails the probe (see module doc)."""
+        if not _ops_available():
+            return None
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 2 * K_BLOCK + 3, generator=generator)
+        w = torch.randn(16, 2 * K_BLOCK + 3, generator=generator)
+        try:
+            got = linear(x, pack(w))
+        except RuntimeError:
+            return None
+        want = x.double() @ w.double().t()
+        if got.shape != want.shape or not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4):
+            return None
+        return cls()
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        return torch_ref.act_and_mul(x, activation)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, **variant):
+        return torch_ref.TorchKernels().rms_norm(x, weight, eps, **variant)
+
+    def uses_onednn(self, *tensors: torch.Tensor) -> bool:
+        """Whether `moe_experts` on these tensors takes the oneDNN path (else the reference)."""
+        return (
+            all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and torch.backends.mkldnn.enabled
+            and strict_fp32()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        )
+
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
+        """`torch_ref.moe_experts` with each expert's two GEMMs in oneDNN (float32 CPU).
+
+        Rows are sorted by expert as in the reference; each expert then runs its whole
+        chain (gate_up GEMM, act-and-mul, down GEMM) before the next, so its intermediate
+        stays in cache, and the weighted rows go back with one `index_add_`."""
+        if not self.uses_onednn(hidden, gate_up, down, topk_weights):
+            return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+        num_tokens, hidden_size = hidden.shape
+        num_experts = gate_up.shape[0]
+        top_k = topk_ids.shape[-1]
+        out = hidden.new_zeros(num_tokens, hidden_size)
+        if num_tokens == 0 or top_k == 0:
+            return out
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of_row = order // top_k
+        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+        rows = hidden.index_select(0, token_of_row)
+        if max(counts) * max(gate_up.shape[1], down.shape[1]) < MIN_OUTPUTS:
+            expert_out = self._small(rows, gate_up, down, counts, activation)
+        else:
+            expert_out = self._chain(rows, gate_up, down, counts, activation)
+        weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        out.index_add_(0, token_of_row, expert_out.mul_(weights))
+        return out
+
+    def _chain(self, rows, gate_up, down, counts, activation) -> torch.Tensor:
+        pieces = []
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            projected = self._gemm(rows[start : start + count], gate_up, expert)
+            activated = torch_ref.act_and_mul(projected, activation)
+            pieces.append(self._gemm(activated, down, expert))
+            start += count
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    @staticmethod
+    def _small(rows, gate_up, down, counts, activation) -> torch.Tensor:
+        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+        projected = F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
+        activated = torch_ref.act_and_mul(projected, activation)
+        return F.grouped_mm(activated, down.transpose(-2, -1), offs=offsets)
+
+    def _gemm(self, x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
+        """`x @ weights[expert].t()`: oneDNN from `MIN_OUTPUTS` outputs up, else `mm`."""
+        if x.shape[0] * weights.shape[1] >= MIN_OUTPUTS:
+            return linear(x, self.packs.expert(weights, expert))
+        return torch.mm(x, weights[expert].t())
+
+
+def create() -> OneDnnKernels | None:
+    return OneDnnKernels.create()
