@@ -65,10 +65,12 @@ def run(
         raise TypeError(f"fusion expects an nn.Module, got {type(model).__name__}")
     report = FusionReport(dry_run=dry_run)
     chosen_fusers = registry.FUSERS if fusers is None else tuple(fusers)
-    replaced: list[str] = []
+    replaced: list[str] = []  # "qualname." of every module that left the model
     for qualname, module in list(model.named_modules()):
-        if any(qualname.startswith(prefix) for prefix in replaced):
-            continue  # inside a module that was replaced: no longer part of the model
+        if any(f"{qualname}.".startswith(prefix) for prefix in replaced if prefix):
+            continue  # a module that was replaced or dropped, or inside one
+        if "" in replaced:
+            continue  # the root itself was replaced
         if not dry_run and _detached(model, qualname, module):
             continue  # dropped by a replacement that kept some children (FusedMoE)
         found = registry.candidates(module, chosen_fusers)
@@ -97,6 +99,8 @@ def run(
             report.applied.append(_applied(qualname, fuser))
             if fuser.replaces_module:
                 replaced.append(f"{qualname}." if qualname else "")
+            prefix = f"{qualname}." if qualname else ""
+            replaced.extend(f"{prefix}{child}." for child in fuser.dropped_children(module))
     return report
 
 

@@ -74,6 +74,13 @@ class Fuser(ABC):
     def describe(self) -> str:
         """One line for the report, e.g. `q_proj + k_proj + v_proj -> qkv_proj`."""
 
+    def dropped_children(self, module: nn.Module) -> tuple[str, ...]:
+        """Names of `module`'s direct children that `fuse` takes out of the model (e.g. a
+        `ModuleList` of experts repacked into new tensors). `fusion.apply` visits none of
+        them afterwards, and `plan` (which installs nothing) skips them too, so a dry run
+        reports what `fuse` would do. Called only on a validated `module`."""
+        return ()
+
     original_source: str | None = field(default=None, init=False, repr=False)
     rewritten_source: str | None = field(default=None, init=False, repr=False)
 

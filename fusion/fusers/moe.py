@@ -1027,6 +1027,11 @@ class MoEFuser(Fuser):
             register_packed_experts_loader(fused, found.experts_name)
         return fused
 
+    def dropped_children(self, module: nn.Module) -> tuple[str, ...]:
+        """A Transformers 4 `ModuleList` of experts is repacked: its MLPs leave the model."""
+        found = self._match_for(module)
+        return (found.experts_name,) if found.style == "modulelist" else ()
+
     def describe(self) -> str:
         assert self.match_ is not None
         m = self.match_

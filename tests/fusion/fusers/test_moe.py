@@ -275,6 +275,17 @@ def test_transformers4_modulelist_block_is_packed_and_matches() -> None:
             assert relative_error(model(x), fused(x)) <= 1e-5
 
 
+def test_plan_reports_what_fuse_does_for_modulelist_experts() -> None:
+    """`plan` installs nothing, yet must not list fusions inside the expert MLPs that `fuse`
+    repacks out of the model (each expert is a GLU the GLU fuser would otherwise match)."""
+    model = nn.Sequential(randomized(SparseMoeV4()), randomized(ExpertMLP(HIDDEN, 32)))
+    planned = fusion.plan(model)
+    fused = fusion.fuse(copy.deepcopy(model))
+    as_pairs = lambda report: [(r.qualname, r.fuser) for r in report.applied]  # noqa: E731
+    assert as_pairs(planned) == as_pairs(fused) == [("0", "moe"), ("1", "glu")], str(planned)
+    assert not any(s.qualname.startswith("0.experts") for s in planned.skipped)
+
+
 def test_transformers4_checkpoint_round_trip_bit_identical() -> None:
     unfused = nn.Sequential(randomized(SparseMoeV4(), seed=1))
     fused = nn.Sequential(randomized(SparseMoeV4(), seed=2))
