@@ -225,9 +225,15 @@ class FusedMoE(nn.Module):
 
     The router, experts, shared expert and its gate stay children under their original names
     (`router_name`, ...), so state dicts keep their keys. The router module itself is not
-    called: its weight (and nothing else) is read. `training_sensitive`: the original
-    forward behaves differently in training mode (e.g. router jitter), which this module does
-    not reproduce, so running it in training mode raises instead of silently differing.
+    called: its weight (and nothing else) is read.
+
+    `training_sensitive`: the original forward behaves differently in training mode (e.g.
+    Mixtral's router jitter), which the fused computation does not reproduce. In training
+    mode such a block runs `eager`, the original block itself, whose children are this
+    module's children (the same objects, so `.to()`, `load_state_dict` and training updates
+    reach both; `fusion.fusers.moe` passes it only when the block holds no state of its own).
+    Without `eager` (Transformers 4 experts, which were repacked into new tensors) training
+    mode raises instead of silently computing another function.
     """
 
     def __init__(
@@ -246,9 +252,12 @@ class FusedMoE(nn.Module):
         shared_gate_name: str | None = None,
         shared_gate: nn.Module | None = None,
         training_sensitive: bool = False,
+        eager: nn.Module | None = None,
         backend: str = "auto",
     ) -> None:
         super().__init__()
+        # Not a submodule: its children are already ours, and its own state is empty.
+        object.__setattr__(self, "eager", eager)
         self.router_name = router_name
         self.router_weight = router_weight
         self.router_is_linear = router_is_linear
@@ -286,10 +295,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.training and self.training_sensitive:
-            raise RuntimeError(
-                "FusedMoE replaced a block whose forward changes in training mode; "
-                "it reproduces the block in eval mode only"
-            )
+            if self.eager is None:
+                raise RuntimeError(
+                    "FusedMoE replaced a block whose forward changes in training mode and "
+                    "whose experts were repacked; it reproduces the block in eval mode only"
+                )
+            self.eager.training = True
+            return self.eager(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.route(x)
@@ -309,4 +321,10 @@ class FusedMoE(nn.Module):
         if self.shared_name is not None:
             gate = f" gated by {self.shared_gate_name}" if self.shared_gate_name else ""
             shared = f", shared={self.shared_name}{gate}"
-        return f"routing={self.spec.describe()}, activation={self.activation}{shared}, backend={self.backend}"
+        training = ""
+        if self.training_sensitive:
+            training = ", training=" + ("original block" if self.eager is not None else "raises")
+        return (
+            f"routing={self.spec.describe()}, activation={self.activation}{shared}, "
+            f"backend={self.backend}{training}"
+        )

@@ -182,14 +182,36 @@ def test_output_router_logits_still_recorded() -> None:
     assert torch.allclose(a.aux_loss, b.aux_loss, rtol=1e-5)
 
 
-def test_training_mode_is_refused_at_run_time_when_the_block_reads_it() -> None:
-    fused = tiny_moe("mixtral")
+def test_training_mode_runs_the_original_block_when_it_reads_training() -> None:
+    """Mixtral jitters router inputs in training mode, which FusedMoE does not reproduce:
+    there it runs the original block (sharing its children), so training computes exactly
+    what the unfused model computes, gradients reach the shared expert weights, and eval mode
+    is fused again."""
+    model = tiny_moe("mixtral")
+    model.config.router_jitter_noise = 0.1
+    for layer in model.model.layers:
+        layer.mlp.jitter_noise = 0.1
+    fused = copy.deepcopy(model)
     fusion.fuse(fused)
-    block = fused.model.layers[0].mlp
-    assert block.training_sensitive  # Mixtral jitters router inputs when training
+    block, original = fused.model.layers[0].mlp, model.model.layers[0].mlp
+    assert block.training_sensitive and block.eager is not None
+    assert "training=original block" in repr(block)
+    x = torch.randn(1, 5, HIDDEN)
     block.train()
-    with pytest.raises(RuntimeError, match="eval mode only"):
-        block(torch.randn(1, 3, HIDDEN))
+    original.train()
+    torch.manual_seed(7)
+    got = block(x.clone())  # Mixtral's jitter scales its input in place
+    torch.manual_seed(7)
+    want = original(x.clone())
+    assert torch.equal(got, want)
+    got.sum().backward()
+    assert block.experts.gate_up_proj.grad is not None
+    block.eval()
+    original.eval()
+    with torch.no_grad():
+        assert relative_error(original(x), block(x)) <= 1e-5
+    assert "eager" not in dict(block.named_modules())  # not a submodule: no duplicate state
+    assert len(block.state_dict()) == len(original.state_dict())
 
 
 # --- Transformers 4 style: a ModuleList of expert MLPs and the routing in the block ----------
@@ -284,6 +306,24 @@ def test_plan_reports_what_fuse_does_for_modulelist_experts() -> None:
     as_pairs = lambda report: [(r.qualname, r.fuser) for r in report.applied]  # noqa: E731
     assert as_pairs(planned) == as_pairs(fused) == [("0", "moe"), ("1", "glu")], str(planned)
     assert not any(s.qualname.startswith("0.experts") for s in planned.skipped)
+
+
+class SparseMoeV4Jitter(SparseMoeV4):
+    def forward(self, hidden_states):
+        if self.training:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(0.9, 1.1)
+        return super().forward(hidden_states)
+
+
+def test_training_mode_raises_for_repacked_experts_that_read_training() -> None:
+    """A Transformers 4 block's experts are repacked, so the original cannot run: training
+    mode raises instead of silently dropping the jitter."""
+    fused = nn.Sequential(randomized(SparseMoeV4Jitter())).eval()
+    assert fusion.fuse(fused).counts() == {"moe": 1}
+    assert fused[0].training_sensitive and fused[0].eager is None
+    fused.train()
+    with pytest.raises(RuntimeError, match="eval mode only"):
+        fused(torch.randn(1, 3, HIDDEN))
 
 
 def test_transformers4_checkpoint_round_trip_bit_identical() -> None:
