@@ -268,15 +268,18 @@ def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-def fused_backends(device: str) -> list[str]:
+def fused_backends(device: str, op: str | None = None) -> list[str]:
     """Kernel backends fused variants are timed with on `device`: every available one that
-    is not an interpreter (the torch reference on CPU)."""
+    is not an interpreter, leaving out those that hand `op` to the torch reference (their
+    `delegated` ops), which would only time the reference twice."""
     from fusion import kernels
 
     names = []
     for name in kernels.available_backends(device):
-        if not getattr(kernels.get(name, device), "interpreted", False):
-            names.append(name)
+        backend = kernels.get(name, device)
+        if getattr(backend, "interpreted", False) or op in getattr(backend, "delegated", ()):
+            continue
+        names.append(name)
     return names
 
 
@@ -288,7 +291,7 @@ def _rmsnorm_case(
     variant: str, hidden: int, tokens: int, dtype: torch.dtype, device: str, name: str
 ) -> Case:
     """RMSNorm of `tokens` rows: HF's eager module vs the backends' kernel."""
-    backends = fused_backends(device)
+    backends = fused_backends(device, "rms_norm")
     kwargs = (
         dict(offset=0.0, upcast=True, weight_after_cast=True)
         if variant == "llama"
@@ -335,7 +338,7 @@ def norm_eps(norm: torch.nn.Module) -> float:
 def _act_case(intermediate: int, tokens: int, dtype: torch.dtype, device: str, name: str) -> Case:
     """SiLU-and-mul: HF eager `silu(gate) * up` on the two projections' separate outputs vs
     the backends' kernel on the merged projection's output."""
-    backends = fused_backends(device)
+    backends = fused_backends(device, "act_and_mul")
 
     def make() -> dict[str, Callable[[], Any]]:
         import torch.nn.functional as F

@@ -158,6 +158,8 @@ class OneDnnKernels:
     """Backend object: the oneDNN MoE experts; RMSNorm and act-and-mul are the reference's."""
 
     name = "onednn"
+    delegated = frozenset({"act_and_mul", "rms_norm"})
+    """Ops this backend hands to the torch reference unchanged."""
 
     def __init__(self) -> None:
         self.packs = PackCache()
