@@ -226,7 +226,9 @@ class OneDnnKernels:
         token_of_row = order // top_k
         counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
         rows = hidden.index_select(0, token_of_row)
-        if max(counts) * max(gate_up.shape[1], down.shape[1]) < MIN_OUTPUTS:
+        if max(counts) * max(gate_up.shape[1], down.shape[1]) < MIN_OUTPUTS and hasattr(
+            F, "grouped_mm"
+        ):
             expert_out = self._small(rows, gate_up, down, counts, activation)
         else:
             expert_out = self._chain(rows, gate_up, down, counts, activation)
@@ -235,6 +237,8 @@ class OneDnnKernels:
         return out
 
     def _chain(self, rows, gate_up, down, counts, activation) -> torch.Tensor:
+        """Expert by expert, gate_up GEMM -> act-and-mul -> down GEMM, so each expert's
+        intermediate is still in cache when the down projection reads it."""
         pieces = []
         start = 0
         for expert, count in enumerate(counts):
@@ -248,6 +252,8 @@ class OneDnnKernels:
 
     @staticmethod
     def _small(rows, gate_up, down, counts, activation) -> torch.Tensor:
+        """Every expert too small for oneDNN: one `grouped_mm` per projection (on CPU the
+        same per-group `mm` as the reference's loop, without its per-expert Python calls)."""
         offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
         projected = F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
         activated = torch_ref.act_and_mul(projected, activation)
