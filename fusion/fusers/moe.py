@@ -780,7 +780,8 @@ def _match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> 
     if routing.linear.op != "call_module":
         raise RewriteRefused("the Transformers 4 router is not a linear child")
     router_name = str(routing.linear.target)
-    _other_state(module, {experts_name, router_name})
+    shared_name, shared_gate_name = _modulelist_shared(graph, module, x)
+    _other_state(module, {experts_name, router_name, shared_name, shared_gate_name} - {None})
     return MoEMatch(
         style="modulelist",
         router_name=router_name,
@@ -789,8 +790,34 @@ def _match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> 
         experts_name=experts_name,
         activation=activation,
         expert_names=names,
+        shared_name=shared_name,
+        shared_gate_name=shared_gate_name,
         training_sensitive=_reads_training(type(module)),
     )
+
+
+def _modulelist_shared(
+    graph: fx.Graph, module: nn.Module, x: fx.Node
+) -> tuple[str | None, str | None]:
+    """(shared expert, its gate) of a Transformers 4 block returning `routed + shared(x)`
+    (or `+ sigmoid(gate(x)) * shared(x)`), where `routed` is the buffer the expert loop
+    `index_add_`s into; (None, None) when the output is not such a sum. Anything else the
+    block computes with a stateful child is then refused by `_other_state`, and the routed
+    part itself is proven by the numeric check (a loop has no dataflow to read)."""
+    root = _unwrap(output_value(graph), module)
+    if not (is_op(root, "add") and len(root.args) == 2):
+        return None, None
+    buffers = {
+        _unwrap(node.args[0], module)
+        for node in graph.nodes
+        if node.op == "call_method" and node.target == "index_add_" and node.args
+    }
+    a, b = (_unwrap(arg, module) for arg in root.args)
+    if b in buffers:
+        a, b = b, a
+    if a not in buffers:
+        return None, None
+    return _shared(b, x, module)
 
 
 def _experts_child(module: nn.Module) -> tuple[str, str] | None:

@@ -339,6 +339,75 @@ def test_transformers4_checkpoint_round_trip_bit_identical() -> None:
         assert relative_error(unfused(x), fused(x)) <= 1e-5
 
 
+class SparseMoeV4Shared(SparseMoeV4):
+    """A Transformers 4 block plus Qwen2-MoE's gated shared expert, returning the sum."""
+
+    def __init__(self, gated: bool = True) -> None:
+        super().__init__()
+        self.shared_expert = ExpertMLP(HIDDEN, 48)
+        self.shared_expert_gate = nn.Linear(HIDDEN, 1, bias=False) if gated else None
+
+    def forward(self, hidden_states):
+        routed = super().forward(hidden_states)
+        x = hidden_states.view(-1, self.hidden_dim)
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = F.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared.view(hidden_states.shape)
+
+
+class SparseMoeV4ScaledShared(SparseMoeV4Shared):
+    def forward(self, hidden_states):
+        routed = SparseMoeV4.forward(self, hidden_states)
+        x = hidden_states.view(-1, self.hidden_dim)
+        return routed + 2 * self.shared_expert(x).view(hidden_states.shape)
+
+
+class SparseMoeV4SharedTwice(SparseMoeV4Shared):
+    def forward(self, hidden_states):
+        routed = SparseMoeV4.forward(self, hidden_states)
+        x = hidden_states.view(-1, self.hidden_dim)
+        return routed + self.shared_expert(self.shared_expert(x)).view(hidden_states.shape)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_transformers4_shared_expert_found_by_dataflow(gated: bool) -> None:
+    """`routed + [sigmoid(gate(x)) *] shared(x)` after the expert loop: the shared expert
+    (and its gate) stay children of the FusedMoE, the shared expert's own GLU is fused, a
+    dry run says the same, the output matches and unfused checkpoints round-trip."""
+    model = nn.Sequential(randomized(SparseMoeV4Shared(gated), seed=4)).eval()
+    fused = copy.deepcopy(model)
+    report = fusion.fuse(fused)
+    pairs = [(r.qualname, r.fuser) for r in report.applied]
+    assert pairs == [("0", "moe"), ("0.shared_expert", "glu")], str(report)
+    assert pairs == [(r.qualname, r.fuser) for r in fusion.plan(model).applied]
+    block = fused[0]
+    assert block.shared_name == "shared_expert"
+    assert block.shared_gate_name == ("shared_expert_gate" if gated else None)
+    x = torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert relative_error(model(x), fused(x)) <= 1e-5
+    other = nn.Sequential(randomized(SparseMoeV4Shared(gated), seed=6)).eval()
+    fusion.fuse(other)
+    other.load_state_dict(model.state_dict())
+    exported = unfused_state_dict(other)
+    assert set(exported) == set(model.state_dict())
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("block", "reason"),
+    [
+        (SparseMoeV4ScaledShared, "not a (gated) shared expert"),
+        (SparseMoeV4SharedTwice, "not a (gated) shared expert"),
+    ],
+)
+def test_transformers4_other_shared_terms_are_refused(block: type, reason: str) -> None:
+    report = fusion.plan(nn.Sequential(randomized(block(gated=False))).eval())
+    assert "moe" not in report.counts()
+    assert reason in reasons(report)
+
+
 def test_transformers4_block_returning_a_tuple_through_a_name_is_refused() -> None:
     report = fusion.plan(nn.Sequential(randomized(SparseMoeV4Tuple())))
     assert "moe" not in report.counts()
