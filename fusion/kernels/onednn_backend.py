@@ -13,9 +13,11 @@ input dtype before the K-term sum), with two differences confined to rounding:
   float32 errs 2-3x more than MKL's blocked accumulation at H >= 512 (max error against
   float64); the harness' parity oracle allows at most 2x. So the reduction is split into
   blocks of `K_BLOCK` and each block's product is added to the running sum by the GEMM's own
-  `add` post-op: the same blocked accumulation MKL does, with no extra pass over memory.
+  `add` post-op: blocked accumulation like MKL's, with no extra pass over memory.
   `tests/fusion/kernels/test_onednn_backend.py` checks the error stays within 1.5x of
-  `mm`'s against a float64 reference.
+  `mm`'s against a float64 reference. (For reductions up to 256 long the blocked results
+  were bit-identical to MKL's on the development machine; longer ones differ in the last
+  bits.)
 - Each expert's weights are reordered once into oneDNN's blocked layout and cached (see
   `PackCache`): one extra copy of the expert weights, made the first time an expert runs.
 
@@ -26,7 +28,7 @@ Fail closed, always by falling back to the torch reference (slower, never differ
   blocks, which `mm` does not.
 - When autograd records (the oneDNN ops have no derivative), when
   `torch.backends.mkldnn` is disabled, or when its float32 math mode allows bf16/tf32
-  (oneDNN would round inputs that MKL does not).
+  (`mm` itself then follows that mode, and the reference computes what it computes).
 - The backend is unavailable (`create()` returns None) when the ops are missing or a probe
   product at construction differs from `mm` beyond rounding.
 """
@@ -50,8 +52,10 @@ MIN_OUTPUTS = 16384
 Each oneDNN call (one per reduction block) costs ~10 us of fixed overhead on a 2-core Zen 4
 against ~3 us for `mm`, so below this size `mm` is faster. Measured there (float32, one
 thread, mm time / oneDNN time): N=512 breaks even at 16 rows (0.96-1.02) and wins 1.5x at 64;
-N=2048 wins 1.4x at 4 rows and 2.1x at 64. A fixed shape rule, not a timing, so the same
-inputs always take the same path (reproducible rounding)."""
+N=2048 wins 1.4x at 4 rows and 2.1x at 64; the threshold (32 rows of N=512, 8 of N=2048)
+leaves a margin. A fixed shape rule, not a timing, so the same inputs always take the same
+path (reproducible rounding). When every expert of a call is below it, the call runs as one
+`grouped_mm` per projection instead."""
 
 _STRICT_FP32 = ("none", "ieee")
 """`torch.backends.mkldnn` float32 precision settings under which oneDNN computes in float32."""
