@@ -975,6 +975,41 @@ def rmsnorm_part(
 # -- mixture of experts ---------------------------------------------------------------------------
 
 
+SHARED_FORMS: dict[str, tuple[str, ...]] = {
+    "gated": (
+        "shared = self.shared_expert({h})",
+        "{f} = {f} + torch.sigmoid(self.shared_expert_gate({h})) * shared",
+    ),
+    "gated_swapped": (
+        "shared = self.shared_expert({h})",
+        "{f} = {f} + shared * F.sigmoid(self.shared_expert_gate({h}))",
+    ),
+    "plain_first": ("{f} = self.shared_expert({h}) + {f}",),
+    "in_place": (
+        "shared = self.shared_expert({h})",
+        "{f} += torch.sigmoid(self.shared_expert_gate({h})) * shared",
+    ),
+}
+"""How a Transformers 4 block may add its shared expert: all compute `routed + shared term`,
+which the MoE fuser keeps (`{h}` the flattened input, `{f}` the routed buffer)."""
+
+SHARED_FORMS_ALL: dict[str, tuple[str, ...]] = {
+    **SHARED_FORMS,
+    "scaled": ("{f} = {f} + 0.5 * self.shared_expert({h})",),
+    "subtracted": ("{f} = {f} - self.shared_expert({h})",),
+    "tanh_gate": (
+        "{f} = {f} + torch.tanh(self.shared_expert_gate({h})) * self.shared_expert({h})",
+    ),
+    "other_input": ("{f} = {f} + self.shared_expert({h} * 2)",),
+    "of_routed": ("{f} = {f} + self.shared_expert({f})",),
+    "gate_of_routed": (
+        "{f} = {f} + torch.sigmoid(self.shared_expert_gate({f})) * self.shared_expert({h})",
+    ),
+}
+"""`SHARED_FORMS` plus hazards: terms that are not `[sigmoid(gate(x)) *] shared(x)` of the
+block input. A fuser that kept them as a shared expert would change the function."""
+
+
 def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | None = None) -> Part:
     """A sparse MoE block: a router and top-k experts, either a ModuleList of gated MLPs
     (Mixtral / Qwen2-MoE) with an optional shared expert, or 3-D expert weights (the
@@ -1036,12 +1071,17 @@ def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | N
             f"self.gate = nn.Linear({hidden}, {experts}, bias=False)",
             f"self.experts = nn.ModuleList([{name}Expert() for _ in range({experts})])",
         ]
+        form = ""
         if shared:
-            part.features.append("shared_expert")
-            init += [
-                f"self.shared_expert = {name}Expert()",
-                f"self.shared_expert_gate = nn.Linear({hidden}, 1, bias=False)",
-            ]
+            form = draw(st.sampled_from(sorted(SHARED_FORMS if safe else SHARED_FORMS_ALL)))
+            part.features += ["shared_expert", f"shared:{form}"]
+            init.append(f"self.shared_expert = {name}Expert()")
+            # An unused gate would be refused as unaccounted state: create it where it is read
+            # (and, in hazardous modules, sometimes where it is not).
+            if any("shared_expert_gate" in line for line in SHARED_FORMS_ALL[form]) or (
+                not safe and draw(st.booleans())
+            ):
+                init.append(f"self.shared_expert_gate = nn.Linear({hidden}, 1, bias=False)")
         body = [
             *pre,
             "batch_size, sequence_length, hidden_dim = hidden_states.shape",
@@ -1057,8 +1097,8 @@ def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | N
         ]
         if shared:
             body += [
-                "shared = self.shared_expert(hidden_states)",
-                "final_hidden_states = final_hidden_states + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared",
+                line.format(h="hidden_states", f="final_hidden_states")
+                for line in SHARED_FORMS_ALL[form]
             ]
         body.append(
             "final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)"
