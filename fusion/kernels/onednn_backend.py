@@ -158,6 +158,21 @@ class PackCache:
         return packs[expert]
 
 
+def _grouped_mm_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Can `F.grouped_mm` take these experts? It exists (torch >= 2.10) and every operand's
+    rows are 16-byte aligned, which it requires: expert widths `H` and `I` whose rows are a
+    multiple of 16 bytes, and weight storage starting on a 16-byte boundary (the activations
+    are fresh allocations). Found by the property test: `I = 130` in float32 raised."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    size = gate_up.element_size()
+    widths = (gate_up.shape[2], down.shape[2])
+    return all(w * size % 16 == 0 for w in widths) and all(
+        t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(-2) * size % 16 == 0
+        for t in (gate_up, down)
+    )
+
+
 class OneDnnKernels:
     """Backend object: the oneDNN MoE experts; RMSNorm and act-and-mul are the reference's."""
 
@@ -230,8 +245,8 @@ class OneDnnKernels:
         token_of_row = order // top_k
         counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
         rows = hidden.index_select(0, token_of_row)
-        if max(counts) * max(gate_up.shape[1], down.shape[1]) < MIN_OUTPUTS and hasattr(
-            F, "grouped_mm"
+        if max(counts) * max(gate_up.shape[1], down.shape[1]) < MIN_OUTPUTS and _grouped_mm_ok(
+            gate_up, down
         ):
             expert_out = self._small(rows, gate_up, down, counts, activation)
         else:
