@@ -146,7 +146,13 @@ def tiny_config(name: str) -> Any:
         raise
     except Exception as exc:
         raise _fail(name, "config", exc) from exc
-    return _model_config(config, mcls)
+    config = _model_config(config, mcls)
+    if not hasattr(config, "pad_token_id"):
+        # Transformers 4 gave every config `pad_token_id = None`; some 5.0 configs (Phi,
+        # StableLM, EXAONE 4, JetMoE) dropped the attribute while their models still read
+        # it (`self.padding_idx = config.pad_token_id`). The old default is what they expect.
+        config.pad_token_id = None
+    return config
 
 
 def _model_config(config: Any, mcls: type) -> Any:
