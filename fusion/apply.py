@@ -67,10 +67,8 @@ def run(
     chosen_fusers = registry.FUSERS if fusers is None else tuple(fusers)
     replaced: list[str] = []  # "qualname." of every module that left the model
     for qualname, module in list(model.named_modules()):
-        if any(f"{qualname}.".startswith(prefix) for prefix in replaced if prefix):
-            continue  # a module that was replaced or dropped, or inside one
-        if "" in replaced:
-            continue  # the root itself was replaced
+        if any(f"{qualname}.".startswith(prefix) for prefix in replaced):
+            continue  # a module that was replaced or dropped, or inside one ("": the root)
         if not dry_run and _detached(model, qualname, module):
             continue  # dropped by a replacement that kept some children (FusedMoE)
         found = registry.candidates(module, chosen_fusers)

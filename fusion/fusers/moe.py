@@ -868,23 +868,14 @@ def _build(
         if found.shared_gate_name
         else None,
         training_sensitive=found.training_sensitive,
-        eager=module if _can_run_eager(module, found) else None,
+        # The original can run in training mode only when the fused block shares everything
+        # it holds: its children (packed experts are not repacked), and no state of its own,
+        # which `_other_state` already refused for every match.
+        eager=module if found.training_sensitive and found.style == "packed" else None,
         backend=backend,
     )
     fused.train(module.training)
     return fused, packed
-
-
-def _can_run_eager(module: nn.Module, found: MoEMatch) -> bool:
-    """Can the fused block run `module` itself in training mode? Only when everything
-    `module` holds is shared with the fused block: its experts are not repacked and it has
-    no parameters or buffers of its own (children are shared objects)."""
-    return (
-        found.training_sensitive
-        and found.style == "packed"
-        and next(module.parameters(recurse=False), None) is None
-        and next(module.buffers(recurse=False), None) is None
-    )
 
 
 def _error(reference: torch.Tensor, other: torch.Tensor) -> float:

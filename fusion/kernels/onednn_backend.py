@@ -173,12 +173,12 @@ def _grouped_mm_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     )
 
 
-class OneDnnKernels:
-    """Backend object: the oneDNN MoE experts; RMSNorm and act-and-mul are the reference's."""
+class OneDnnKernels(torch_ref.TorchKernels):
+    """Backend object: the oneDNN MoE experts; every other op is inherited from the reference."""
 
     name = "onednn"
     delegated = frozenset({"act_and_mul", "rms_norm"})
-    """Ops this backend hands to the torch reference unchanged."""
+    """Ops this backend inherits from the torch reference unchanged."""
 
     def __init__(self) -> None:
         self.packs = PackCache()
@@ -203,19 +203,13 @@ class OneDnnKernels:
     def supports(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
-    def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
-        return torch_ref.act_and_mul(x, activation)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, **variant):
-        return torch_ref.TorchKernels().rms_norm(x, weight, eps, **variant)
-
     def uses_onednn(self, *tensors: torch.Tensor) -> bool:
         """Whether `moe_experts` on these tensors takes the oneDNN path (else the reference)."""
         return (
             all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and torch.backends.mkldnn.enabled
             and strict_fp32()
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not torch_ref.records_grad(*tensors)
         )
 
     def moe_experts(
@@ -234,47 +228,45 @@ class OneDnnKernels:
         stays in cache, and the weighted rows go back with one `index_add_`."""
         if not self.uses_onednn(hidden, gate_up, down, topk_weights):
             return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
-        num_tokens, hidden_size = hidden.shape
-        num_experts = gate_up.shape[0]
-        top_k = topk_ids.shape[-1]
-        out = hidden.new_zeros(num_tokens, hidden_size)
-        if num_tokens == 0 or top_k == 0:
-            return out
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of_row = order // top_k
-        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-        rows = hidden.index_select(0, token_of_row)
-        if max(counts) * max(gate_up.shape[1], down.shape[1]) < MIN_OUTPUTS and _grouped_mm_ok(
-            gate_up, down
-        ):
-            expert_out = self._small(rows, gate_up, down, counts, activation)
+        num_tokens = hidden.shape[0]
+        if num_tokens == 0 or topk_ids.shape[-1] == 0:
+            return hidden.new_zeros(hidden.shape)
+        routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
+        largest = max(routed.counts) * max(gate_up.shape[1], down.shape[1])
+        if largest < MIN_OUTPUTS and _grouped_mm_ok(gate_up, down):
+            expert_out = self._small(routed, gate_up, down, activation)
         else:
-            expert_out = self._chain(rows, gate_up, down, counts, activation)
-        weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        out.index_add_(0, token_of_row, expert_out.mul_(weights))
-        return out
+            expert_out = self._chain(routed, gate_up, down, activation)
+        return torch_ref.combine(routed, expert_out, topk_weights, num_tokens)
 
-    def _chain(self, rows, gate_up, down, counts, activation) -> torch.Tensor:
+    def _chain(
+        self,
+        routed: torch_ref.ExpertRows,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
         """Expert by expert, gate_up GEMM -> act-and-mul -> down GEMM, so each expert's
         intermediate is still in cache when the down projection reads it."""
         pieces = []
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(routed.counts):
             if not count:
                 continue
-            projected = self._gemm(rows[start : start + count], gate_up, expert)
+            projected = self._gemm(routed.rows[start : start + count], gate_up, expert)
             activated = torch_ref.act_and_mul(projected, activation)
             pieces.append(self._gemm(activated, down, expert))
             start += count
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     @staticmethod
-    def _small(rows, gate_up, down, counts, activation) -> torch.Tensor:
+    def _small(
+        routed: torch_ref.ExpertRows, gate_up: torch.Tensor, down: torch.Tensor, activation: str
+    ) -> torch.Tensor:
         """Every expert too small for oneDNN: one `grouped_mm` per projection (on CPU the
         same per-group `mm` as the reference's loop, without its per-expert Python calls)."""
-        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-        projected = F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
+        offsets = torch.tensor(routed.counts).cumsum(0).to(torch.int32)
+        projected = F.grouped_mm(routed.rows, gate_up.transpose(-2, -1), offs=offsets)
         activated = torch_ref.act_and_mul(projected, activation)
         return F.grouped_mm(activated, down.transpose(-2, -1), offs=offsets)
 

@@ -5,6 +5,8 @@ These functions define what every other backend must compute.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -92,44 +94,74 @@ def moe_experts(
     `index_add_`. No Python loop over tokens, no one-hot over the experts.
     """
     num_tokens, hidden_size = hidden.shape
-    num_experts, two_inter, _ = gate_up.shape
-    top_k = topk_ids.shape[-1]
-    out = hidden.new_zeros(num_tokens, hidden_size)
-    if num_tokens == 0 or top_k == 0:
-        return out
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of_row = order // top_k
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    rows = hidden.index_select(0, token_of_row)
+    two_inter = gate_up.shape[1]
+    if num_tokens == 0 or topk_ids.shape[-1] == 0:
+        return hidden.new_zeros(num_tokens, hidden_size)
+    routed = sort_by_expert(hidden, topk_ids, gate_up.shape[0])
     slices = []  # (expert, first row, end row) of every expert with tokens
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(routed.counts):
         if count:
             slices.append((expert, start, start + count))
             start += count
     # `out=` writes into preallocated slices, which autograd cannot differentiate: while it
     # records (a model called outside no_grad), the same GEMMs are concatenated instead.
     grouped = (
-        _grouped_mm_out if not _records_grad(hidden, gate_up, down, topk_weights) else _grouped_mm
+        _grouped_mm_out if not records_grad(hidden, gate_up, down, topk_weights) else _grouped_mm
     )
-    projected = grouped(rows, gate_up, slices, two_inter)
+    projected = grouped(routed.rows, gate_up, slices, two_inter)
     # act(gate) * up over all rows at once: the activation is rounded to the input dtype
     # and multiplied in it, as `act_and_mul` does, but into the activation's own buffer.
     inter = two_inter // 2
     activated = ACTIVATIONS[activation](projected[:, :inter])
     activated.mul_(projected[:, inter:])
     expert_out = grouped(activated, down, slices, hidden_size)
-    weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    return combine(routed, expert_out, topk_weights, num_tokens)
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The T*K routed (token, choice) pairs of a `moe_experts` call, sorted by expert."""
+
+    rows: torch.Tensor
+    """`[T*K, H]` hidden rows, each expert's rows contiguous, experts in id order."""
+    order: torch.Tensor
+    """Flat (token * K + choice) index of each row (a stable sort, so ties keep token order)."""
+    token_of_row: torch.Tensor
+    """The token each row came from (where `combine` adds it back)."""
+    counts: list[int]
+    """Rows per expert, for every expert id (zeros included)."""
+
+
+def sort_by_expert(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> ExpertRows:
+    """`hidden [T, H]`'s rows gathered once per routed choice and sorted by expert id, so each
+    expert's rows form one contiguous slice (the grouping every backend's experts use)."""
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_row = order // topk_ids.shape[-1]
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    return ExpertRows(hidden.index_select(0, token_of_row), order, token_of_row, counts)
+
+
+def combine(
+    routed: ExpertRows, expert_out: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """`out[t] = sum over t's rows of (weight * expert_out row)` as a new `[T, H]` tensor of
+    `expert_out`'s dtype: each product formed in `promote(dtype, weights dtype)` and rounded
+    before the sum (as the eager loop does), added back with one `index_add_`.
+    `expert_out` is consumed (scaled in place when the dtypes agree)."""
+    out = expert_out.new_zeros(num_tokens, expert_out.shape[-1])
+    weights = topk_weights.reshape(-1).index_select(0, routed.order).unsqueeze(-1)
     if weights.dtype == expert_out.dtype:
         weighted = expert_out.mul_(weights)
     else:  # the product in the promoted dtype, then rounded (as the eager loop does)
         weighted = torch.mul(expert_out, weights).to(out.dtype)
-    out.index_add_(0, token_of_row, weighted)
-    return out
+    return out.index_add_(0, routed.token_of_row, weighted)
 
 
-def _records_grad(*tensors: torch.Tensor) -> bool:
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Will autograd record an op on these tensors (so `out=` writes and ops without a
+    derivative must be avoided)?"""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
