@@ -39,7 +39,12 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
         raise ValueError(
             f"unknown or unavailable backend {backend!r}; available: {kernels.available_backends()}"
         )
-    return apply.run(model, backend=backend)
+    report = apply.run(model, backend=backend)
+    if isinstance(model, nn.Module) and report.applied:
+        # Probe kernels now, not inside a later torch.compile trace (see kernels._AUTO).
+        devices = {t.device for t in (*model.parameters(), *model.buffers())} or {"cpu"}
+        kernels.resolve_ahead(devices)
+    return report
 
 
 def plan(model: nn.Module) -> FusionReport:

@@ -1,14 +1,34 @@
-"""Map unfused checkpoints onto fused modules, and fused state back to unfused keys.
+"""A fused model's checkpoint layout is its unfused twin's, in both directions.
 
-A fused model must load the checkpoint its unfused twin was saved with, and export one an
-unfused model can load, bit for bit. The mapping is scoped by qualname: a fused module's
-load hook only rewrites keys under its own prefix, so a same-named projection elsewhere (an
-unfused expert's `gate_proj`) is never touched.
+A fused model must be a drop-in replacement for saving and loading: `state_dict()` (and so
+`save_pretrained`, `torch.save(model.state_dict())`, accelerate, DeepSpeed, ...) returns the
+*unfused* keys, so a stock Transformers class (or vLLM) loads what a fused model saved; and
+`load_state_dict` accepts the unfused keys (and, for older fused saves, the merged ones).
+
+How, for a module holding a merged child (`qkv_proj`, `gate_up_proj`, a repacked
+Transformers 4 `experts`):
+
+- a state-dict hook on that module replaces the merged tensors by their exact slices under
+  the original keys (views of the merged tensor: bit-identical, no copy, and writing through
+  them writes the model, as writing through a stock state dict's tensors does). Zero bias
+  shards synthesised for bias-less projections are dropped.
+- a load pre-hook stacks the unfused keys back into the merged key before the module checks
+  its own keys. A partial checkpoint loads what it has, as stock PyTorch does: shards it
+  lacks keep their current values and are reported in `missing_keys` under their unfused
+  names (so `strict=True` raises the stock error, `strict=False` returns them).
+
+Hooks sit on the parent of the merged child: a parent checks its own keys for unexpected
+entries before its children load, so the keys must be rewritten before that check. Each hook
+touches only keys under its own prefix, so a same-named projection elsewhere (an unfused
+expert's `gate_proj`) is never touched. Hooks are module-level dataclasses (picklable), so
+`torch.save(model)` and `copy.deepcopy` keep them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,139 +37,246 @@ from torch import nn
 from fusion.modules import MergedLinear
 from fusion.moe_modules import PackedExperts
 
-_LOADER_ATTR = "_fusion_unfused_loaders"
-"""Instance attribute listing the merged names a module already has a loader for."""
+_LAYOUT_ATTR = "_fusion_unfused_layouts"
+"""Instance attribute listing the merged child names a module already has hooks for."""
 
 
-def _stack_shards(
-    state_dict: dict[str, Any], prefix: str, merged_name: str, merged: MergedLinear
+# --------------------------------------------------------------------------------------------
+# Merged projections (`MergedLinear`).
+
+
+def _merged_pieces(
+    merged: MergedLinear, leaf: str, tensor: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(original child name, exact slice) of a merged `weight`/`bias`, skipping synthetic
+    zero biases."""
+    with torch.no_grad():
+        pieces = tensor.split(merged.output_sizes, dim=0)
+    for name, has_bias, piece in zip(merged.shard_names, merged.shard_bias, pieces):
+        if leaf == "bias" and not has_bias:
+            continue
+        yield name, piece
+
+
+def _replace_in_place(
+    destination: dict[str, Any], key: str, pieces: list[tuple[str, torch.Tensor]]
 ) -> None:
-    keys = [f"{prefix}{name}.weight" for name in merged.shard_names]
-    present = [key in state_dict for key in keys]
-    if not any(present):
-        return  # a fused checkpoint, or one without this module: nothing to map
-    if not all(present):
-        missing = [key for key, ok in zip(keys, present) if not ok]
-        raise KeyError(f"unfused checkpoint lacks {missing} needed by {prefix}{merged_name}")
-    weights = [state_dict.pop(key) for key in keys]
-    state_dict[f"{prefix}{merged_name}.weight"] = torch.cat(weights, dim=0)
-    if merged.bias is None:
-        return
-    biases = []
-    for name, size, has_bias, weight in zip(
-        merged.shard_names, merged.output_sizes, merged.shard_bias, weights
-    ):
-        key = f"{prefix}{name}.bias"
-        if has_bias:
-            biases.append(state_dict.pop(key))
+    """Replace `destination[key]` by `pieces`, at its position (the dict is mutated in place:
+    state-dict hooks must not rebind it)."""
+    items = list(destination.items())
+    destination.clear()
+    for existing, value in items:
+        if existing == key:
+            destination.update(pieces)
         else:
-            biases.append(torch.zeros(size, dtype=weight.dtype, device=weight.device))
-    state_dict[f"{prefix}{merged_name}.bias"] = torch.cat(biases, dim=0)
+            destination[existing] = value
 
 
-def register_unfused_loader(module: nn.Module, merged_name: str) -> None:
-    """Let `module.load_state_dict` (and any parent's) accept the unfused keys of the
-    projections merged into `module.<merged_name>`.
+@dataclass
+class MergedStateDictHook:
+    """`state_dict` post-hook: `<prefix><merged>.weight|bias` -> the original shard keys."""
 
-    The hook sits on the parent, not on the merged child: a parent checks its own keys for
-    unexpected entries before its children load, so the unfused keys must be rewritten
-    before that check. The hook is bound to this instance only (registered per instance).
+    merged_name: str
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+        merged = getattr(module, self.merged_name, None)
+        if not isinstance(merged, MergedLinear):
+            return
+        for leaf in ("weight", "bias"):
+            key = f"{prefix}{self.merged_name}.{leaf}"
+            if key not in state_dict:
+                continue
+            pieces = [
+                (f"{prefix}{name}.{leaf}", piece)
+                for name, piece in _merged_pieces(merged, leaf, state_dict[key])
+            ]
+            _replace_in_place(state_dict, key, pieces)
+
+
+@dataclass
+class MergedLoadHook:
+    """`load_state_dict` pre-hook: the original shard keys -> `<prefix><merged>.<leaf>`."""
+
+    merged_name: str
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        _meta: Any,
+        _strict: bool,
+        missing_keys: list[str],
+        _unexpected: list[str],
+        _errors: list[str],
+    ) -> None:
+        merged = getattr(module, self.merged_name, None)
+        if not isinstance(merged, MergedLinear):
+            return
+        for leaf in ("weight", "bias"):
+            current = getattr(merged, leaf)
+            if current is None:
+                continue
+            has = merged.shard_bias if leaf == "bias" else (True,) * len(merged.shard_names)
+            shard_keys = [
+                f"{prefix}{name}.{leaf}" if own else None
+                for name, own in zip(merged.shard_names, has)
+            ]
+            _stack_into(
+                state_dict,
+                f"{prefix}{self.merged_name}.{leaf}",
+                shard_keys,
+                current.detach().split(merged.output_sizes, dim=0),
+                missing_keys,
+                lambda parts: torch.cat(parts, dim=0),
+            )
+
+
+def _stack_into(
+    state_dict: dict,
+    merged_key: str,
+    shard_keys: list[str | None],
+    current: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    missing_keys: list[str],
+    join: Callable[[list[torch.Tensor]], torch.Tensor],
+) -> None:
+    """Put `join(shards)` under `merged_key`, popping the shard keys.
+
+    A shard key that is None (a synthetic zero bias) or absent takes its `current` value;
+    absent ones are appended to `missing_keys`. Nothing is done when the merged key is already
+    there (a fused-layout checkpoint) or when none of the shard keys is present and the merged
+    key is not either: then the merged key gets its current value (a no-op load) and every
+    shard key is reported missing, exactly what a stock module reports for a checkpoint
+    without it, instead of the merged name the user never saw.
     """
-    done = module.__dict__.setdefault(_LOADER_ATTR, [])
-    if merged_name in done:
+    if merged_key in state_dict:
         return
-    done.append(merged_name)
+    parts = []
+    for key, value in zip(shard_keys, current):
+        if key is not None and key in state_dict:
+            parts.append(state_dict.pop(key))
+            continue
+        if key is not None:
+            missing_keys.append(key)
+        parts.append(value)
+    state_dict[merged_key] = join(parts)
 
-    def hook(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        merged = getattr(mod, merged_name, None)
-        if isinstance(merged, MergedLinear):
-            _stack_shards(state_dict, prefix, merged_name, merged)
 
-    module.register_load_state_dict_pre_hook(hook)
+# --------------------------------------------------------------------------------------------
+# Transformers 4 experts repacked into `PackedExperts`.
 
 
-def _pack_experts(state_dict: dict[str, Any], prefix: str, packed: PackedExperts) -> None:
-    """Replace `<prefix><e>.<gate|up|down>.weight` (a `ModuleList` of expert MLPs) with the
-    packed `<prefix>gate_up_proj` / `<prefix>down_proj` tensors."""
+def _expert_keys(prefix: str, packed: PackedExperts) -> list[tuple[str, str, str]]:
     gate, up, down = packed.names
-    keys = [
-        [f"{prefix}{e}.{name}.weight" for name in (gate, up, down)]
+    return [
+        (f"{prefix}{e}.{gate}.weight", f"{prefix}{e}.{up}.weight", f"{prefix}{e}.{down}.weight")
         for e in range(packed.num_experts)
     ]
-    flat = [key for row in keys for key in row]
-    present = [key in state_dict for key in flat]
-    if not any(present):
+
+
+@dataclass
+class PackedStateDictHook:
+    """`state_dict` post-hook: `<prefix><experts>.gate_up_proj|down_proj` -> per-expert keys."""
+
+    experts_name: str
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+        packed = getattr(module, self.experts_name, None)
+        if not isinstance(packed, PackedExperts):
+            return
+        inner = f"{prefix}{self.experts_name}."
+        keys = _expert_keys(inner, packed)
+        for leaf in ("gate_up_proj", "down_proj"):
+            key = f"{inner}{leaf}"
+            if key not in state_dict:
+                continue
+            tensor = state_dict[key]
+            pieces = []
+            with torch.no_grad():
+                for e, (gate_key, up_key, down_key) in enumerate(keys):
+                    if leaf == "gate_up_proj":
+                        half = tensor.shape[1] // 2
+                        pieces += [(gate_key, tensor[e, :half]), (up_key, tensor[e, half:])]
+                    else:
+                        pieces.append((down_key, tensor[e]))
+            _replace_in_place(state_dict, key, pieces)
+
+
+@dataclass
+class PackedLoadHook:
+    """`load_state_dict` pre-hook: per-expert keys -> the packed tensors (see `_stack_into`)."""
+
+    experts_name: str
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        _meta: Any,
+        _strict: bool,
+        missing_keys: list[str],
+        _unexpected: list[str],
+        _errors: list[str],
+    ) -> None:
+        packed = getattr(module, self.experts_name, None)
+        if not isinstance(packed, PackedExperts):
+            return
+        inner = f"{prefix}{self.experts_name}."
+        keys = _expert_keys(inner, packed)
+        gate_up = packed.gate_up_proj.detach()
+        half = gate_up.shape[1] // 2
+        gate_up_current = [
+            t for e in range(len(keys)) for t in (gate_up[e, :half], gate_up[e, half:])
+        ]
+        _stack_into(
+            state_dict,
+            f"{inner}gate_up_proj",
+            [k for gate_key, up_key, _ in keys for k in (gate_key, up_key)],
+            gate_up_current,
+            missing_keys,
+            lambda parts: torch.stack(
+                [torch.cat(parts[i : i + 2], dim=0) for i in range(0, len(parts), 2)]
+            ),
+        )
+        _stack_into(
+            state_dict,
+            f"{inner}down_proj",
+            [down_key for _, _, down_key in keys],
+            list(packed.down_proj.detach().unbind(0)),
+            missing_keys,
+            torch.stack,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Registration.
+
+
+def _register(module: nn.Module, name: str, state_hook: Any, load_hook: Any) -> None:
+    done = module.__dict__.setdefault(_LAYOUT_ATTR, [])
+    if name in done:
         return
-    if not all(present):
-        missing = [key for key, ok in zip(flat, present) if not ok]
-        raise KeyError(f"unfused checkpoint lacks {missing[:3]}... needed by {prefix}gate_up_proj")
-    rows = [[state_dict.pop(key) for key in row] for row in keys]
-    state_dict[f"{prefix}gate_up_proj"] = torch.stack(
-        [torch.cat([g, u], dim=0) for g, u, _ in rows]
-    )
-    state_dict[f"{prefix}down_proj"] = torch.stack([d for _, _, d in rows])
+    done.append(name)
+    module.register_state_dict_post_hook(state_hook)
+    module.register_load_state_dict_pre_hook(load_hook)
 
 
-def register_packed_experts_loader(module: nn.Module, experts_name: str) -> None:
-    """Let `module` (a `FusedMoE` whose `<experts_name>` is a `PackedExperts`) load the
-    per-expert keys of the Transformers 4 `ModuleList` it replaced. Like
-    `register_unfused_loader`, the hook sits on the parent so the keys are rewritten before
-    the parent's unexpected-key check, and it touches only keys under its own prefix."""
-    done = module.__dict__.setdefault(_LOADER_ATTR, [])
-    if experts_name in done:
-        return
-    done.append(experts_name)
-
-    def hook(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        packed = getattr(mod, experts_name, None)
-        if isinstance(packed, PackedExperts):
-            _pack_experts(state_dict, f"{prefix}{experts_name}.", packed)
-
-    module.register_load_state_dict_pre_hook(hook)
+def register_unfused_layout(module: nn.Module, merged_name: str) -> None:
+    """Make `module`'s state dict use the unfused keys of the projections merged into
+    `module.<merged_name>` (a `MergedLinear`), for saving and for loading. Per instance."""
+    _register(module, merged_name, MergedStateDictHook(merged_name), MergedLoadHook(merged_name))
 
 
-def _unpack_experts(
-    result: OrderedDict[str, torch.Tensor], owner: str, leaf: str, tensor: torch.Tensor, packed
-) -> None:
-    prefix = f"{owner}." if owner else ""
-    gate, up, down = packed.names
-    for e in range(packed.num_experts):
-        if leaf == "gate_up_proj":
-            half = tensor.shape[1] // 2
-            result[f"{prefix}{e}.{gate}.weight"] = tensor[e, :half]
-            result[f"{prefix}{e}.{up}.weight"] = tensor[e, half:]
-        else:
-            result[f"{prefix}{e}.{down}.weight"] = tensor[e]
+def register_packed_experts_layout(module: nn.Module, experts_name: str) -> None:
+    """The same for `module.<experts_name>` (a `PackedExperts`): the per-expert keys of the
+    Transformers 4 `ModuleList` it replaced."""
+    _register(module, experts_name, PackedStateDictHook(experts_name), PackedLoadHook(experts_name))
 
 
 def unfused_state_dict(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
-    """`model.state_dict()` with every merged projection split back under its original keys,
-    and every `PackedExperts` unpacked into its Transformers 4 per-expert keys.
+    """The state dict an unfused twin of `model` has: keys, shapes and bits.
 
-    The tensors are exact slices of the stacked ones (so bit-identical to what was loaded);
-    zero bias shards that were synthesised for bias-less projections are dropped.
-    """
-    merged_modules = {
-        name: module for name, module in model.named_modules() if isinstance(module, MergedLinear)
-    }
-    packed_modules = {
-        name: module for name, module in model.named_modules() if isinstance(module, PackedExperts)
-    }
-    result: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for key, tensor in model.state_dict().items():
-        owner, _, leaf = key.rpartition(".")
-        if owner in packed_modules:
-            _unpack_experts(result, owner, leaf, tensor, packed_modules[owner])
-            continue
-        merged = merged_modules.get(owner)
-        if merged is None:
-            result[key] = tensor
-            continue
-        parent = owner.rpartition(".")[0]
-        prefix = f"{parent}." if parent else ""
-        pieces = tensor.split(merged.output_sizes, dim=0)
-        for name, has_bias, piece in zip(merged.shard_names, merged.shard_bias, pieces):
-            if leaf == "bias" and not has_bias:
-                continue
-            result[f"{prefix}{name}.{leaf}"] = piece
-    return result
+    Since fused modules register `register_unfused_layout` hooks, this is `model.state_dict()`
+    itself; kept as the explicit name for callers that want to say what they rely on."""
+    return model.state_dict()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion import kernels
+from fusion.params import apply_state, common_state
 
 
 class MergedLinear(nn.Module):
@@ -67,11 +68,32 @@ class MergedLinear(nn.Module):
             merged.weight.copy_(torch.cat([lin.weight for lin in linears.values()], dim=0))
             if merged.bias is not None:
                 merged.bias.copy_(torch.cat([_bias_or_zeros(lin) for lin in linears.values()]))
-        merged.weight.requires_grad_(first.weight.requires_grad)
+        apply_state(merged.weight, common_state({n: lin.weight for n, lin in linears.items()}))
+        biases = {n: lin.bias for n, lin in linears.items() if lin.bias is not None}
+        if biases:
+            apply_state(merged.bias, common_state(biases))
         return merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        bias = self.bias
+        if (
+            bias is not None
+            and not all(self.shard_bias)
+            and bias.requires_grad
+            and torch.is_grad_enabled()
+        ):
+            # The zero slices stand in for absent biases: no gradient may reach them, or an
+            # optimiser step would give a bias-less projection a bias. Multiplying by the
+            # 0/1 mask keeps every value exact (b * 1.0 == b) and zeroes their gradient.
+            bias = bias * self._bias_mask(bias)
+        return F.linear(x, self.weight, bias)
+
+    def _bias_mask(self, bias: torch.Tensor) -> torch.Tensor:
+        pieces = [
+            torch.full((size,), float(has), dtype=bias.dtype, device=bias.device)
+            for size, has in zip(self.output_sizes, self.shard_bias)
+        ]
+        return torch.cat(pieces)
 
     def extra_repr(self) -> str:
         shards = ", ".join(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion import kernels
+from fusion.params import apply_state, common_state
 
 DtypeRule = torch.dtype | str | None
 """A dtype a routing step casts to: a fixed dtype, `"input"` (the block input's dtype),
@@ -201,9 +202,9 @@ class PackedExperts(nn.Module):
             )
             down_w = torch.stack([getattr(e, down).weight for e in experts])
         packed = cls(gate_up, down_w, names)
-        requires_grad = getattr(experts[0], gate).weight.requires_grad
-        packed.gate_up_proj.requires_grad_(requires_grad)
-        packed.down_proj.requires_grad_(requires_grad)
+        # The fuser proved the shards of each packed tensor agree (`fusion.params`).
+        apply_state(packed.gate_up_proj, common_state({"gate": getattr(experts[0], gate).weight}))
+        apply_state(packed.down_proj, common_state({"down": getattr(experts[0], down).weight}))
         return packed
 
     @property

@@ -342,12 +342,15 @@ def splice_merged_call(
 def compile_forward(funcdef: ast.FunctionDef, fn: Callable) -> Callable:
     """Compile `funcdef` in `fn`'s module globals, under `fn`'s file name and line numbers.
 
-    The result is a plain function; binding it to an instance (`types.MethodType`) changes
+    The result is a plain function; binding it to an instance (`fusion.bound.bind`) changes
     that instance only. Tracebacks through it point at the original source lines. It is
     compiled under `fn`'s own `__future__` flags (not this module's), and keeps `fn`'s
     default values: they were evaluated in the class body, where names such as class
-    attributes resolve that the module's globals lack. `funcdef` itself is not modified.
+    attributes resolve that the module's globals lack. `funcdef` itself is not modified; a
+    copy of it and `fn` ride on the result as `__fusion_rewrite__`, what `fusion.bound`
+    needs to rebuild the function after pickling.
     """
+    rewrite = (copy.deepcopy(funcdef), fn)
     funcdef = copy.deepcopy(funcdef)
     transplant = _stub_defaults(funcdef, fn)
     module = ast.Module(body=[funcdef], type_ignores=[])
@@ -362,6 +365,7 @@ def compile_forward(funcdef: ast.FunctionDef, fn: Callable) -> Callable:
         compiled.__defaults__ = fn.__defaults__  # type: ignore[attr-defined]
         compiled.__kwdefaults__ = fn.__kwdefaults__  # type: ignore[attr-defined]
     compiled.__qualname__ = getattr(fn, "__qualname__", funcdef.name)  # type: ignore[attr-defined]
+    compiled.__fusion_rewrite__ = rewrite  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 
 

@@ -16,7 +16,6 @@ A fuser's life has three steps, each fail-closed:
 from __future__ import annotations
 
 import ast
-import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,11 +25,12 @@ import torch
 from torch import fx, nn
 from torch.nn.modules import module as nn_module
 
-from fusion import source
+from fusion import bound, source
 from fusion.alias import check_input_stable
 from fusion.errors import RewriteRefused
 from fusion.fusers.layout import FRESH, OK, piece_verdicts, written_pieces
 from fusion.modules import MergedLinear
+from fusion.params import common_state
 
 
 @dataclass
@@ -158,7 +158,9 @@ def check_stackable(
     module: nn.Module, names: tuple[str, ...], merged_name: str
 ) -> dict[str, nn.Linear]:
     """The named linears, once proven stackable into one `MergedLinear`: plain linears with
-    one in_features, one weight dtype and device (bias dtype too), and a free merged name."""
+    one in_features, one weight dtype and device (bias dtype too), a free merged name, and
+    weights (and biases) that agree on requires_grad, parameter type and attributes
+    (`fusion.params.common_state`), so the merged parameter trains exactly what they did."""
     if hasattr(module, merged_name):
         raise RewriteRefused(f"{type(module).__name__} already has an attribute {merged_name}")
     linears = {name: check_plain_linear(module, name) for name in names}
@@ -178,6 +180,11 @@ def check_stackable(
             linear.bias.dtype != linear.weight.dtype or linear.bias.device != linear.weight.device
         ):
             raise RewriteRefused(f"{name} has a bias of another dtype or device")
+    # One merged parameter carries one state: the shards must agree on it (fusion.params).
+    common_state({f"{name}.weight": linear.weight for name, linear in linears.items()})
+    biases = {f"{n}.bias": lin.bias for n, lin in linears.items() if lin.bias is not None}
+    if biases:
+        common_state(biases)
     return linears
 
 
@@ -353,7 +360,7 @@ class StackedFuser(Fuser):
         linears = check_stackable(module, self.shards, self.merged_name)
         merged = MergedLinear.from_linears(linears)
         install_merged(module, self.merged_name, merged, self.shards)
-        module.forward = types.MethodType(self.forward_fn, module)
+        bound.bind(module, self.forward_fn)
         return module
 
     def describe(self) -> str:
@@ -364,13 +371,13 @@ def install_merged(
     module: nn.Module, merged_name: str, merged: nn.Module, shards: tuple[str, ...]
 ) -> None:
     """Put `merged` on `module`, remove the `shards`, and teach `module` to load the unfused
-    checkpoint (see `fusion.checkpoint`)."""
-    from fusion.checkpoint import register_unfused_loader
+    checkpoint layout for saving and loading (see `fusion.checkpoint`)."""
+    from fusion.checkpoint import register_unfused_layout
 
     for name in shards:
         delattr(module, name)
     setattr(module, merged_name, merged)
-    register_unfused_loader(module, merged_name)
+    register_unfused_layout(module, merged_name)
 
 
 def linear_inputs(graph: fx.Graph, module: nn.Module) -> dict[fx.Node, list[fx.Node]]:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import ast
 import functools
 import operator
-import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fusion import source
+from fusion import bound, source
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser, check_stackable, has_hooks, install_merged
 from fusion.graph import is_fn, is_linear, submodule
@@ -191,7 +190,7 @@ class GLUFuser(Fuser):
             module, "gate_up_proj", MergedLinear.from_linears(linears), (self.gate, self.up)
         )
         module.act_and_mul = ActAndMul(kind, backend)
-        module.forward = types.MethodType(self.forward_fn, module)
+        bound.bind(module, self.forward_fn)
         return module
 
     def describe(self) -> str:

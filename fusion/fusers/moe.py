@@ -49,6 +49,7 @@ from fusion.fusers.base import Fuser, _own_call_path, has_hooks, per_signature
 from fusion.fusers.glu import activation_kind
 from fusion.graph import is_op, output_value, peel
 from fusion.moe_modules import DtypeRule, FusedMoE, PackedExperts, RouteSpec, RouteStep
+from fusion.params import common_state
 from fusion.trace import trace
 
 _SHAPE_OPS = ("reshape", "view", "flatten", "contiguous")
@@ -597,6 +598,13 @@ def _modulelist_experts(experts: nn.ModuleList) -> tuple[tuple[str, str, str], s
             raise RewriteRefused("experts differ in activation")
     if first[0].shape != first[1].shape or first[2].shape[::-1] != first[0].shape:
         raise RewriteRefused("expert gate/up/down shapes do not chain")
+    # Packing stacks every expert's gate+up into one parameter and every down into another:
+    # the shards of each must agree on requires_grad, type and attributes.
+    gate, up, down = names
+    common_state(
+        {f"{e}.{n}.weight": getattr(x, n).weight for e, x in enumerate(experts) for n in (gate, up)}
+    )
+    common_state({f"{e}.{down}.weight": getattr(x, down).weight for e, x in enumerate(experts)})
     return names, activation
 
 
@@ -1049,13 +1057,13 @@ class MoEFuser(Fuser):
             raise RewriteRefused(f"activation {activation}, matched {found.activation}")
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
-        from fusion.checkpoint import register_packed_experts_loader
+        from fusion.checkpoint import register_packed_experts_layout
 
         self.validate(module)
         found = self._match_for(module)
         fused, packed = _build(module, found, backend)
         if packed is not None:
-            register_packed_experts_loader(fused, found.experts_name)
+            register_packed_experts_layout(fused, found.experts_name)
         return fused
 
     def dropped_children(self, module: nn.Module) -> tuple[str, ...]:

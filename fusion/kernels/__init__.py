@@ -8,7 +8,7 @@ fused on CPU and moved to GPU picks the right implementation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -89,13 +89,35 @@ _INSTANCES: dict[str, Kernels | None] = {}
 
 PREFERENCE = ("vllm", "triton", "onednn", "torch")
 """Order `auto` tries backends in for a device: fastest first, the reference last (on CPU:
-oneDNN's float32 expert GEMMs, see `fusion.kernels.onednn_backend`, else the reference)."""
+oneDNN's float32 expert GEMMs on AVX-512 machines, see `fusion.kernels.onednn_backend`,
+else the reference). A backend whose `auto_pick` is False (measured slower on this kind of
+machine) or that runs `interpreted` is skipped by `auto`, never by its explicit name."""
+
+
+_AUTO: dict[str, Kernels] = {}
+"""Explicit cache of what `auto` resolved to, keyed by `str(device)`: after the first call
+per device, `get("auto", device)` is one dict lookup, which Dynamo traces without a graph
+break. Cleared whenever the set of backends changes (`register`)."""
+
+
+def _reference() -> Kernels:
+    backend = _instance("torch")
+    assert backend is not None  # the reference has no optional dependency
+    return backend
 
 
 def register(name: str, factory: Callable[[], Kernels | None]) -> None:
     """Make a backend available under `name` (used by optional GPU backends)."""
     _FACTORIES[name] = factory
     _INSTANCES.pop(name, None)
+    _AUTO.clear()
+
+
+def resolve_ahead(devices: Iterable[torch.device | str]) -> None:
+    """Resolve `auto` (and construct the backends it probes) for `devices` now, outside any
+    `torch.compile` trace, so compiled fused modules dispatch with a dict lookup."""
+    for device in devices:
+        get("auto", device)
 
 
 def _instance(name: str) -> Kernels | None:
@@ -122,21 +144,33 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 def get(name: str, device: torch.device | str) -> Kernels:
     """The backend `name` for `device`; `auto` is the first of `PREFERENCE` that supports it
-    (skipping a backend that runs `interpreted`, e.g. Triton's CPU interpreter: correct but slow).
+    (skipping a backend that runs `interpreted`, e.g. Triton's CPU interpreter: correct but slow,
+    or one not measured faster on this machine: `auto_pick` False).
 
     Raises ValueError naming the backend when it is unknown or cannot run on `device`, so a
     misconfigured fused model fails loudly instead of silently using another kernel.
     """
     device = torch.device(device)
     if name == "auto":
+        chosen = _AUTO.get(str(device))
+        if chosen is not None:
+            return chosen
+        if torch.compiler.is_compiling():
+            # Probing a backend (imports, probe GEMMs) cannot run while Dynamo traces: the
+            # reference computes every kernel's function and is what Inductor optimises.
+            # `fusion.fuse` resolves `auto` for the model's devices ahead, so this is only
+            # met by a model moved to a new device and compiled before any eager call.
+            return _reference()
         for candidate in PREFERENCE:
             if candidate in _FACTORIES:
                 backend = _instance(candidate)
                 if (
                     backend is not None
                     and not getattr(backend, "interpreted", False)
+                    and getattr(backend, "auto_pick", True)
                     and backend.supports(device)
                 ):
+                    _AUTO[str(device)] = backend
                     return backend
         raise ValueError(f"no kernel backend supports device {device}")
     if name not in _FACTORIES:

@@ -1,25 +1,35 @@
-"""oneDNN GEMMs for the MoE experts on CPU (float32), with prepacked expert weights.
+"""oneDNN GEMMs for the MoE experts on CPU (float32), reading the live expert weights.
 
 Why this backend exists: on x86 CPUs PyTorch's float32 `mm`/`linear` calls MKL, which on
-some machines (AMD Zen 4 here) runs a narrower code path; oneDNN's JIT kernels reach about
-twice the throughput on the same core. Transformers' expert loop and its `grouped_mm` both
-go through `mm`, so the experts' GEMMs, ~95% of a CPU MoE block, are where a fused block can
-win. Measured numbers are in `tests/bench/test_bench_moe.py`'s docstring.
+some machines (AMD Zen 4 with AVX-512 here) runs a narrower code path; oneDNN's JIT kernels
+reach about twice the throughput on the same core. Transformers' expert loop and its
+`grouped_mm` both go through `mm`, so the experts' GEMMs, ~95% of a CPU MoE block, are where
+a fused block can win. Measured numbers are in `tests/bench/test_bench_moe.py`'s docstring.
 
 What it computes: exactly `torch_ref.moe_experts` (the same routed products, rounded to the
-input dtype before the K-term sum), with two differences confined to rounding:
+input dtype before the K-term sum), with one difference confined to rounding: the GEMMs are
+oneDNN's. oneDNN accumulates a whole reduction in registers, which in float32 errs 2-3x more
+than MKL's blocked accumulation at H >= 512 (max error against float64); the harness' parity
+oracle allows at most 2x. So the reduction is split into blocks of `K_BLOCK` and each block's
+product is added to the running sum by the GEMM's own `add` post-op: blocked accumulation like
+MKL's, with no extra pass over the output. `tests/fusion/kernels/test_onednn_backend.py`
+checks the error stays within 1.5x of `mm`'s against a float64 reference.
 
-- The GEMMs are oneDNN's. oneDNN accumulates a whole reduction in registers, which in
-  float32 errs 2-3x more than MKL's blocked accumulation at H >= 512 (max error against
-  float64); the harness' parity oracle allows at most 2x. So the reduction is split into
-  blocks of `K_BLOCK` and each block's product is added to the running sum by the GEMM's own
-  `add` post-op: blocked accumulation like MKL's, with no extra pass over memory.
-  `tests/fusion/kernels/test_onednn_backend.py` checks the error stays within 1.5x of
-  `mm`'s against a float64 reference. (For reductions up to 256 long the blocked results
-  were bit-identical to MKL's on the development machine; longer ones differ in the last
-  bits.)
-- Each expert's weights are reordered once into oneDNN's blocked layout and cached (see
-  `PackCache`): one extra copy of the expert weights, made the first time an expert runs.
+No cached copy of any weight (why it is coherent): every call slices the expert weight it is
+given into `K_BLOCK`-wide contiguous blocks, a copy made from the tensor's current contents
+and dropped after the call. An earlier version kept oneDNN-reordered copies keyed by the
+tensor's version counter; writes through `p.data` (EMA updates, weight merging, older
+optimisers) do not move that counter, so the copies went stale and outputs were wrong. A
+cache that such writes can bypass cannot be made coherent cheaply (checking it means reading
+the whole weight), so there is none. The per-call copy costs one pass over the used experts'
+weights; oneDNN on a strided (uncopied) column block is a slow reference path, and oneDNN's
+own reorder is slower still.
+
+Where `auto` picks it (`AUTO_CAPABILITIES`): only on CPUs whose ATen kernels run AVX-512.
+The speed-up was measured on AVX-512 (Zen 4); on an AVX2-only x86 machine a oneDNN linear ran
+0.58-0.99x of MKL's, so there `auto` keeps the reference. The rule is the CPU's capability,
+not a timing, so the same machine and inputs always take the same path (reproducible
+rounding). `backend="onednn"` uses it anywhere it runs.
 
 Fail closed, always by falling back to the torch reference (slower, never different):
 
@@ -29,14 +39,13 @@ Fail closed, always by falling back to the torch reference (slower, never differ
 - When autograd records (the oneDNN ops have no derivative), when
   `torch.backends.mkldnn` is disabled, or when its float32 math mode allows bf16/tf32
   (`mm` itself then follows that mode, and the reference computes what it computes).
+- Under `torch.compile` (the settings above are Python state Dynamo cannot guard on, and
+  the reference's ops are what Inductor optimises).
 - The backend is unavailable (`create()` returns None) when the ops are missing or a probe
   product at construction differs from `mm` beyond rounding.
 """
 
 from __future__ import annotations
-
-import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +66,10 @@ leaves a margin. A fixed shape rule, not a timing, so the same inputs always tak
 path (reproducible rounding). When every expert of a call is below it, the call runs as one
 `grouped_mm` per projection instead."""
 
+AUTO_CAPABILITIES = frozenset({"AVX512"})
+"""ATen CPU capabilities (`torch.backends.cpu.get_cpu_capability()`) on which `auto` picks
+this backend: where its speed-up was measured (module docstring)."""
+
 _STRICT_FP32 = ("none", "ieee")
 """`torch.backends.mkldnn` float32 precision settings under which oneDNN computes in float32."""
 
@@ -73,6 +86,14 @@ def _ops_available() -> bool:
         return False
 
 
+def cpu_capability() -> str:
+    """The vector ISA ATen's CPU kernels dispatch to here (`AVX512`, `AVX2`, `DEFAULT`, ...)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "DEFAULT"
+
+
 def strict_fp32() -> bool:
     """Whether oneDNN currently computes float32 GEMMs in float32 (no bf16/tf32 math mode)."""
     setting = getattr(torch.backends.mkldnn, "matmul", None)
@@ -81,81 +102,26 @@ def strict_fp32() -> bool:
     return precision in _STRICT_FP32 and overall in _STRICT_FP32
 
 
-@dataclass(frozen=True)
-class PackedWeight:
-    """One `[N, K]` weight (F.linear's layout) split into `K_BLOCK`-wide column blocks, each
-    reordered for oneDNN. `blocks[i]` multiplies input columns `bounds[i]`."""
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.t()` for 2-D float32 `x` and a `[N, K]` `weight`: a new `[M, N]` tensor.
 
-    blocks: tuple[torch.Tensor, ...]
-    bounds: tuple[tuple[int, int], ...]
-
-
-def pack(weight: torch.Tensor) -> PackedWeight:
-    """`weight [N, K]` packed for `linear`; a copy (the weight itself is not touched)."""
+    The running sum lives in float32 and each `K_BLOCK`-wide block's product is added by the
+    GEMM's `add` post-op, so the result is a sum of `K_BLOCK`-long register-accumulated
+    partial products: the same function as `mm`, with MKL-like rounding. Each weight block is
+    a fresh contiguous copy of the weight's current contents (see the module docstring)."""
     k = weight.shape[1]
-    bounds = tuple((a, min(a + K_BLOCK, k)) for a in range(0, k, K_BLOCK))
-    blocks = tuple(
-        torch.ops.mkldnn._reorder_linear_weight(weight[:, a:b].contiguous(), None)
-        for a, b in bounds
-    )
-    return PackedWeight(blocks, bounds)
-
-
-def linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """`x @ weight.t()` for 2-D float32 `x` and the packed `weight`: a new `[M, N]` tensor.
-
-    The running sum lives in float32 and each block's product is added by the GEMM's `add`
-    post-op, so the result is a sum of `K_BLOCK`-long register-accumulated partial products:
-    the same function as `mm`, with MKL-like rounding."""
-    (a, b), first = packed.bounds[0], packed.blocks[0]
     # Column slices of `x` go in as strided views: oneDNN reads them in place, and the
     # result is bit-identical to passing contiguous copies (checked by the tests).
-    out = torch.ops.mkldnn._linear_pointwise(x[:, a:b], first, None, "none", [], "")
-    for (a, b), block in zip(packed.bounds[1:], packed.blocks[1:], strict=True):
-        out = torch.ops.mkldnn._linear_pointwise.binary(x[:, a:b], out, block, None, "add")
-    return out
-
-
-class PackCache:
-    """Packed copies of expert weights, keyed by the weight tensor and what makes it current.
-
-    An entry belongs to one tensor object (by `id`, removed by `weakref.finalize` when the
-    tensor is freed, so the cache never keeps a model's memory alive) and is used only while
-    the tensor's storage pointer, version counter (bumped by every in-place write, including
-    `load_state_dict`'s `copy_`), shape, strides and dtype are those it was packed from; any
-    difference repacks. Per expert, packing happens on first use.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[tuple, dict[int, PackedWeight]]] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @staticmethod
-    def _key(weight: torch.Tensor) -> tuple:
-        return (
-            weight.data_ptr(),
-            weight._version,
-            tuple(weight.shape),
-            weight.stride(),
-            weight.dtype,
+    end = min(K_BLOCK, k)
+    out = torch.ops.mkldnn._linear_pointwise(
+        x[:, :end], weight[:, :end].contiguous(), None, "none", [], ""
+    )
+    for a in range(K_BLOCK, k, K_BLOCK):
+        b = min(a + K_BLOCK, k)
+        out = torch.ops.mkldnn._linear_pointwise.binary(
+            x[:, a:b], out, weight[:, a:b].contiguous(), None, "add"
         )
-
-    def expert(self, weights: torch.Tensor, expert: int) -> PackedWeight:
-        """`weights[expert]` (of a `[E, N, K]` stack) packed, from the cache when current."""
-        ident, key = id(weights), self._key(weights)
-        entry = self._entries.get(ident)
-        if entry is None or entry[0] != key:
-            if entry is None:
-                weakref.finalize(weights, self._entries.pop, ident, None)
-            entry = (key, {})
-            self._entries[ident] = entry
-        packs = entry[1]
-        if expert not in packs:
-            with torch.no_grad():
-                packs[expert] = pack(weights[expert])
-        return packs[expert]
+    return out
 
 
 def _grouped_mm_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -180,8 +146,9 @@ class OneDnnKernels(torch_ref.TorchKernels):
     delegated = frozenset({"act_and_mul", "rms_norm"})
     """Ops this backend inherits from the torch reference unchanged."""
 
-    def __init__(self) -> None:
-        self.packs = PackCache()
+    auto_pick: bool = False
+    """Whether `auto` may choose this backend on this machine (AVX-512 CPUs only; set by
+    `create`, see `AUTO_CAPABILITIES`)."""
 
     @classmethod
     def create(cls) -> OneDnnKernels | None:
@@ -192,19 +159,26 @@ class OneDnnKernels(torch_ref.TorchKernels):
         x = torch.randn(8, 2 * K_BLOCK + 3, generator=generator)
         w = torch.randn(16, 2 * K_BLOCK + 3, generator=generator)
         try:
-            got = linear(x, pack(w))
+            got = linear(x, w)
         except RuntimeError:
             return None
         want = x.double() @ w.double().t()
         if got.shape != want.shape or not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4):
             return None
-        return cls()
+        backend = cls()
+        backend.auto_pick = cpu_capability() in AUTO_CAPABILITIES
+        return backend
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
     def uses_onednn(self, *tensors: torch.Tensor) -> bool:
-        """Whether `moe_experts` on these tensors takes the oneDNN path (else the reference)."""
+        """Whether `moe_experts` on these tensors takes the oneDNN path (else the reference).
+
+        Under `torch.compile` it answers False before reading any `torch.backends` setting,
+        so Dynamo traces the reference without a graph break."""
+        if torch.compiler.is_compiling():
+            return False
         return (
             all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and torch.backends.mkldnn.enabled
@@ -270,10 +244,11 @@ class OneDnnKernels(torch_ref.TorchKernels):
         activated = torch_ref.act_and_mul(projected, activation)
         return F.grouped_mm(activated, down.transpose(-2, -1), offs=offsets)
 
-    def _gemm(self, x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
+    @staticmethod
+    def _gemm(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
         """`x @ weights[expert].t()`: oneDNN from `MIN_OUTPUTS` outputs up, else `mm`."""
         if x.shape[0] * weights.shape[1] >= MIN_OUTPUTS:
-            return linear(x, self.packs.expert(weights, expert))
+            return linear(x, weights[expert])
         return torch.mm(x, weights[expert].t())
 
 

@@ -53,10 +53,69 @@ def test_mapping_is_scoped_by_qualname() -> None:
     assert torch.equal(model["fused"].qkv_proj.weight[:32], source["fused"].q_proj.weight)
 
 
-def test_partial_unfused_checkpoint_is_a_clear_error() -> None:
+def test_partial_unfused_checkpoint_loads_like_stock() -> None:
+    """Regression (defect: `load_state_dict(partial, strict=False)` raised KeyError): a
+    partial unfused dict loads what it has; missing shards keep their values and are
+    reported under their unfused names; `strict=True` raises PyTorch's own error."""
     fused = hazards.Attention()
     fusion.fuse(fused)
+    before = fused.state_dict()
     state = hazards.Attention().state_dict()
     del state["v_proj.weight"]
-    with pytest.raises(KeyError, match=r"v_proj\.weight"):
-        fused.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "v_proj\.weight"'):
+        fused.load_state_dict(dict(state))
+    result = fused.load_state_dict(dict(state), strict=False)
+    assert result.missing_keys == ["v_proj.weight"] and result.unexpected_keys == []
+    after = fused.state_dict()
+    assert torch.equal(after["v_proj.weight"], before["v_proj.weight"])
+    assert torch.equal(after["q_proj.weight"], state["q_proj.weight"])
+    assert torch.equal(after["k_proj.weight"], state["k_proj.weight"])
+
+
+def test_dict_without_the_module_reports_unfused_names() -> None:
+    """A partial dict that lacks a fused module entirely reports its unfused keys missing,
+    as the unfused model would, never the merged name the user never saw."""
+    unfused = tiny_model("llama", seed=1)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    state = {k: v for k, v in unfused.state_dict().items() if "layers.0." not in k}
+    want = unfused.load_state_dict(dict(state), strict=False)
+    got = fused.load_state_dict(dict(state), strict=False)
+    assert sorted(got.missing_keys) == sorted(want.missing_keys)
+    assert got.unexpected_keys == want.unexpected_keys == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_state_dict_is_the_unfused_layout(model_type: str) -> None:
+    """Regression (`save_pretrained` wrote fused keys): a fused model's own `state_dict()`
+    has exactly the unfused keys, shapes and bits, and its tensors are views into the
+    model (writing through them writes the model, as with a stock state dict)."""
+    unfused = tiny_model(model_type, seed=1)
+    fused = copy.deepcopy(unfused)
+    report = fusion.fuse(fused)
+    assert any(r.fuser in {"qkv", "glu", "mla"} for r in report.applied), str(report)
+    got, want = fused.state_dict(), unfused.state_dict()
+    assert list(got) != [] and set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    key = next(
+        k for k in want if k.endswith("k_proj.weight") or k.endswith("kv_a_proj_with_mqa.weight")
+    )
+    got[key].zero_()
+    assert not fused.state_dict()[key].any()
+
+
+def test_mixed_bias_zero_slices_take_no_gradient() -> None:
+    """A merged bias holds exact zeros for a bias-less shard: after a training step those
+    zeros stay zeros (no gradient reaches them), so the shard stays bias-less."""
+    module = hazards.Attention()
+    module.k_proj = nn.Linear(32, 16, bias=True)
+    fused = copy.deepcopy(module)
+    fusion.fuse(fused)
+    optimizer = torch.optim.SGD(fused.parameters(), lr=0.5)
+    x = torch.randn(2, 5, 32)
+    fused(x).square().sum().backward()
+    optimizer.step()
+    merged = next(m for m in fused.modules() if type(m).__name__ == "MergedLinear")
+    sizes = merged.output_sizes
+    q_bias, _, v_bias = merged.bias.detach().split(sizes)
+    assert not q_bias.any() and not v_bias.any()

@@ -30,6 +30,12 @@ CONFIGS: dict[str, dict] = {
     "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh"},
     "olmo2": {},
     "granite": {},
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+    },
     "deepseek_v3": {
         "num_key_value_heads": 4,
         "head_dim": 8,  # the rotary part: DeepSeek sizes rope by qk_rope_head_dim

@@ -414,13 +414,23 @@ def test_transformers4_block_returning_a_tuple_through_a_name_is_refused() -> No
     assert "returns a tuple" in reasons(report)
 
 
-def test_partial_checkpoint_of_modulelist_experts_is_a_clear_error() -> None:
-    fused = nn.Sequential(SparseMoeV4())
+def test_partial_checkpoint_of_modulelist_experts_loads_like_stock() -> None:
+    """Regression (a partial dict raised KeyError): as for an unfused model, `strict=True`
+    raises naming the missing per-expert key, `strict=False` loads every present key and
+    reports the missing one under its unfused name, keeping its current value."""
+    fused = nn.Sequential(randomized(SparseMoeV4(), seed=1))
     fusion.fuse(fused)
-    state = nn.Sequential(SparseMoeV4()).state_dict()
+    before = fused.state_dict()["0.experts.3.w2.weight"].clone()
+    source = nn.Sequential(randomized(SparseMoeV4(), seed=2))
+    state = source.state_dict()
     del state["0.experts.3.w2.weight"]
-    with pytest.raises(KeyError, match="unfused checkpoint lacks"):
-        fused.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\).*"0\.experts\.3\.w2\.weight"'):
+        fused.load_state_dict(dict(state))
+    result = fused.load_state_dict(dict(state), strict=False)
+    assert result.missing_keys == ["0.experts.3.w2.weight"] and not result.unexpected_keys
+    after = fused.state_dict()
+    assert torch.equal(after["0.experts.3.w2.weight"], before)
+    assert all(torch.equal(after[k], v) for k, v in state.items())
 
 
 # --- routers: what is reproduced exactly and what refuses ---------------------------------

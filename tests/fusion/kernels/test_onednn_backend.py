@@ -4,7 +4,6 @@ fallback to the reference wherever oneDNN might compute something else."""
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -80,9 +79,7 @@ def test_blocked_linear_rounds_like_mm(k: int, rows: int) -> None:
         x = torch.randn(rows, k, generator=g)
         w = torch.randn(384, k, generator=g)
         exact = x.double() @ w.double().t()
-        worst_linear = max(
-            worst_linear, _max_error(onednn_backend.linear(x, onednn_backend.pack(w)), exact)
-        )
+        worst_linear = max(worst_linear, _max_error(onednn_backend.linear(x, w), exact))
         worst_mm = max(worst_mm, _max_error(x @ w.t(), exact))
     assert worst_linear <= 1.5 * worst_mm
 
@@ -91,10 +88,8 @@ def test_strided_input_columns_give_the_same_bits() -> None:
     """`linear` hands oneDNN strided column slices; that is bit-identical to contiguous ones."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4 * 16, 700, generator=g)[::4]  # row-strided as well
-    packed = onednn_backend.pack(torch.randn(96, 700, generator=g))
-    assert torch.equal(
-        onednn_backend.linear(x, packed), onednn_backend.linear(x.contiguous(), packed)
-    )
+    w = torch.randn(96, 700, generator=g)
+    assert torch.equal(onednn_backend.linear(x, w), onednn_backend.linear(x.contiguous(), w))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -144,38 +139,108 @@ def test_disabled_or_reduced_precision_onednn_takes_the_reference() -> None:
     assert not torch.equal(BACKEND.moe_experts(*args, "silu"), want)  # oneDNN again
 
 
-def test_pack_cache_follows_in_place_writes_and_new_tensors() -> None:
-    """A packed weight is used only while its tensor is unchanged: an in-place write (as
-    `load_state_dict` does) or a new tensor at the same place repacks, so the output always
-    follows the current weights."""
-    backend = onednn_backend.create()
-    x, gate_up, down, ids, weights = _experts(512, 256, 256, 4, 2)
-    exact = _float64(x, gate_up, down, ids, weights)
-    first = backend.moe_experts(x, gate_up, down, ids, weights, "silu")
-    assert _max_error(first, exact) < 1e-5
+def _write_data(t: torch.Tensor) -> None:
+    t.data.mul_(-0.5)  # an EMA / weight-merging spelling: bypasses the version counter
+
+
+def _write_detached(t: torch.Tensor) -> None:
+    t.detach().mul_(-0.5)
+
+
+def _write_numpy(t: torch.Tensor) -> None:
+    t.detach().numpy()[...] *= -0.5  # through the storage: no torch op records it
+
+
+def _write_in_place(t: torch.Tensor) -> None:
     with torch.no_grad():
-        gate_up.mul_(-0.5)
-    exact = _float64(x, gate_up, down, ids, weights)
-    assert _max_error(backend.moe_experts(x, gate_up, down, ids, weights, "silu"), exact) < 1e-5
-    fresh = torch.randn_like(down)
-    exact = _float64(x, gate_up, fresh, ids, weights)
-    assert _max_error(backend.moe_experts(x, gate_up, fresh, ids, weights, "silu"), exact) < 1e-5
+        t.mul_(-0.5)
 
 
-def test_pack_cache_releases_freed_weights() -> None:
-    """The cache holds no reference to a weight: freeing it drops its packed copies."""
+def _write_copy(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.copy_(t * -0.5)
+
+
+def _write_set(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.set_((t * -0.5).contiguous())
+
+
+@pytest.mark.parametrize(
+    "write",
+    [_write_data, _write_detached, _write_numpy, _write_in_place, _write_copy, _write_set],
+    ids=lambda f: f.__name__.removeprefix("_write_"),
+)
+def test_weight_writes_by_any_spelling_are_seen(write) -> None:
+    """Regression (stale expert weights): the backend once kept oneDNN-packed copies keyed by
+    the version counter, which `p.data` writes do not move, so after such a write it
+    computed with the old weights. After a first call on a oneDNN-sized problem, a write to
+    the weights by any spelling is seen by the next call."""
     backend = onednn_backend.create()
     x, gate_up, down, ids, weights = _experts(512, 256, 256, 4, 2)
-    backend.moe_experts(x, gate_up, down, ids, weights, "silu")
-    assert len(backend.packs) == 2
-    del gate_up
-    gc.collect()
-    assert len(backend.packs) == 1
+    assert backend.uses_onednn(x, gate_up, down, weights)
+    first = backend.moe_experts(x, gate_up, down, ids, weights, "silu")
+    assert _max_error(first, _float64(x, gate_up, down, ids, weights)) < 1e-5
+    for tensor in (gate_up, down):
+        write(tensor)
+        exact = _float64(x, gate_up, down, ids, weights)
+        got = backend.moe_experts(x, gate_up, down, ids, weights, "silu")
+        assert _max_error(got, exact) < 1e-5
 
 
-def test_auto_picks_onednn_on_cpu() -> None:
-    assert kernels.get("auto", "cpu").name == "onednn"
+def test_fused_model_sees_data_writes_after_the_first_forward() -> None:
+    """The defect as a user met it: a fused MoE block on the oneDNN path, then
+    `with torch.no_grad(): p.data.mul_(3)` on every parameter of both copies: fused and
+    unfused outputs still agree."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(
+        hidden_size=256, intermediate_size=512, num_local_experts=4, num_experts_per_tok=2
+    )
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.05)
+    holder = nn.Sequential(copy.deepcopy(block))
+    assert fusion.fuse(holder, backend="onednn").counts() == {"moe": 1}
+    x = torch.randn(1, 128, 256)
+    with torch.no_grad():
+        assert _max_error(holder[0](x), block(x).double()) < 1e-5
+        for model in (block, holder):
+            for param in model.parameters():
+                param.data.mul_(3.0)
+        assert _max_error(holder[0](x), block(x).double()) < 1e-5
+
+
+def test_backend_holds_no_weight_state() -> None:
+    """Coherence by construction: nothing derived from a weight outlives a call."""
+    backend = onednn_backend.create()
+    args = _experts(512, 256, 256, 4, 2)
+    backend.moe_experts(*args, "silu")
+    assert vars(backend) == {"auto_pick": backend.auto_pick}
+
+
+def test_auto_picks_onednn_only_on_avx512_cpus() -> None:
+    """`auto` takes oneDNN only where its speed-up was measured (AVX-512); elsewhere the
+    reference. Either way `onednn` stays available by name."""
     assert "onednn" in kernels.available_backends("cpu")
+    avx512 = onednn_backend.cpu_capability() in onednn_backend.AUTO_CAPABILITIES
+    assert kernels.get("auto", "cpu").name == ("onednn" if avx512 else "torch")
+
+
+def test_compiling_takes_the_reference_without_reading_settings(monkeypatch) -> None:
+    """Under `torch.compile` the backend answers "reference" before touching
+    `torch.backends.mkldnn` (Dynamo cannot trace those settings' `__getattr__`)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(
+        onednn_backend, "strict_fp32", lambda: pytest.fail("read settings while compiling")
+    )
+    x, gate_up, down, ids, weights = _experts(512, 256, 256, 4, 2)
+    assert not BACKEND.uses_onednn(x, gate_up, down, weights)
+    got = BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
+    assert torch.equal(got, torch_ref.moe_experts(x, gate_up, down, ids, weights, "silu"))
 
 
 def test_fused_mixtral_block_passes_the_parity_oracle() -> None:
