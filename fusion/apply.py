@@ -4,6 +4,10 @@ Transactional per module: every fuser runs against a snapshot of the module (and
 parent slot it may be installed in); if anything raises part-way the snapshot is restored,
 so the module keeps exactly its children, attributes and forward, and the reason lands in
 the report while fusing continues elsewhere.
+
+A model that is already (partly) fused is walked the same way: a fused module (a class of
+this package: MergedLinear, FusedRMSNorm, FusedMoE, ...) or a module whose forward was
+rewritten around fused children is reported as skipped, "already fused", and left alone.
 """
 
 from __future__ import annotations
@@ -66,13 +70,23 @@ def run(
     report = FusionReport(dry_run=dry_run)
     chosen_fusers = registry.FUSERS if fusers is None else tuple(fusers)
     replaced: list[str] = []  # "qualname." of every module that left the model
+    owners: dict[int, list[tuple[str, nn.Module]]] | None = None  # built on the first fuse
+    fused_parts: list[str] = []  # "qualname." of every fused module found in the model
     for qualname, module in list(model.named_modules()):
         if any(f"{qualname}.".startswith(prefix) for prefix in replaced):
             continue  # a module that was replaced or dropped, or inside one ("": the root)
         if not dry_run and _detached(model, qualname, module):
             continue  # dropped by a replacement that kept some children (FusedMoE)
-        found = registry.candidates(module, chosen_fusers)
         cls_name = type(module).__name__
+        already = _already_fused(module)
+        if already is not None:
+            inner = any(f"{qualname}.".startswith(prefix) for prefix in fused_parts)
+            if _is_fused_module(module):
+                fused_parts.append(f"{qualname}.")
+            if not inner:  # a fused module's own parts (its PackedExperts) are not news
+                report.skipped.append(Skipped(qualname, None, cls_name, already))
+            continue
+        found = registry.candidates(module, chosen_fusers)
         redefined = False
         for candidate in found:
             if candidate.redefines_forward and redefined:
@@ -89,7 +103,9 @@ def run(
                 report.skipped.append(Skipped(qualname, fuser.name, cls_name, str(exc)))
                 continue
             if not dry_run:
-                error = _fuse_transactionally(model, qualname, module, fuser, backend)
+                if owners is None:
+                    owners = parameter_owners(model)
+                error = _fuse_transactionally(model, qualname, module, fuser, backend, owners)
                 if error is not None:
                     report.skipped.append(Skipped(qualname, fuser.name, cls_name, error))
                     continue
@@ -102,6 +118,25 @@ def run(
     return report
 
 
+def _is_fused_module(module: nn.Module) -> bool:
+    """Is `module` an instance of a fused module class (any nn.Module defined in fusion/)?"""
+    return type(module).__module__.partition(".")[0] == "fusion"
+
+
+def _already_fused(module: nn.Module) -> str | None:
+    """The skip reason for a module that is a product of fusion, or None for any other.
+
+    A fused module class says so by name; a module with an instance-level forward and fused
+    children is one a fuser rewrote. Short on purpose: fusers would only refuse these with
+    long reasons (their traces see fused code, not the structure they match).
+    """
+    if _is_fused_module(module):
+        return f"already fused ({type(module).__name__})"
+    if "forward" in module.__dict__ and any(_is_fused_module(c) for c in module.children()):
+        return "already fused (its forward was rewritten to call fused modules)"
+    return None
+
+
 def _detached(model: nn.Module, qualname: str, module: nn.Module) -> bool:
     """Is `module` no longer at `qualname` (a replacement kept some old children, e.g. a
     shared expert, but not this one)?"""
@@ -111,24 +146,77 @@ def _detached(model: nn.Module, qualname: str, module: nn.Module) -> bool:
         return True
 
 
+def parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """{id(parameter): [(full name, module holding it directly), ...]} over every path of
+    `model`, duplicates included: a parameter with two distinct holders is tied."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holder = model.get_submodule(name.rpartition(".")[0])
+        owners.setdefault(id(param), []).append((name, holder))
+    return owners
+
+
+def _tied_elsewhere(
+    module: nn.Module, owners: dict[int, list[tuple[str, nn.Module]]]
+) -> dict[int, tuple[str, str]]:
+    """{id(parameter): (its name in `module`, a name elsewhere)} of `module`'s parameters
+    that a module outside it holds too (Zamba's shared transformer tied across layers by
+    `tie_weights`). A module object that is itself reachable by two paths is not a tie: it
+    is fused once for both."""
+    inside = {id(m) for m in module.modules()}
+    tied: dict[int, tuple[str, str]] = {}
+    for name, param in module.named_parameters():
+        outside = [full for full, holder in owners.get(id(param), []) if id(holder) not in inside]
+        if outside:
+            tied[id(param)] = (name, outside[0])
+    return tied
+
+
 def _fuse_transactionally(
-    model: nn.Module, qualname: str, module: nn.Module, fuser: Fuser, backend: str
+    model: nn.Module,
+    qualname: str,
+    module: nn.Module,
+    fuser: Fuser,
+    backend: str,
+    owners: dict[int, list[tuple[str, nn.Module]]],
 ) -> str | None:
     """Apply `fuser` to `module` and install the result; on any exception restore the module
-    and its parent slot exactly and return the reason (None on success)."""
+    and its parent slot exactly and return the reason (None on success).
+
+    Also restored, with that reason: a fusion that replaced a parameter tied to another
+    module by a new tensor (a merged weight is a copy). The tie would silently break: a
+    training step or an in-place edit would reach one side only, and the checkpoint would
+    hold both."""
     parent, child_name = _parent_slot(model, qualname)
     module_state = _snapshot(module)
     parent_state = _snapshot(parent) if parent is not None else None
+    tied = _tied_elsewhere(module, owners)
     try:
         replacement = fuser.fuse(module, backend)
         if replacement is not module:
             if parent is None:
                 raise RewriteRefused("cannot replace the root module itself")
             setattr(parent, child_name, replacement)
+        kept = {id(p) for p in replacement.parameters()}
+        lost = [pair for key, pair in tied.items() if key not in kept]
+        if lost:
+            raise _Untied(lost)
     except Exception as exc:
         _restore(module, module_state)
         if parent is not None and parent_state is not None:
             _restore(parent, parent_state)
+        if isinstance(exc, _Untied):
+            return str(exc)
         kind = "" if isinstance(exc, RewriteRefused) else f"{type(exc).__name__}: "
         return f"fuse failed, module left unchanged: {kind}{exc}"
     return None
+
+
+class _Untied(Exception):
+    def __init__(self, lost: list[tuple[str, str]]) -> None:
+        name, other = lost[0]
+        more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+        super().__init__(
+            "a parameter it would merge into a new tensor is tied to another module's: "
+            f"{name} is {other}{more}; merging would untie them"
+        )

@@ -46,12 +46,15 @@ _LAYOUT_ATTR = "_fusion_unfused_layouts"
 
 
 def _merged_pieces(
-    merged: MergedLinear, leaf: str, tensor: torch.Tensor
-) -> Iterator[tuple[str, torch.Tensor]]:
+    merged: MergedLinear, leaf: str, tensor: torch.Tensor | None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(original child name, exact slice) of a merged `weight`/`bias`, skipping synthetic
-    zero biases."""
-    with torch.no_grad():
-        pieces = tensor.split(merged.output_sizes, dim=0)
+    zero biases. None (an absent gradient, see `unfused_named`) splits into Nones."""
+    if tensor is None:
+        pieces: tuple[torch.Tensor | None, ...] = (None,) * len(merged.output_sizes)
+    else:
+        with torch.no_grad():
+            pieces = tensor.split(merged.output_sizes, dim=0)
     for name, has_bias, piece in zip(merged.shard_names, merged.shard_bias, pieces):
         if leaf == "bias" and not has_bias:
             continue
@@ -194,7 +197,10 @@ class PackedStateDictHook:
             pieces = []
             with torch.no_grad():
                 for e, (gate_key, up_key, down_key) in enumerate(keys):
-                    if leaf == "gate_up_proj":
+                    if tensor is None:  # an absent gradient (`unfused_named`)
+                        names = (gate_key, up_key) if leaf == "gate_up_proj" else (down_key,)
+                        pieces += [(name, None) for name in names]
+                    elif leaf == "gate_up_proj":
                         half = tensor.shape[1] // 2
                         pieces += [(gate_key, tensor[e, :half]), (up_key, tensor[e, half:])]
                     else:
@@ -280,3 +286,19 @@ def unfused_state_dict(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
     Since fused modules register `register_unfused_layout` hooks, this is `model.state_dict()`
     itself; kept as the explicit name for callers that want to say what they rely on."""
     return model.state_dict()
+
+
+def unfused_named(
+    model: nn.Module, tensors: dict[str, torch.Tensor | None]
+) -> dict[str, torch.Tensor | None]:
+    """`tensors` keyed like `model.named_parameters()` (e.g. gradients), re-keyed and split
+    into the unfused layout exactly as `state_dict()` is: merged and packed entries become
+    their original per-projection (per-expert) keys, None (no gradient) staying None for
+    each. A new dict; `tensors` is not modified."""
+    result = dict(tensors)
+    for qualname, module in model.named_modules():
+        prefix = f"{qualname}." if qualname else ""
+        for hook in module._state_dict_hooks.values():
+            if isinstance(hook, (MergedStateDictHook, PackedStateDictHook)):
+                hook(module, result, prefix, None)
+    return result

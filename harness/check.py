@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import architectures, localise, parity
+from harness import architectures, lifecycle, localise, parity
 from harness.results import ArchResult, Failure, ModuleResult, Refusal
 
 DTYPES: dict[str, torch.dtype] = {
@@ -48,6 +48,8 @@ class CheckOptions:
     batch: int = 2
     seq: int = 6
     plugins: tuple[str, ...] = ()
+    lifecycle: str = "quick"
+    """Lifecycle checks after the parity verdict (`harness.lifecycle.MODES`)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -202,6 +204,19 @@ def check_model(
         if verdict.status == "fail":
             failures.insert(0, _model_failure(verdict))
         status, message = _overall(verdict, modules)
+    cycle: dict[str, dict[str, str]] = {}
+    if runs.fused_error is None:
+        cycle = lifecycle.check(
+            name,
+            model,
+            fused,
+            inputs,
+            options.torch_dtype,
+            logits_of(runs.unfused),
+            logits_of(runs.fused),
+            mode=options.lifecycle,
+        )
+        status, message = _with_lifecycle(status, message, cycle, failures)
     result = _result(
         name,
         options,
@@ -214,8 +229,34 @@ def check_model(
         tolerance=verdict.tolerance if verdict else None,
         modules=modules,
         failures=failures,
+        lifecycle=cycle,
     )
     return Checked(result, subject)
+
+
+def _with_lifecycle(
+    status: str, message: str, cycle: dict[str, dict[str, str]], failures: list[Failure]
+) -> tuple[str, str]:
+    """Status and message once the lifecycle verdicts are in: a failed operation is a fusion
+    defect (the unfused model did it), so it fails a run that otherwise passed, and each one
+    is recorded as a `lifecycle` failure."""
+    failed = [(op, v["detail"]) for op, v in cycle.items() if v["verdict"] == "fail"]
+    for op, detail in failed:
+        text = f"lifecycle {op}: {detail}"
+        failures.append(
+            Failure(
+                kind="lifecycle",
+                qualname=None,
+                fuser=None,
+                source_class=None,
+                message=text,
+                signature=signature("lifecycle", None, None, text),
+            )
+        )
+    if not failed or status in {"fail", "fused-error"}:
+        return status, message
+    more = f"; {len(failed) - 1} more lifecycle operation(s) fail" if len(failed) > 1 else ""
+    return "fail", f"lifecycle {failed[0][0]}: {failed[0][1]}{more}"
 
 
 def float64_reference(model: nn.Module) -> nn.Module:

@@ -16,6 +16,9 @@ run (no timings, errors, qualnames or layer indices)::
 - `plan` is present when fusion ran (not for build errors, crashes, timeouts or fuse errors):
   per module *class* (instances aggregated), `applied` counts instances per fuser and `refused`
   counts instances per fuser and reason category.
+- `lifecycle`, when lifecycle checks ran (harness.lifecycle): {operation: pass|fail|n/a}.
+  Operations are compared where both the golden entry and the run have a verdict (a run
+  without `compile`, or with lifecycle checks off, compares the rest).
 
 Reason categories (`reason_category`): a fuser's refusal reason cut to its stable head: the text
 before the first ": " (what follows is detail: a graph dump, the written names, an exception),
@@ -133,7 +136,22 @@ def entry_of(result: ArchResult) -> dict[str, Any]:
         category = reason_category(refusal.reason)
         per_reason[category] = per_reason.get(category, 0) + refusal.count
     entry["plan"] = _sorted(plan)
+    cycle = lifecycle_of(result)
+    if cycle:
+        entry["lifecycle"] = cycle
     return entry
+
+
+def lifecycle_of(result: ArchResult) -> dict[str, str]:
+    """{operation: verdict} of the lifecycle checks that ran (a `compile` the mode skipped is
+    left out, so plans made with and without compiling compare on what both ran)."""
+    from harness.lifecycle import NOT_COMPILED
+
+    return {
+        op: v["verdict"]
+        for op, v in sorted(result.lifecycle.items())
+        if not (op == "compile" and v.get("detail") == NOT_COMPILED)
+    }
 
 
 def unbuildable_entry(reason: str) -> dict[str, Any]:
@@ -313,6 +331,10 @@ def diff_entry(
             f"{status} for another reason: {actual.get('reason')} "
             f"(expected: {expected.get('reason')})"
         )
+    cycle, golden_cycle = actual.get("lifecycle", {}), expected.get("lifecycle", {})
+    for op in sorted(set(cycle) & set(golden_cycle)):
+        if cycle[op] != golden_cycle[op]:
+            lines.append(f"lifecycle {op}: {cycle[op]} (expected {golden_cycle[op]})")
     plan, golden_plan = actual.get("plan"), expected.get("plan")
     if plan is None or golden_plan is None:
         if plan is None and golden_plan:

@@ -123,3 +123,26 @@ def test_fused_model_still_trains_and_backprops() -> None:
     loss.backward()
     grad = model.model.layers[0].self_attn.qkv_proj.weight.grad
     assert grad is not None and torch.isfinite(grad).all()
+
+
+def test_a_merge_that_would_untie_weights_is_refused() -> None:
+    """Regression (found by the lifecycle checks on Zamba): two attention modules whose
+    projections are tied (`tie_weights` shares Parameters across distinct modules) would each
+    get their own merged copy, so a training step or an edit would reach one side only. The
+    merge is rolled back with the reason; a module shared by object (two paths, one module)
+    still fuses, once."""
+    tied = nn.ModuleDict({"a": hazards.Attention(), "b": hazards.Attention()})
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(tied["b"], name).weight = getattr(tied["a"], name).weight
+    before = {n: p.clone() for n, p in tied.state_dict().items()}
+    report = fusion.fuse(tied)
+    assert "qkv" not in report.counts(), str(report)
+    reasons = [s.reason for s in report.skipped if s.fuser == "qkv"]
+    assert reasons and all("tied to another module's" in r for r in reasons)
+    assert tied["a"].q_proj.weight is tied["b"].q_proj.weight
+    assert all(torch.equal(tied.state_dict()[n], t) for n, t in before.items())
+
+    shared = hazards.Attention()
+    twice = nn.ModuleDict({"a": shared, "b": shared})
+    assert fusion.fuse(twice).counts() == {"qkv": 1}
+    assert twice["a"] is twice["b"] and hasattr(twice["b"], "qkv_proj")

@@ -1,0 +1,492 @@
+"""Lifecycle parity (DESIGN.md, oracle 6): a fused model is judged against its unfused twin on
+what users do after fusing, not only on one eval forward.
+
+Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line detail:
+
+- `generate`: greedy `generate` with the model's default cache; the tokens must be identical.
+  Tokens that diverge where the unfused model's top two scores are closer than the rounding
+  allowance are a near-tie, not a verdict (`n/a`, with the margin).
+- `train`: one training-mode forward and backward (labels = inputs), same seed: the loss and
+  every gradient, mapped back to unfused parameter names (`fusion.checkpoint.unfused_named`);
+  a frozen parameter must stay without gradient; then one SGD step and an eval forward.
+- `save-pretrained`: `save_pretrained` of both; the fused checkpoint must hold the unfused
+  keys with bit-identical tensors, and the stock class's `from_pretrained` of it must give the
+  unfused logits.
+- `load-state-dict`: after a first forward, both load the same (scaled) unfused state dict,
+  strictly; logits must agree.
+- `edit-weights`: after a first forward, every parameter is scaled by 0.75 through each
+  spelling users write (`p.data.mul_`, in-place under `no_grad`, `copy_`, `set_`,
+  `p.data = ...`, an optimiser step); logits must agree after each. A stale cached copy of a
+  weight anywhere in the fused model shows here.
+- `deepcopy`, `torch-save`: the copy (`copy.deepcopy`; `torch.save` + `torch.load` of the whole
+  model) must still be fused and give the fused model's logits bit for bit.
+- `compile`: `torch.compile(fused)` (Dynamo with its `eager` backend: graph capture is what can
+  break, and Inductor's C++ build would cost minutes per model on CPU) must give the fused
+  logits. Dynamo costs seconds per architecture (10-20 s on a loaded 2-core machine), so
+  `quick` (the sweep's default) skips it, `full` (conformance) runs it for `COMPILE_SELECTION`
+  (one per fuser family) and `all` for every architecture.
+
+An operation the *unfused* model cannot do (no `generate`, a save that raises) is `n/a` with
+the unfused error: that is the model's limit, not a fusion defect. Anything the fused model
+alone gets wrong or raises is `fail`.
+
+Tolerance: two float computations of one function differ by rounding. Logits are compared
+with an allowance of `4 x` the fused-vs-unfused difference the plain forward showed plus a
+dtype floor relative to the logits' scale; a changed function (a stale weight: 18-68% off)
+is orders of magnitude beyond it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import io
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness import localise
+
+MODES = ("off", "quick", "full", "all")
+"""`off`: no lifecycle checks; `quick`: every operation but `compile`; `full`: `compile` too,
+for `COMPILE_SELECTION`; `all`: `compile` for every architecture."""
+
+OPERATIONS = (
+    "generate",
+    "train",
+    "save-pretrained",
+    "load-state-dict",
+    "edit-weights",
+    "deepcopy",
+    "torch-save",
+    "compile",
+)
+
+COMPILE_SELECTION = frozenset({"llama", "qwen3", "gemma2", "qwen3_moe", "deepseek_v3", "olmo2"})
+"""Architectures `quick` compiles: a dense GQA model, q/k norms, a GELU-tanh GLU with
+offset norms, an MoE model, MLA with MoE, and in-place q/k writes (OLMo 2's clamp)."""
+
+VERDICTS = ("pass", "fail", "n/a")
+
+_FLOOR = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+"""Allowance relative to the logits' scale, per dtype (a few units of rounding)."""
+
+
+@dataclass(frozen=True)
+class OpVerdict:
+    verdict: str
+    detail: str = ""
+
+    def record(self) -> dict[str, str]:
+        return {"verdict": self.verdict, "detail": self.detail}
+
+
+class _NotApplicable(Exception):
+    """The unfused model cannot do this operation: the verdict is `n/a`."""
+
+
+class _Failed(Exception):
+    """The fused model does this operation differently: the verdict is `fail`."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every operation needs: both models (already run once), inputs, dtype and the
+    reference logits and allowance from the plain forward."""
+
+    architecture: str
+    unfused: nn.Module
+    fused: nn.Module
+    inputs: Mapping[str, Any]
+    dtype: torch.dtype
+    unfused_logits: torch.Tensor
+    fused_logits: torch.Tensor
+
+    @property
+    def allowance(self) -> float:
+        base = float((self.fused_logits.double() - self.unfused_logits.double()).abs().max())
+        scale = float(self.unfused_logits.double().abs().max())
+        return 4 * base + _FLOOR.get(self.dtype, 1e-5) * max(scale, 1.0)
+
+
+def check(
+    architecture: str,
+    unfused: nn.Module,
+    fused: nn.Module,
+    inputs: Mapping[str, Any],
+    dtype: torch.dtype,
+    unfused_logits: torch.Tensor,
+    fused_logits: torch.Tensor,
+    *,
+    mode: str = "quick",
+) -> dict[str, dict[str, str]]:
+    """{operation: {"verdict", "detail"}} for every operation of `OPERATIONS` (empty when
+    `mode` is `off`). Never raises for a model-side problem; `unfused` and `fused` are left as
+    they were (every operation works on deep copies)."""
+    if mode not in MODES:
+        raise ValueError(f"lifecycle mode {mode!r} is not one of {MODES}")
+    if mode == "off":
+        return {}
+    ctx = Context(architecture, unfused, fused, inputs, dtype, unfused_logits, fused_logits)
+    results: dict[str, dict[str, str]] = {}
+    for name, operation in _OPERATIONS.items():
+        if name == "compile" and not _compiles(mode, architecture):
+            verdict = OpVerdict("n/a", NOT_COMPILED)
+        else:
+            verdict = _run(operation, ctx)
+        results[name] = verdict.record()
+    return results
+
+
+NOT_COMPILED = "not run in this mode (`--lifecycle full` compiles a selection, `all` every model)"
+"""The detail of a `compile` verdict the mode skipped (`harness.plans` ignores it)."""
+
+
+def _compiles(mode: str, architecture: str) -> bool:
+    return mode == "all" or (mode == "full" and architecture in COMPILE_SELECTION)
+
+
+def _run(operation: Callable[[Context], str], ctx: Context) -> OpVerdict:
+    try:
+        return OpVerdict("pass", operation(ctx))
+    except _NotApplicable as exc:
+        return OpVerdict("n/a", str(exc))
+    except _Failed as exc:
+        return OpVerdict("fail", str(exc))
+    except Exception as exc:  # the fused side raised where the unfused side did not
+        return OpVerdict("fail", f"raises: {localise.one_line(exc)}")
+
+
+def _unfused(what: str, action: Callable[[], Any]) -> Any:
+    """Run an unfused-side `action`; its exception makes the operation `n/a`."""
+    try:
+        return action()
+    except Exception as exc:
+        raise _NotApplicable(f"unfused model: {what} raises: {localise.one_line(exc)}") from exc
+
+
+def _cast(inputs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
+
+
+def _logits(model: nn.Module, ctx: Context) -> torch.Tensor:
+    from harness.check import logits_of
+
+    with torch.no_grad():
+        return logits_of(model(**_cast(ctx.inputs, ctx.dtype)))
+
+
+def _compare(what: str, got: torch.Tensor, want: torch.Tensor, allowance: float) -> float:
+    """The max difference; raises _Failed when over `allowance` (NaN never passes)."""
+    if got.shape != want.shape:
+        raise _Failed(f"{what}: shape {tuple(got.shape)}, unfused {tuple(want.shape)}")
+    diff = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+    if not diff <= allowance:
+        raise _Failed(f"{what}: max difference {diff:.3g} > allowed {allowance:.3g}")
+    return diff
+
+
+def _twins(ctx: Context) -> tuple[nn.Module, nn.Module]:
+    return copy.deepcopy(ctx.unfused), copy.deepcopy(ctx.fused)
+
+
+# --------------------------------------------------------------------------------------------
+# The operations. Each returns its pass detail or raises _NotApplicable / _Failed.
+
+
+def _generate(ctx: Context) -> str:
+    unfused, fused = ctx.unfused, ctx.fused
+    can = getattr(unfused, "can_generate", None)
+    if not callable(can) or not can():
+        raise _NotApplicable("the model cannot generate")
+    kwargs = {k: v for k, v in _cast(ctx.inputs, ctx.dtype).items() if k != "use_cache"}
+    options = dict(
+        max_new_tokens=3,
+        do_sample=False,
+        num_beams=1,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        want = _unfused("generate", lambda: unfused.generate(**kwargs, **options))
+        got = fused.generate(**kwargs, **options)
+    if torch.equal(got.sequences, want.sequences):
+        return f"{want.sequences.shape[-1] - kwargs['input_ids'].shape[-1]} tokens identical"
+    if got.sequences.shape != want.sequences.shape:
+        raise _Failed(
+            f"sequences of shape {tuple(got.sequences.shape)}, unfused "
+            f"{tuple(want.sequences.shape)}"
+        )
+    prompt = kwargs["input_ids"].shape[-1]
+    differs = (got.sequences != want.sequences).nonzero()
+    row, col = (int(i) for i in differs[0])
+    step = col - prompt
+    scores = want.scores[step][row].double()
+    margin = float(scores[want.sequences[row, col]] - scores[got.sequences[row, col]])
+    if margin <= ctx.allowance:
+        raise _NotApplicable(
+            f"tokens diverge at step {step} on a near-tie (unfused margin {margin:.3g} <= "
+            f"allowed {ctx.allowance:.3g}): not judged"
+        )
+    raise _Failed(f"token {step} of row {row} differs (unfused margin {margin:.3g})")
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
+def _train_step(model: nn.Module, ctx: Context) -> torch.Tensor:
+    from harness.check import logits_of
+
+    model.train()
+    kwargs = _cast(ctx.inputs, ctx.dtype)
+    labels = kwargs.get("input_ids")
+    if labels is not None and _accepts(model, "labels"):
+        kwargs["labels"] = labels
+    torch.manual_seed(0)  # dropout and router jitter draw the same numbers on both sides
+    output = model(**kwargs)
+    loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        loss = logits_of(output).float().square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _train(ctx: Context) -> str:
+    from fusion.checkpoint import unfused_named
+
+    unfused, fused = _twins(ctx)
+    want_loss = _unfused("a training step", lambda: _train_step(unfused, ctx))
+    got_loss = _train_step(fused, ctx)
+    rtol = 1e-3 if ctx.dtype in (torch.float32, torch.float64) else 5e-2
+    _compare("loss", got_loss, want_loss, rtol * max(float(want_loss.abs()), 1.0))
+    want = {n: p.grad for n, p in unfused.named_parameters()}
+    got = unfused_named(fused, {n: p.grad for n, p in fused.named_parameters()})
+    if set(got) != set(want):
+        extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        raise _Failed(f"parameters differ after mapping: extra {extra[:3]}, missing {lost[:3]}")
+    scale = max((float(g.abs().max()) for g in want.values() if g is not None), default=0.0)
+    for name, grad in want.items():
+        other = got[name]
+        if (grad is None) != (other is None):
+            state = "has" if other is not None else "lacks"
+            raise _Failed(f"{name} {state} a gradient the unfused model does not")
+        if grad is not None:
+            allowed = rtol * float(grad.abs().max()) + 1e-5 * scale
+            _compare(f"gradient of {name}", other, grad, allowed)
+    for model in (unfused, fused):
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.sub_(0.1 * param.grad)
+        model.eval()
+    after = _logits(unfused, ctx)
+    # Gradients that agree to rounding give steps that agree to rounding times the step: the
+    # allowance grows with how far the step moved the unfused logits. A step that trains the
+    # wrong weights (or misses the merged ones) differs by the step itself.
+    moved = float((after.double() - ctx.unfused_logits.double()).abs().max())
+    _compare("logits after an SGD step", _logits(fused, ctx), after, ctx.allowance + rtol * moved)
+    return f"loss, {sum(g is not None for g in want.values())} gradients and a step agree"
+
+
+def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def _save_pretrained(ctx: Context) -> str:
+    if not hasattr(ctx.unfused, "save_pretrained"):
+        raise _NotApplicable("the model has no save_pretrained")
+    with tempfile.TemporaryDirectory() as root:
+        mine, theirs = Path(root, "unfused"), Path(root, "fused")
+        with _quiet():
+            _unfused("save_pretrained", lambda: ctx.unfused.save_pretrained(mine))
+            ctx.fused.save_pretrained(theirs)
+        want, got = _safetensors(mine), _safetensors(theirs)
+        if set(got) != set(want):
+            extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+            raise _Failed(f"checkpoint keys differ: extra {extra[:3]}, missing {lost[:3]}")
+        for key, tensor in want.items():
+            if got[key].dtype != tensor.dtype or not torch.equal(got[key], tensor):
+                raise _Failed(f"checkpoint tensor {key} is not bit-identical")
+        cls = type(ctx.unfused)
+        load = dict(dtype=ctx.dtype)
+        reloaded = _unfused("from_pretrained", lambda: _from_pretrained(cls, mine, load))
+        with _quiet():
+            stock = _from_pretrained(cls, theirs, load)
+    want_logits = _logits(reloaded, ctx)
+    _compare("stock from_pretrained logits", _logits(stock, ctx), want_logits, 0.0)
+    return f"{len(want)} tensors bit-identical; stock {cls.__name__} reloads them"
+
+
+def _from_pretrained(cls: type, directory: Path, load: dict[str, Any]) -> nn.Module:
+    with _quiet():
+        model = cls.from_pretrained(directory, **load)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence Transformers' progress bars and load reports for the checks' own saves."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _load_state_dict(ctx: Context) -> str:
+    unfused, fused = _twins(ctx)
+    _logits(fused, ctx)  # "after the first forward": anything cached is warm
+    state = {
+        key: value * 0.75 if value.is_floating_point() else value.clone()
+        for key, value in ctx.unfused.state_dict().items()
+    }
+    _unfused("load_state_dict", lambda: unfused.load_state_dict(dict(state)))
+    fused.load_state_dict(dict(state))
+    diff = _compare("logits", _logits(fused, ctx), _logits(unfused, ctx), ctx.allowance)
+    return f"strict load of {len(state)} unfused keys; logits within {diff:.3g}"
+
+
+def _scale_data(p: torch.Tensor) -> None:
+    p.data.mul_(0.75)
+
+
+def _scale_no_grad(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.mul_(0.75)
+
+
+def _scale_copy(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.copy_(p * 0.75)
+
+
+def _scale_set(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.set_((p * 0.75).contiguous())
+
+
+def _scale_data_assign(p: torch.Tensor) -> None:
+    p.data = p.data * 0.75
+
+
+_SPELLINGS: dict[str, Callable[[torch.Tensor], None]] = {
+    "p.data.mul_": _scale_data,
+    "no_grad p.mul_": _scale_no_grad,
+    "p.copy_": _scale_copy,
+    "p.set_": _scale_set,
+    "p.data = ...": _scale_data_assign,
+}
+
+
+def _optimizer_scale(model: nn.Module) -> None:
+    """An SGD step whose gradient is 0.25 p: p <- 0.75 p, as an optimiser writes it."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    for p in params:
+        p.grad = 0.25 * p.detach()
+    torch.optim.SGD(params, lr=1.0).step()
+    for p in params:
+        p.grad = None
+
+
+def _edit_weights(ctx: Context) -> str:
+    unfused, fused = _twins(ctx)
+    _logits(fused, ctx)
+    _logits(unfused, ctx)
+    edits: list[tuple[str, Callable[[nn.Module], None]]] = [
+        (name, _each_parameter(spelling)) for name, spelling in _SPELLINGS.items()
+    ]
+    edits.append(("optimizer step", _optimizer_scale))
+    for name, edit in edits:
+        _unfused(f"editing weights by {name}", lambda edit=edit: edit(unfused))
+        edit(fused)
+        _compare(f"logits after {name}", _logits(fused, ctx), _logits(unfused, ctx), ctx.allowance)
+    return f"{len(edits)} spellings of an in-place weight edit seen"
+
+
+def _each_parameter(spelling: Callable[[torch.Tensor], None]) -> Callable[[nn.Module], None]:
+    def edit(model: nn.Module) -> None:
+        for param in model.parameters():
+            if param.is_floating_point():
+                spelling(param)
+
+    return edit
+
+
+def _fused_forwards(model: nn.Module) -> int:
+    from fusion.bound import BoundForward
+
+    return sum(isinstance(m.__dict__.get("forward"), BoundForward) for m in model.modules())
+
+
+def _same_fused(copied: nn.Module, ctx: Context, what: str) -> str:
+    want = _fused_forwards(ctx.fused)
+    got = _fused_forwards(copied)
+    if got != want:
+        raise _Failed(f"{what} has {got} rewritten forwards, the fused model {want}")
+    logits = _logits(copied, ctx)
+    if not torch.equal(logits, ctx.fused_logits):
+        _compare(f"{what} logits", logits, ctx.fused_logits, 0.0)
+    return f"still fused ({got} rewritten forwards), logits bit-identical"
+
+
+def _deepcopy(ctx: Context) -> str:
+    return _same_fused(copy.deepcopy(ctx.fused), ctx, "the deep copy")
+
+
+def _torch_save(ctx: Context) -> str:
+    buffer = io.BytesIO()
+    _unfused("torch.save", lambda: torch.save(ctx.unfused, io.BytesIO()))
+    torch.save(ctx.fused, buffer)
+    buffer.seek(0)
+    return _same_fused(torch.load(buffer, weights_only=False), ctx, "the reloaded model")
+
+
+def _compile(ctx: Context) -> str:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    unfused, fused = _twins(ctx)
+    want = _unfused("torch.compile", lambda: _logits(torch.compile(unfused, backend="eager"), ctx))
+    got = _logits(torch.compile(fused, backend="eager"), ctx)
+    torch._dynamo.reset()
+    _compare("compiled logits", got, ctx.fused_logits, ctx.allowance)
+    _compare("compiled logits vs compiled unfused", got, want, ctx.allowance)
+    return "compiled (Dynamo, eager backend) logits agree"
+
+
+_OPERATIONS: dict[str, Callable[[Context], str]] = {
+    "generate": _generate,
+    "train": _train,
+    "save-pretrained": _save_pretrained,
+    "load-state-dict": _load_state_dict,
+    "edit-weights": _edit_weights,
+    "deepcopy": _deepcopy,
+    "torch-save": _torch_save,
+    "compile": _compile,
+}
+assert tuple(_OPERATIONS) == OPERATIONS

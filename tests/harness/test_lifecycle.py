@@ -1,0 +1,156 @@
+"""harness.lifecycle: each operation passes on real fusion, and catches the defect it exists
+for when a fuse is made wrong on purpose (fault injection through `check_model`'s `fuse`)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import fusion
+from fusion.bound import BoundForward
+from fusion.modules import MergedLinear
+from harness import lifecycle, plans
+from harness.check import CheckOptions, check_model
+from harness.results import ArchResult
+
+QUICK_OPS = set(lifecycle.OPERATIONS) - {"compile"}
+
+
+def _run(model, inputs, fuse, mode: str = "quick") -> ArchResult:
+    return check_model("llama", model, inputs, CheckOptions(lifecycle=mode), fuse=fuse).result
+
+
+def _verdicts(result: ArchResult) -> dict[str, str]:
+    return {op: v["verdict"] for op, v in result.lifecycle.items()}
+
+
+def test_real_fusion_passes_every_operation(llama, llama_inputs):
+    result = _run(llama, llama_inputs, fusion.fuse)
+    assert result.status == "pass", result.message
+    verdicts = _verdicts(result)
+    assert {op for op, v in verdicts.items() if v == "pass"} == QUICK_OPS, result.lifecycle
+    assert verdicts["compile"] == "n/a"
+    assert result.lifecycle["compile"]["detail"] == lifecycle.NOT_COMPILED
+
+
+def test_off_records_nothing(llama, llama_inputs):
+    assert _run(llama, llama_inputs, fusion.fuse, mode="off").lifecycle == {}
+
+
+class _StaleLinear(MergedLinear):
+    """A merged linear that computes with a snapshot of its weight taken at the first call:
+    the stale-cache defect, in miniature."""
+
+    def forward(self, x):
+        if not hasattr(self, "_snapshot"):
+            self._snapshot = self.weight.detach().clone()
+        return nn.functional.linear(x, self._snapshot, self.bias)
+
+
+def _stale_fuse(model):
+    report = fusion.fuse(model)
+    for module in model.modules():
+        if type(module) is MergedLinear:
+            module.__class__ = _StaleLinear
+    return report
+
+
+def test_a_stale_weight_copy_fails_edits_and_loads(llama, llama_inputs):
+    result = _run(llama, llama_inputs, _stale_fuse)
+    verdicts = _verdicts(result)
+    assert verdicts["edit-weights"] == "fail"
+    assert "logits after p.data.mul_" in result.lifecycle["edit-weights"]["detail"]
+    assert verdicts["load-state-dict"] == "fail"
+    assert result.status == "fail" and result.message.startswith("lifecycle ")
+    assert any(f.kind == "lifecycle" for f in result.failures)
+
+
+def _fused_keys_fuse(model):
+    """Fusion without the unfused checkpoint layout (the old save_pretrained defect)."""
+    report = fusion.fuse(model)
+    for module in model.modules():
+        module._state_dict_hooks.clear()
+    return report
+
+
+def test_fused_keys_in_the_checkpoint_fail_save_pretrained(llama, llama_inputs):
+    result = _run(llama, llama_inputs, _fused_keys_fuse)
+    assert _verdicts(result)["save-pretrained"] == "fail"
+    assert "checkpoint keys differ" in result.lifecycle["save-pretrained"]["detail"]
+
+
+def _method_fuse(model):
+    """Rewritten forwards bound with types.MethodType (the old torch.save defect)."""
+    report = fusion.fuse(model)
+    for module in model.modules():
+        bound = module.__dict__.get("forward")
+        if isinstance(bound, BoundForward):
+            module.forward = types.MethodType(bound.fn, module)
+    return report
+
+
+def test_a_forward_lost_by_pickling_fails_torch_save(llama, llama_inputs):
+    result = _run(llama, llama_inputs, _method_fuse)
+    assert _verdicts(result)["torch-save"] == "fail", result.lifecycle
+
+
+def _thawed_fuse(model):
+    """The merged weights train though every shard was frozen (the freezing defect)."""
+    report = fusion.fuse(model)
+    for module in model.modules():
+        if isinstance(module, MergedLinear):
+            module.weight.requires_grad_(True)
+    return report
+
+
+def test_a_frozen_shard_that_trains_fails_train():
+    import corpus
+
+    model = corpus.build("llama", seed=0, dtype=torch.float32, device="cpu")
+    for name, param in model.named_parameters():
+        if "proj" in name:
+            param.requires_grad_(False)
+    from harness.check import make_inputs
+
+    result = _run(model, make_inputs(model, CheckOptions()), _thawed_fuse)
+    assert _verdicts(result)["train"] == "fail"
+    assert "has a gradient the unfused model does not" in result.lifecycle["train"]["detail"]
+
+
+def test_an_operation_the_unfused_model_cannot_do_is_not_applicable(
+    llama, llama_inputs, monkeypatch
+):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no saving here")
+
+    monkeypatch.setattr(type(llama), "save_pretrained", refuse)
+    result = _run(llama, llama_inputs, fusion.fuse)
+    assert result.lifecycle["save-pretrained"] == {
+        "verdict": "n/a",
+        "detail": "unfused model: save_pretrained raises: RuntimeError: no saving here",
+    }
+    assert result.status == "pass"
+
+
+def test_full_mode_compiles_the_selection(llama, llama_inputs):
+    assert "llama" in lifecycle.COMPILE_SELECTION
+    result = _run(llama, llama_inputs, fusion.fuse, mode="full")
+    assert result.lifecycle["compile"]["verdict"] == "pass", result.lifecycle["compile"]
+
+
+def test_unknown_mode_is_refused(llama):
+    with pytest.raises(ValueError, match="lifecycle mode"):
+        lifecycle.check("llama", llama, llama, {}, torch.float32, None, None, mode="maybe")
+
+
+def test_golden_entries_carry_and_compare_verdicts(llama, llama_inputs):
+    result = _run(llama, llama_inputs, fusion.fuse)
+    entry = plans.entry_of(result)
+    assert entry["lifecycle"] == {op: "pass" for op in QUICK_OPS}  # skipped compile left out
+    broken = dict(entry, lifecycle={**entry["lifecycle"], "torch-save": "fail"})
+    assert plans.diff_entry(entry, broken) == ["lifecycle torch-save: fail (expected pass)"]
+    without = {k: v for k, v in entry.items() if k != "lifecycle"}
+    assert plans.diff_entry(entry, without) == []  # a run with lifecycle off compares the rest
