@@ -1,8 +1,10 @@
 """Settings of the conformance suite (the corpus as pytest parameters).
 
 Environment: FUSION_HARNESS_DTYPE (float32), FUSION_HARNESS_DEVICE (cpu), FUSION_HARNESS_SEED
-(0) choose how every architecture is checked; FUSION_HARNESS_REPRO_DIR, when set, is where
-repro bundles of failures are written (a pytest temporary directory otherwise).
+(0) and FUSION_HARNESS_LIFECYCLE (full: every lifecycle operation, torch.compile on
+harness.lifecycle.COMPILE_SELECTION) choose how every architecture is checked;
+FUSION_HARNESS_REPRO_DIR, when set, is where repro bundles of failures are written (a pytest
+temporary directory otherwise).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def check_options() -> CheckOptions:
         dtype=os.environ.get("FUSION_HARNESS_DTYPE", "float32"),
         device=os.environ.get("FUSION_HARNESS_DEVICE", "cpu"),
         seed=int(os.environ.get("FUSION_HARNESS_SEED", "0")),
+        lifecycle=os.environ.get("FUSION_HARNESS_LIFECYCLE", "full"),
     )
 
 

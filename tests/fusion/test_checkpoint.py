@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion.checkpoint import unfused_state_dict
+from fusion.checkpoint import unfused_named, unfused_state_dict
 from tests.fusion.fusers import hazards
 from tests.fusion.tiny_models import tiny_model, token_ids
 
@@ -119,3 +119,22 @@ def test_mixed_bias_zero_slices_take_no_gradient() -> None:
     sizes = merged.output_sizes
     q_bias, _, v_bias = merged.bias.detach().split(sizes)
     assert not q_bias.any() and not v_bias.any()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_unfused_named_maps_gradients_and_absent_ones(model_type: str) -> None:
+    """Gradients keyed like `named_parameters()` map to the unfused names with the unfused
+    model's values; a merged parameter without a gradient maps to None for every shard."""
+    unfused = tiny_model(model_type, seed=4)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    ids = token_ids()
+    for model in (unfused, fused):
+        model(ids, labels=ids).loss.backward()
+    got = unfused_named(fused, {n: p.grad for n, p in fused.named_parameters()})
+    want = {n: p.grad for n, p in unfused.named_parameters()}
+    assert set(got) == set(want)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    nothing = unfused_named(fused, {n: None for n, _ in fused.named_parameters()})
+    assert set(nothing) == set(want) and all(v is None for v in nothing.values())
