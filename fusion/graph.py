@@ -172,3 +172,44 @@ def calls_by_target(nodes: Iterable[fx.Node]) -> dict[str, list[fx.Node]]:
         if node.op == "call_module":
             groups.setdefault(str(node.target), []).append(node)
     return groups
+
+
+SHAPE_OPS = ("reshape", "view", "flatten", "contiguous")
+"""Ops that only reshape a value: `x.view(-1, h)` still holds the values of `x`."""
+
+
+def first_input(graph: fx.Graph) -> fx.Node | None:
+    """The graph's first placeholder (a forward's first argument), or None."""
+    return next((n for n in graph.nodes if n.op == "placeholder"), None)
+
+
+def call_arg(node: fx.Node, index: int, name: str, default: object = None) -> object:
+    """Argument `name` of a call node, passed positionally at `index` or by keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def strip_reshapes(node: object, module: nn.Module) -> object:
+    """`node` with reshapes (`SHAPE_OPS`) and `nn.Identity` children stripped (no casts: a
+    cast changes the values a consumer sees; `peel` is the walk through casts)."""
+    while isinstance(node, fx.Node):
+        shape_only = any(is_op(node, name) for name in SHAPE_OPS)
+        identity = node.op == "call_module" and isinstance(
+            module.get_submodule(str(node.target)), nn.Identity
+        )
+        if not (shape_only or identity):
+            break
+        node = node.args[0]
+    return node
+
+
+def calls_child_on(node: object, x: fx.Node, module: nn.Module) -> bool:
+    """Is `node` a child module called on just `x` (up to reshapes), nothing else?"""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_module"
+        and len(node.args) == 1
+        and not node.kwargs
+        and strip_reshapes(node.args[0], module) is x
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 
 from fusion.errors import RewriteRefused
@@ -74,6 +75,69 @@ def recover_forward(cls: type) -> tuple[ast.FunctionDef, Callable]:
                     f"{cls.__name__}.forward uses {name}, which would be name-mangled"
                 )
     return funcdef, fn
+
+
+def method_source(cls: type, name: str = "forward") -> ast.FunctionDef:
+    """`cls.<name>` parsed as a plain `def` for reading (decorators dropped), not for
+    recompiling; refuses when its source is unavailable or not a single `def`."""
+    fn = inspect.unwrap(getattr(cls, name))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError) as exc:
+        raise RewriteRefused(f"source of {cls.__name__}.{name} unavailable: {exc}") from exc
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        raise RewriteRefused(f"{cls.__name__}.{name} source is not a plain function definition")
+    funcdef = tree.body[0]
+    funcdef.decorator_list.clear()
+    return funcdef
+
+
+def _forward_tree(cls: type) -> ast.Module | None:
+    """`cls.forward`'s source parsed, or None when it is unavailable."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def returns_tuple(cls: type) -> bool:
+    """Does `cls.forward` return a tuple literal, or a name bound to one, anywhere? (Read from
+    the source, for forwards whose trace stops before the return; True when the source is
+    unavailable: fail closed.)"""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return True
+    funcdef = tree.body[0]
+    tuple_names = {
+        target.id
+        for node in ast.walk(funcdef)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+    def is_tuple(value: ast.AST | None) -> bool:
+        if isinstance(value, ast.Tuple):
+            return True
+        if isinstance(value, ast.Name):
+            return value.id in tuple_names
+        if isinstance(value, ast.IfExp):
+            return is_tuple(value.body) or is_tuple(value.orelse)
+        return False
+
+    return any(isinstance(n, ast.Return) and is_tuple(n.value) for n in ast.walk(funcdef))
+
+
+def reads_training(cls: type) -> bool:
+    """Does `cls.forward` read `self.training` (behave differently when training)? True when
+    the source is unavailable."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return True
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "training" and isinstance(n.value, ast.Name)
+        for n in ast.walk(tree)
+    )
 
 
 def _parse_indented(source: str) -> list[ast.stmt]:

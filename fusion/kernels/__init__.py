@@ -21,6 +21,15 @@ class Kernels(Protocol):
     torch reference (`fusion.kernels.torch_ref`); backends differ only in speed and rounding."""
 
     name: str
+    interpreted: bool
+    """Runs in an interpreter (Triton's CPU interpreter): correct but slow, so `auto` never
+    picks it and benchmarks never time it."""
+    delegated: frozenset[str]
+    """Names of the ops this backend hands to the torch reference unchanged (timing them
+    would only time the reference again)."""
+    auto_pick: bool
+    """Whether `auto` may choose this backend (False where it was measured slower on this
+    kind of machine); naming it explicitly always works."""
 
     def supports(self, device: torch.device) -> bool: ...
 
@@ -59,9 +68,9 @@ class Kernels(Protocol):
 
 
 def _triton() -> Kernels | None:
-    from fusion.kernels import triton_backend  # imports triton only when first asked for
+    from fusion.kernels.triton import create  # imports triton only when first asked for
 
-    return triton_backend.create()
+    return create()
 
 
 def _onednn() -> Kernels | None:
@@ -166,8 +175,8 @@ def get(name: str, device: torch.device | str) -> Kernels:
                 backend = _instance(candidate)
                 if (
                     backend is not None
-                    and not getattr(backend, "interpreted", False)
-                    and getattr(backend, "auto_pick", True)
+                    and not backend.interpreted
+                    and backend.auto_pick
                     and backend.supports(device)
                 ):
                     _AUTO[str(device)] = backend

@@ -212,9 +212,13 @@ def _aten_scale(
 
 
 class TorchKernels:
-    """Backend object for the reference kernels."""
+    """Backend object for the reference kernels; its `interpreted`, `delegated` and
+    `auto_pick` are the defaults a backend built on it inherits."""
 
     name = "torch"
+    interpreted = False
+    delegated: frozenset[str] = frozenset()
+    auto_pick = True
 
     def supports(self, device: torch.device) -> bool:
         return True

@@ -59,6 +59,9 @@ class VllmKernels:
 
     name = "vllm"
     interpreted = False
+    delegated: frozenset[str] = frozenset()
+    """No op is handed to the reference whole (only variants vLLM lacks, per call)."""
+    auto_pick = True
 
     def __init__(self, ops: dict[str, Callable[..., None]]) -> None:
         self._ops = ops

@@ -320,3 +320,30 @@ def test_linear_calls_and_calls_by_target() -> None:
     assert [n.target for n in G.linear_calls(graph, module)] == ["p", "r", "p"]
     groups = G.calls_by_target(graph.nodes)
     assert {k: len(v) for k, v in groups.items()} == {"p": 2, "r": 1, "act": 1}
+
+
+def test_strip_reshapes_and_calls_child_on() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.same = nn.Identity()
+            self.p = nn.Linear(8, 8)
+            self.q = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            flat = self.same(x.view(-1, 8)).contiguous()
+            return self.p(flat) + self.q(x.float())
+
+    module = Block()
+    graph = trace(module)
+    assert graph is not None
+    x = G.first_input(graph)
+    assert x is not None and x.op == "placeholder"
+    p, q_cast = node(graph, "p"), node(graph, "q")
+    assert G.strip_reshapes(p.args[0], module) is x  # view, Identity and contiguous stripped
+    assert G.calls_child_on(p, x, module)
+    assert G.strip_reshapes(q_cast.args[0], module) is not x  # a cast is not a reshape
+    assert not G.calls_child_on(q_cast, x, module)
+    view = next(n for n in graph.nodes if n.op == "call_method" and n.target == "view")
+    assert G.call_arg(view, 1, "size") == -1
+    assert G.call_arg(view, 5, "missing", "default") == "default"

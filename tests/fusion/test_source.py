@@ -690,3 +690,34 @@ def test_unparse_ends_with_newline() -> None:
     text = source.unparse(funcdef)
     assert text.endswith("\n") and text.startswith("def forward(self, x, scale=1.0):")
     assert sys.modules[__name__] is not None
+
+
+def test_returns_tuple_and_reads_training_read_the_forward_source() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor):
+            out = (x, x)
+            return out
+
+    class Branchy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                return x * 2
+            return x
+
+    assert source.returns_tuple(Pair) and not source.reads_training(Pair)
+    assert not source.returns_tuple(Branchy) and source.reads_training(Branchy)
+    unreadable = type("Unreadable", (nn.Module,), {"forward": eval("lambda self, x: x")})
+    assert source.returns_tuple(unreadable) and source.reads_training(unreadable)  # fail closed
+
+
+def test_method_source_reads_a_method_or_refuses() -> None:
+    class Norm(nn.Module):
+        @torch.no_grad()
+        def _norm(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    funcdef = source.method_source(Norm, "_norm")
+    assert funcdef.name == "_norm" and not funcdef.decorator_list
+    unreadable = type("Unreadable", (nn.Module,), {"forward": eval("lambda self, x: x")})
+    with pytest.raises(RewriteRefused):
+        source.method_source(unreadable)

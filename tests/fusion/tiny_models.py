@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from fusion import numerics
+
 COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -86,6 +88,7 @@ def token_ids(seed: int = 0, batch: int = 2, seq: int = 7, vocab: int = 128) -> 
 
 
 def relative_error(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """max |a - b| / max |a|, NaN-propagating."""
-    scale = reference.abs().max().clamp_min(1e-30)
-    return float((reference - other).abs().max() / scale)
+    """`fusion.numerics.relative_error` of `other` against `reference` (reference first, as the
+    tests read it): max-normalised, NaN when `other` is not finite, so `<= limit` never passes
+    a NaN."""
+    return numerics.relative_error(other, reference)

@@ -55,7 +55,7 @@ def test_every_variant_of_a_case_computes_the_same_function() -> None:
 
 
 def test_moe_variants_agree_on_a_small_block() -> None:
-    case = bench._moe_case(64, 32, 8, 2, 5, torch.float32, "cpu", "tiny")
+    case = bench.moe_case(64, 32, 8, 2, 5, torch.float32, "cpu", "tiny")
     fns = case.build()
     baseline = fns[bench.UNFUSED]()
     for name in case.variants[1:]:

@@ -121,7 +121,7 @@ def test_fused_norm_holds_the_original_parameter() -> None:
 def test_cohere_layernorm_is_refused_with_reason() -> None:
     norm = real_norms()["cohere"]
     with pytest.raises(RewriteRefused, match="subtracts the mean"):
-        rmsnorm.derive(norm)
+        rmsnorm.prove_variant(norm)
     fused, report = fused_norm(norm)
     assert report.counts() == {}
     assert type(fused).__name__ == "CohereLayerNorm"

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fusion
-from fusion import kernels
+from fusion import kernels, numerics
 from fusion.kernels import onednn_backend, torch_ref
-from harness import parity
 
 BACKEND = onednn_backend.create()
 pytestmark = pytest.mark.skipif(
@@ -30,10 +29,6 @@ def _experts(tokens: int, hidden: int, inter: int, experts: int, top_k: int, see
     logits = torch.randn(tokens, experts, generator=g)
     weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
     return x, gate_up, down, ids, weights
-
-
-def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).abs().max() / want.abs().max())
 
 
 def _float64(x, gate_up, down, ids, weights, activation="silu"):
@@ -64,7 +59,7 @@ def test_moe_experts_match_the_reference(tokens, hidden, inter, experts, top_k, 
     ref = torch_ref.moe_experts(x, gate_up, down, ids, weights, activation)
     exact = _float64(x, gate_up, down, ids, weights, activation)
     assert got.shape == ref.shape and got.dtype == ref.dtype
-    assert _max_error(got, exact) <= 1.5 * _max_error(ref, exact) + 6e-8
+    assert numerics.relative_error(got, exact) <= 1.5 * numerics.relative_error(ref, exact) + 6e-8
 
 
 @pytest.mark.parametrize("k", [128, 200, 512, 1024, 4096])
@@ -79,8 +74,10 @@ def test_blocked_linear_rounds_like_mm(k: int, rows: int) -> None:
         x = torch.randn(rows, k, generator=g)
         w = torch.randn(384, k, generator=g)
         exact = x.double() @ w.double().t()
-        worst_linear = max(worst_linear, _max_error(onednn_backend.linear(x, w), exact))
-        worst_mm = max(worst_mm, _max_error(x @ w.t(), exact))
+        worst_linear = max(
+            worst_linear, numerics.relative_error(onednn_backend.linear(x, w), exact)
+        )
+        worst_mm = max(worst_mm, numerics.relative_error(x @ w.t(), exact))
     assert worst_linear <= 1.5 * worst_mm
 
 
@@ -180,12 +177,12 @@ def test_weight_writes_by_any_spelling_are_seen(write) -> None:
     x, gate_up, down, ids, weights = _experts(512, 256, 256, 4, 2)
     assert backend.uses_onednn(x, gate_up, down, weights)
     first = backend.moe_experts(x, gate_up, down, ids, weights, "silu")
-    assert _max_error(first, _float64(x, gate_up, down, ids, weights)) < 1e-5
+    assert numerics.relative_error(first, _float64(x, gate_up, down, ids, weights)) < 1e-5
     for tensor in (gate_up, down):
         write(tensor)
         exact = _float64(x, gate_up, down, ids, weights)
         got = backend.moe_experts(x, gate_up, down, ids, weights, "silu")
-        assert _max_error(got, exact) < 1e-5
+        assert numerics.relative_error(got, exact) < 1e-5
 
 
 def test_fused_model_sees_data_writes_after_the_first_forward() -> None:
@@ -207,11 +204,11 @@ def test_fused_model_sees_data_writes_after_the_first_forward() -> None:
     assert fusion.fuse(holder, backend="onednn").counts() == {"moe": 1}
     x = torch.randn(1, 128, 256)
     with torch.no_grad():
-        assert _max_error(holder[0](x), block(x).double()) < 1e-5
+        assert numerics.relative_error(holder[0](x), block(x).double()) < 1e-5
         for model in (block, holder):
             for param in model.parameters():
                 param.data.mul_(3.0)
-        assert _max_error(holder[0](x), block(x).double()) < 1e-5
+        assert numerics.relative_error(holder[0](x), block(x).double()) < 1e-5
 
 
 def test_backend_holds_no_weight_state() -> None:
@@ -245,8 +242,8 @@ def test_compiling_takes_the_reference_without_reading_settings(monkeypatch) -> 
 
 def test_fused_mixtral_block_passes_the_parity_oracle() -> None:
     """A Mixtral block at a size that runs oneDNN (hidden 512, intermediate 1024, 64 tokens),
-    fused with `auto`: its float32 error against float64 passes `harness.parity` against the
-    unfused block's, on several seeds."""
+    fused with `auto`: its float32 error against float64 passes `fusion.numerics.compare`
+    against the unfused block's, on several seeds."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -266,7 +263,7 @@ def test_fused_mixtral_block_passes_the_parity_oracle() -> None:
         reference = copy.deepcopy(block).double()
         x = torch.randn(1, 64, 512)
         with torch.no_grad():
-            verdict = parity.compare(
+            verdict = numerics.compare(
                 holder[0](x), block(x), reference(x.double()), dtype=torch.float32
             )
         assert verdict.status == "pass", verdict
@@ -284,7 +281,7 @@ def test_moe_experts_pass_the_parity_oracle_on_random_shapes(
     tokens: int, hidden: int, inter: int, experts: int, data: st.DataObject
 ) -> None:
     """Any shape and routing (skewed, with idle experts, crossing `MIN_OUTPUTS` and `K_BLOCK`
-    boundaries): against float64 the backend's float32 error passes `harness.parity.judge`
+    boundaries): against float64 the backend's float32 error passes `fusion.numerics.judge`
     against the reference kernel's, the rule the harness applies to every fused module."""
     top_k = data.draw(st.integers(1, experts), label="top_k")
     hot = data.draw(st.integers(1, experts), label="experts in use")
@@ -298,5 +295,7 @@ def test_moe_experts_pass_the_parity_oracle_on_random_shapes(
         got = BACKEND.moe_experts(x, gate_up, down, ids, weights, activation)
         ref = torch_ref.moe_experts(x, gate_up, down, ids, weights, activation)
     exact = _float64(x, gate_up, down, ids, weights, activation)
-    verdict = parity.judge(_max_error(got, exact), _max_error(ref, exact), torch.float32)
+    verdict = numerics.judge(
+        numerics.relative_error(got, exact), numerics.relative_error(ref, exact), torch.float32
+    )
     assert verdict.status == "pass", verdict

@@ -1,0 +1,221 @@
+"""Matching an MoE block by dataflow in its traced forward: the experts call, the router it
+reads, a (gated) shared expert as the other addend of the output, and nothing else with
+state. `match_packed` reads a Transformers 5 block, `match_modulelist` a Transformers 4 one."""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import fx, nn
+
+from fusion.errors import RewriteRefused
+from fusion.fusers.moe.experts import modulelist_experts, packed_experts_activation
+from fusion.fusers.moe.router import read_routing, router_program
+from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
+from fusion.moe_modules import RouteSpec
+from fusion.source import reads_training, returns_tuple
+
+
+@dataclass(frozen=True)
+class MoEMatch:
+    """What one kind of MoE block computes, in names of its children."""
+
+    style: str
+    """`packed` (Transformers 5 experts) or `modulelist` (Transformers 4)."""
+    router_name: str
+    router_weight: str
+    """Name of the router weight within the router child."""
+    spec: RouteSpec
+    experts_name: str
+    activation: str
+    expert_names: tuple[str, str, str] | None = None
+    """(gate, up, down) child names of each Transformers 4 expert MLP."""
+    shared_name: str | None = None
+    shared_gate_name: str | None = None
+    training_sensitive: bool = False
+
+
+def _other_state(module: nn.Module, accounted: set[str]) -> None:
+    for name, child in module.named_children():
+        if name in accounted:
+            continue
+        if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None:
+            raise RewriteRefused(f"child {name} holds state the fused block would not run")
+    own = [n for n, _ in module.named_parameters(recurse=False)] + [
+        n for n, _ in module.named_buffers(recurse=False)
+    ]
+    if own:
+        raise RewriteRefused(f"the block holds state of its own ({own})")
+
+
+def _shared(node: Any, x: fx.Node, module: nn.Module) -> tuple[str, str | None]:
+    """(shared expert, its gate or None) for `shared(x)` or `sigmoid(gate(x)) * shared(x)`."""
+    node = strip_reshapes(node, module)
+    if calls_child_on(node, x, module):
+        return str(node.target), None
+    if is_op(node, "mul") and len(node.args) == 2:
+        for gated, shared in (node.args, node.args[::-1]):
+            gated, shared = strip_reshapes(gated, module), strip_reshapes(shared, module)
+            if not (is_op(gated, "sigmoid") and calls_child_on(shared, x, module)):
+                continue
+            gate = strip_reshapes(gated.args[0], module)
+            if calls_child_on(gate, x, module):
+                linear = module.get_submodule(str(gate.target))
+                if (
+                    type(linear) is nn.Linear
+                    and linear.out_features == 1
+                    and linear.bias is None
+                    and str(gate.target) != str(shared.target)
+                ):
+                    return str(shared.target), str(gate.target)
+    raise RewriteRefused("the output adds a term that is not a (gated) shared expert of the input")
+
+
+def match_packed(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMatch:
+    x = first_input(graph)
+    out = output_value(graph)
+    if isinstance(out, (tuple, list)):
+        raise RewriteRefused("the block returns a tuple")
+    if out is None:
+        reason = (
+            "returns a tuple" if returns_tuple(type(module)) else "does not trace to its return"
+        )
+        raise RewriteRefused(f"the block {reason}")
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target == experts_name]
+    if x is None or len(calls) != 1:
+        raise RewriteRefused(f"{experts_name} is not called exactly once")
+    experts_node = calls[0]
+    experts = module.get_submodule(experts_name)
+    activation = packed_experts_activation(experts)
+    try:
+        bound = inspect.signature(type(experts).forward).bind(
+            None, *experts_node.args, **experts_node.kwargs
+        )
+    except TypeError as exc:
+        raise RewriteRefused(f"experts call does not bind: {exc}") from exc
+    arguments = list(bound.arguments.values())[1:]
+    if len(arguments) != 3:
+        raise RewriteRefused("experts are called with other than (hidden, ids, weights)")
+    hidden, ids, weights = arguments
+    if strip_reshapes(hidden, module) is not x:
+        raise RewriteRefused("experts do not read the block input")
+    router = ids.args[0] if isinstance(ids, fx.Node) and ids.args else None
+    if not (
+        isinstance(router, fx.Node)
+        and ids.target is operator.getitem
+        and ids.args == (router, 2)
+        and isinstance(weights, fx.Node)
+        and weights.target is operator.getitem
+        and weights.args == (router, 1)
+        and calls_child_on(router, x, module)
+    ):
+        raise RewriteRefused("experts do not take (ids, weights) = router(x)[2], router(x)[1]")
+    router_name = str(router.target)
+    router_module = module.get_submodule(router_name)
+    if isinstance(router_module, nn.Linear):
+        raise RewriteRefused("the router is a bare linear returning logits, not routing")
+    routing = router_program(router_module)
+    root = strip_reshapes(out, module)
+    shared_name = shared_gate_name = None
+    if root is not experts_node:
+        if not (is_op(root, "add") and len(root.args) == 2):
+            raise RewriteRefused(
+                "the block does not return the experts' output (plus a shared expert)"
+            )
+        a, b = (strip_reshapes(arg, module) for arg in root.args)
+        if b is experts_node:
+            a, b = b, a
+        if a is not experts_node:
+            raise RewriteRefused(
+                "the block does not return the experts' output (plus a shared expert)"
+            )
+        shared_name, shared_gate_name = _shared(b, x, module)
+    accounted = {experts_name, router_name, shared_name, shared_gate_name} - {None}
+    _other_state(module, accounted)
+    return MoEMatch(
+        style="packed",
+        router_name=router_name,
+        router_weight=routing.weight_name,
+        spec=routing.spec,
+        experts_name=experts_name,
+        activation=activation,
+        shared_name=shared_name,
+        shared_gate_name=shared_gate_name,
+        training_sensitive=reads_training(type(module)) or reads_training(type(router_module)),
+    )
+
+
+def _looks_routed(graph: fx.Graph, module: nn.Module) -> bool:
+    """Does the (possibly partial) graph select experts: a top-k over a linear child's
+    output? A decoder stack also holds a `ModuleList` of linear-bearing modules, but no
+    top-k; it is not an MoE block at all, so it gets no verdict."""
+    for node in graph.nodes:
+        if is_op(node, "topk"):
+            stack, seen = [node], set()
+            while stack:
+                current = stack.pop()
+                if current in seen or not isinstance(current, fx.Node):
+                    continue
+                seen.add(current)
+                if current.op == "call_module" and isinstance(
+                    module.get_submodule(str(current.target)), nn.Linear
+                ):
+                    return True
+                stack.extend(current.all_input_nodes)
+    return False
+
+
+def match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMatch | None:
+    x = first_input(graph)
+    if x is None or not _looks_routed(graph, module):
+        return None
+    if output_value(graph) is not None and isinstance(output_value(graph), (tuple, list)):
+        raise RewriteRefused("the block returns a tuple")
+    if returns_tuple(type(module)):
+        raise RewriteRefused("the block returns a tuple")
+    names, activation = modulelist_experts(module.get_submodule(experts_name))
+    routing = read_routing(graph, module, x)
+    if routing.linear.op != "call_module":
+        raise RewriteRefused("the Transformers 4 router is not a linear child")
+    router_name = str(routing.linear.target)
+    shared_name, shared_gate_name = _modulelist_shared(graph, module, x)
+    _other_state(module, {experts_name, router_name, shared_name, shared_gate_name} - {None})
+    return MoEMatch(
+        style="modulelist",
+        router_name=router_name,
+        router_weight="weight",
+        spec=routing.spec,
+        experts_name=experts_name,
+        activation=activation,
+        expert_names=names,
+        shared_name=shared_name,
+        shared_gate_name=shared_gate_name,
+        training_sensitive=reads_training(type(module)),
+    )
+
+
+def _modulelist_shared(
+    graph: fx.Graph, module: nn.Module, x: fx.Node
+) -> tuple[str | None, str | None]:
+    """(shared expert, its gate) of a Transformers 4 block returning `routed + shared(x)`
+    (or `+ sigmoid(gate(x)) * shared(x)`), where `routed` is the buffer the expert loop
+    `index_add_`s into; (None, None) when the output is not such a sum. Anything else the
+    block computes with a stateful child is then refused by `_other_state`, and the routed
+    part itself is proven by the numeric check (a loop has no dataflow to read)."""
+    root = strip_reshapes(output_value(graph), module)
+    if not (is_op(root, "add") and len(root.args) == 2):
+        return None, None
+    buffers = {
+        strip_reshapes(node.args[0], module)
+        for node in graph.nodes
+        if node.op == "call_method" and node.target == "index_add_" and node.args
+    }
+    a, b = (strip_reshapes(arg, module) for arg in root.args)
+    if b in buffers:
+        a, b = b, a
+    if a not in buffers:
+        return None, None
+    return _shared(b, x, module)

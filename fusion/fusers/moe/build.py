@@ -1,0 +1,46 @@
+"""Building the fused block (`FusedMoE`) for a matched MoE block."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fusion.fusers.moe.block import MoEMatch
+from fusion.moe_modules import FusedMoE, PackedExperts
+
+
+def build_fused(
+    module: nn.Module, found: MoEMatch, backend: str
+) -> tuple[FusedMoE, PackedExperts | None]:
+    """The fused block for `module` (sharing its parameters, except that Transformers 4
+    experts are packed into new tensors)."""
+    packed = None
+    experts = module.get_submodule(found.experts_name)
+    if found.style == "modulelist":
+        assert found.expert_names is not None
+        packed = PackedExperts.from_mlps(experts, found.expert_names)
+        experts = packed
+    router = module.get_submodule(found.router_name)
+    fused = FusedMoE(
+        router_name=found.router_name,
+        router=router,
+        router_weight=found.router_weight.rpartition(".")[2],
+        router_is_linear=found.style == "modulelist",
+        spec=found.spec,
+        experts_name=found.experts_name,
+        experts=experts,
+        activation=found.activation,
+        shared_name=found.shared_name,
+        shared=module.get_submodule(found.shared_name) if found.shared_name else None,
+        shared_gate_name=found.shared_gate_name,
+        shared_gate=module.get_submodule(found.shared_gate_name)
+        if found.shared_gate_name
+        else None,
+        training_sensitive=found.training_sensitive,
+        # The original can run in training mode only when the fused block shares everything
+        # it holds: its children (packed experts are not repacked), and no state of its own,
+        # which block matching (`_other_state`) already refused for every match.
+        eager=module if found.training_sensitive and found.style == "packed" else None,
+        backend=backend,
+    )
+    fused.train(module.training)
+    return fused, packed

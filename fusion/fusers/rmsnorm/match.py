@@ -1,0 +1,212 @@
+"""Matching one norm instance: find the attribute carrying eps, evaluate the forward at every
+dtype point, and accept the first kernel variant whose expression is equal at each of them.
+
+eps is found per class: each float attribute of an instance is set to a marker value in a
+shallow copy and the forward retraced; the attribute whose marker appears is the eps, read per
+instance at fuse time. Anything else an instance carries goes into its instance signature."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion.errors import RewriteRefused
+from fusion.fusers.rmsnorm.diagnose import diagnose
+from fusion.fusers.rmsnorm.expr import Expr, const, walk
+from fusion.fusers.rmsnorm.tracing import NormTrace, evaluate, trace_at
+from fusion.fusers.rmsnorm.variants import (
+    EXTRA,
+    GRID,
+    MARKER,
+    Variant,
+    candidate_variants,
+    kernel_expr,
+)
+from fusion.fusers.rmsnorm.writes import check_write_free
+from fusion.signature import MODULE_INTERNALS, plain_attributes
+from fusion.trace import forward_parameters
+
+
+@dataclass(frozen=True)
+class NormMatch:
+    """What one kind of instance computes, and where its eps lives."""
+
+    variant: Variant
+    eps_attr: str
+    eps_default_rule: bool
+    """True when eps flows into `F.rms_norm`, whose `eps=None` means machine epsilon."""
+    verified: frozenset
+    weight_name: str | None
+    carried_buffers: tuple[str, ...]
+    """Non-persistent buffers the computation never reads, carried over unchanged."""
+
+
+def instance_signature(module: nn.Module, eps_attr: str | None) -> tuple:
+    """Everything about an instance that could change its traced computation, except eps
+    (read per instance) and the weight's values/dtype (the match covers every dtype)."""
+    items = plain_attributes(module, skip=(eps_attr,) if eps_attr else ())
+    params = tuple((n, p.ndim) for n, p in module.named_parameters(recurse=False))
+    buffers = tuple(sorted(n for n, _ in module.named_buffers(recurse=False)))
+    return (items, params, buffers)
+
+
+def _eps_candidates(module: nn.Module) -> list[str]:
+    """Instance attributes that could hold eps: numbers (not flags) and Nones."""
+    return [
+        key
+        for key, value in sorted(module.__dict__.items())
+        if key not in MODULE_INTERNALS
+        and not key.startswith("__")
+        and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)))
+    ]
+
+
+def _eps_in_place(expr: Any) -> bool:
+    """Is the marker added to a mean (where an RMSNorm's eps goes)?"""
+    marker = const(MARKER)
+    return any(
+        e.op == "add" and marker in e.args and any(a.op == "mean" for a in e.args)
+        for e in walk(expr)
+    )
+
+
+def _weight_name(module: nn.Module) -> str | None:
+    params = list(module.named_parameters(recurse=False))
+    if len(params) > 1:
+        raise RewriteRefused(f"{len(params)} parameters; an RMSNorm has at most one")
+    if not params:
+        return None
+    name, param = params[0]
+    if name != "weight":
+        raise RewriteRefused(f"parameter is named {name}; FusedRMSNorm keeps `weight`")
+    if param.ndim != 1:
+        raise RewriteRefused(f"parameter {name} is {param.ndim}-D, not a per-channel weight")
+    return name
+
+
+def _points(has_weight: bool) -> tuple[list[tuple], list[tuple]]:
+    """(required, extra) (input dtype, weight dtype) pairs."""
+    wdtypes = GRID if has_weight else (None,)
+    required = [(d, w) for d in GRID for w in wdtypes]
+    extra_w = (*GRID, *EXTRA) if has_weight else (None,)
+    extra = [(d, w) for d in (*GRID, *EXTRA) for w in extra_w if (d, w) not in required]
+    return required, extra
+
+
+def prove_variant(module: nn.Module) -> NormMatch:
+    """Prove which `FusedRMSNorm` variant `module` computes; RewriteRefused says why not.
+
+    The dataflow is judged first (so a LayerNorm or a gated norm is refused as such), then
+    the source is checked free of in-place writes, which the dataflow cannot show."""
+    extra = [
+        p.name
+        for p in list(forward_parameters(module).values())[2:]
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if extra:
+        # FusedRMSNorm takes one tensor; a caller passing `gate` (or a residual) must not
+        # meet a module that silently ignores it.
+        raise RewriteRefused(f"gated norm: forward takes a second input ({', '.join(extra)})")
+    weight_name = _weight_name(module)
+    weight = module._parameters[weight_name] if weight_name else None
+    width = int(weight.shape[0]) if weight is not None else 8
+    native = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+    native_w = native if weight is not None else None
+
+    def trace(dtype, wdtype, overrides):
+        return trace_at(module, dtype, wdtype, overrides, weight_name, width)
+
+    eps_attr, marked = _find_eps(
+        module,
+        lambda overrides: trace(native, native_w, overrides),
+        lambda t: evaluate(t, module, native, native_w, weight_name)[0],
+    )
+    overrides = {eps_attr: MARKER}
+    required, extra = _points(weight is not None)
+    exprs: dict[tuple, Any] = {}
+    eps_rule = False
+    for point in (*required, *extra):
+        trace_point = trace(*point, overrides) if marked.guarded else marked
+        exprs[point], through = evaluate(trace_point, module, *point, weight_name)
+        eps_rule = eps_rule or through
+    native_expr = exprs[(native if native in GRID else torch.float32, native_w)]
+    used = {e.op for point in required for e in walk(exprs[point])}
+    if weight is not None and "w" not in used:
+        raise RewriteRefused(f"parameter {weight_name} is not used by the norm's computation")
+    offsets = {0.0} | {
+        e.value
+        for e in walk(native_expr)
+        if e.op == "const" and e.value != MARKER and math.isfinite(e.value)
+    }
+    for variant in candidate_variants(weight is not None, offsets):
+        if all(kernel_expr(variant, *point) == exprs[point] for point in required):
+            verified = frozenset(
+                point
+                for point in (*required, *extra)
+                if kernel_expr(variant, *point) == exprs[point]
+            )
+            check_write_free(module)
+            return NormMatch(
+                variant=variant,
+                eps_attr=eps_attr,
+                eps_default_rule=eps_rule,
+                verified=verified,
+                weight_name=weight_name,
+                carried_buffers=_carried_buffers(module, used),
+            )
+    raise RewriteRefused(
+        diagnose(native_expr, MARKER)
+        or f"computes no FusedRMSNorm variant: {str(native_expr).replace(repr(MARKER), 'eps')}"
+    )
+
+
+def _find_eps(
+    module: nn.Module,
+    trace: Callable[[dict[str, Any]], NormTrace],
+    evaluate_native: Callable[[NormTrace], Any],
+) -> tuple[str, NormTrace]:
+    """(eps attribute, the trace with the marker planted in it), at the module's native dtypes.
+
+    Plants a marker in each candidate attribute until it shows up where eps goes (added to the
+    mean square). An attribute whose marker lands elsewhere (an optional bias set to None,
+    say) is not eps, but it may explain a refusal."""
+    base_expr = evaluate_native(trace({}))
+    _refuse_shape(base_expr)
+    stray: Any = None
+    for key in _eps_candidates(module):
+        if getattr(module, key) == MARKER:
+            continue
+        candidate = trace({key: MARKER})
+        expr = evaluate_native(candidate)
+        if _eps_in_place(expr):
+            return key, candidate
+        if stray is None and any(e.op == "const" and e.value == MARKER for e in walk(expr)):
+            stray = expr
+    reason = diagnose(stray, MARKER) if stray is not None else None
+    raise RewriteRefused(
+        reason or diagnose(base_expr, None) or "eps is not read from an attribute of the module"
+    )
+
+
+def _carried_buffers(module: nn.Module, used: set[str]) -> tuple[str, ...]:
+    """Buffers the computation never reads: non-persistent ones are carried over; a
+    persistent one would vanish from checkpoints, so it refuses."""
+    names = [name for name, _ in module.named_buffers(recurse=False)]
+    if "buffer" in used:
+        raise RewriteRefused("the computation reads a buffer")
+    persistent = [n for n in names if n not in module._non_persistent_buffers_set]
+    if persistent:
+        raise RewriteRefused(f"persistent buffers {persistent} are not part of an RMSNorm")
+    return tuple(names)
+
+
+def _refuse_shape(expr: Any) -> None:
+    if isinstance(expr, (tuple, list)):
+        raise RewriteRefused("returns a tuple, not the normalised tensor")
+    if not isinstance(expr, Expr):
+        raise RewriteRefused("returns no tensor")

@@ -1,0 +1,38 @@
+"""fusion.numerics: the one error measure (and its NaN rule) and the tolerance rule, shared by
+the harness's parity oracle, the fusers' self-checks and the tests (the rule's own cases are
+in tests/harness/test_parity.py, through the harness's names)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusion import numerics
+from harness import parity
+
+
+def test_the_harness_oracle_uses_these_very_functions() -> None:
+    for name in ("Verdict", "judge", "tolerance", "dtype_floor", "relative_error", "compare"):
+        assert getattr(parity, name) is getattr(numerics, name), name
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_output_never_passes_a_fixed_limit(bad: float) -> None:
+    reference = torch.tensor([1.0, 2.0, 3.0])
+    error = numerics.relative_error(torch.tensor([1.0, bad, 3.0]), reference)
+    assert math.isnan(error)
+    assert not error <= 1e30  # how a fuser's self-check asks it
+
+
+def test_a_nan_in_the_reference_is_never_matched() -> None:
+    reference = torch.tensor([math.nan, 1.0])
+    assert numerics.relative_error(torch.tensor([0.0, 1.0]), reference) == math.inf
+    assert math.isnan(numerics.relative_error(reference.clone(), reference))
+
+
+def test_the_error_is_max_normalised_in_float64() -> None:
+    reference = torch.tensor([1.0, -4.0], dtype=torch.float32)
+    actual = torch.tensor([1.5, -4.0], dtype=torch.bfloat16)
+    assert numerics.relative_error(actual, reference) == pytest.approx(0.125)
