@@ -15,9 +15,13 @@ from tests.harness.fakes import FAKE_FUSER, faulty_fuse, nan_change, raising_cha
 
 MLP0 = "model.layers.0.mlp"
 
+OFF = CheckOptions(lifecycle="off")
+"""Options for checks of fake fusers: they rebind forwards with closures, which the
+lifecycle checks (tests/harness/test_lifecycle.py) rightly fail."""
+
 
 def _check(llama, inputs, fuse):
-    return check_model("llama", llama, inputs, CheckOptions(), fuse=fuse).result
+    return check_model("llama", llama, inputs, OFF, fuse=fuse).result
 
 
 def test_real_fusion_of_llama_passes():
@@ -106,7 +110,7 @@ def test_fuse_raising_is_recorded(llama, llama_inputs):
 
 def test_a_model_that_does_not_run_is_a_forward_error(llama, llama_inputs):
     inputs = {**llama_inputs, "input_ids": llama_inputs["input_ids"] + 10**6}  # out of vocab
-    result = check_model("llama", llama, inputs, CheckOptions(), fuse=faulty_fuse(MLP0)).result
+    result = check_model("llama", llama, inputs, OFF, fuse=faulty_fuse(MLP0)).result
     assert result.status == "forward-error"
     assert result.message.startswith("unfused model does not run: IndexError")
     assert result.applied == {FAKE_FUSER: 1}  # fusion still reported
@@ -125,7 +129,7 @@ def test_the_unfused_model_is_left_unfused(llama, llama_inputs):
 
 
 def test_subject_holds_a_json_config_and_the_applied_records(llama, llama_inputs):
-    checked = check_model("llama", llama, llama_inputs, CheckOptions(), fuse=faulty_fuse(MLP0))
+    checked = check_model("llama", llama, llama_inputs, OFF, fuse=faulty_fuse(MLP0))
     subject = checked.subject
     assert subject.model_type == "llama"
     assert subject.config["hidden_size"] == llama.config.hidden_size
