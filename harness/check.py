@@ -163,47 +163,9 @@ def check_model(
         return Checked(
             _result(name, options, started, "forward-error", message, **fusion_fields), subject
         )
-    try:
-        with localise.default_dtype(torch.float64):
-            runs.reference = _forward(reference, inputs, torch.float64)
-    except Exception as exc:
-        runs.reference_error = exc
-    try:
-        runs.fused = _forward(fused, inputs, options.torch_dtype)
-    except Exception as exc:
-        runs.fused_error = exc
-
-    mask = parity.token_mask(inputs.get("attention_mask"))
-    checks = localise.check_modules(
-        runs.calls,
-        unfused=model,
-        fused=fused,
-        reference=reference,
-        dtype=options.torch_dtype,
-        mask=mask,
-    )
-    modules = [module_result(check, applied[check.qualname]) for check in checks]
-    failures = [_module_failure(check, applied[check.qualname]) for check in checks]
-    failures = [f for f in failures if f is not None]
-    verdict = None
-    if runs.fused_error is not None:
-        failures.insert(0, _failure("fused-forward-error", None, None, None, runs.fused_error))
-        status, message = "fused-error", failures[0].message
-    elif runs.reference_error is not None:
-        reason = f"float64 reference does not run: {localise.one_line(runs.reference_error)}"
-        verdict = parity.Verdict("inconclusive", math.nan, math.nan, math.nan, reason)
-        status, message = _overall(verdict, modules)
-    else:
-        verdict = parity.compare(
-            logits_of(runs.fused),
-            logits_of(runs.unfused),
-            logits_of(runs.reference),
-            dtype=options.torch_dtype,
-            mask=mask,
-        )
-        if verdict.status == "fail":
-            failures.insert(0, _model_failure(verdict))
-        status, message = _overall(verdict, modules)
+    _run_reference_and_fused(runs, reference, fused, inputs, options.torch_dtype)
+    judged = _judge(runs, model, fused, reference, inputs, options, applied)
+    status, message = judged.status, judged.message
     cycle: dict[str, dict[str, str]] = {}
     if runs.fused_error is None:
         cycle = lifecycle.check(
@@ -216,7 +178,8 @@ def check_model(
             logits_of(runs.fused),
             mode=options.lifecycle,
         )
-        status, message = _with_lifecycle(status, message, cycle, failures)
+        status, message = _with_lifecycle(status, message, cycle, judged.failures)
+    verdict = judged.verdict
     result = _result(
         name,
         options,
@@ -227,11 +190,84 @@ def check_model(
         unfused_error=verdict.unfused_error if verdict else None,
         fused_error=verdict.fused_error if verdict else None,
         tolerance=verdict.tolerance if verdict else None,
-        modules=modules,
-        failures=failures,
+        modules=judged.modules,
+        failures=judged.failures,
         lifecycle=cycle,
     )
     return Checked(result, subject)
+
+
+def _run_reference_and_fused(
+    runs: _Forwards,
+    reference: nn.Module,
+    fused: nn.Module,
+    inputs: Mapping[str, Any],
+    dtype: torch.dtype,
+) -> None:
+    """The float64 reference and the fused forwards, each error kept in `runs` (not raised):
+    a reference that cannot run makes the verdict inconclusive, a fused one that raises is
+    the fused-error verdict."""
+    try:
+        with localise.default_dtype(torch.float64):
+            runs.reference = _forward(reference, inputs, torch.float64)
+    except Exception as exc:
+        runs.reference_error = exc
+    try:
+        runs.fused = _forward(fused, inputs, dtype)
+    except Exception as exc:
+        runs.fused_error = exc
+
+
+@dataclass
+class _Judged:
+    status: str
+    message: str
+    verdict: parity.Verdict | None
+    modules: list[ModuleResult]
+    failures: list[Failure]
+
+
+def _judge(
+    runs: _Forwards,
+    model: nn.Module,
+    fused: nn.Module,
+    reference: nn.Module,
+    inputs: Mapping[str, Any],
+    options: CheckOptions,
+    applied: dict[str, list],
+) -> _Judged:
+    """Per-module verdicts (harness.localise) and the model verdict on the logits, with the
+    failures they record, the first naming where to look."""
+    mask = parity.token_mask(inputs.get("attention_mask"))
+    checks = localise.check_modules(
+        runs.calls,
+        unfused=model,
+        fused=fused,
+        reference=reference,
+        dtype=options.torch_dtype,
+        mask=mask,
+    )
+    modules = [module_result(check, applied[check.qualname]) for check in checks]
+    failures = [_module_failure(check, applied[check.qualname]) for check in checks]
+    failures = [f for f in failures if f is not None]
+    if runs.fused_error is not None:
+        failures.insert(0, _failure("fused-forward-error", None, None, None, runs.fused_error))
+        return _Judged("fused-error", failures[0].message, None, modules, failures)
+    if runs.reference_error is not None:
+        reason = f"float64 reference does not run: {localise.one_line(runs.reference_error)}"
+        verdict = parity.Verdict("inconclusive", math.nan, math.nan, math.nan, reason)
+    else:
+        verdict = parity.compare(
+            logits_of(runs.fused),
+            logits_of(runs.unfused),
+            logits_of(runs.reference),
+            dtype=options.torch_dtype,
+            mask=mask,
+        )
+        if verdict.status == "fail":
+            failures.insert(0, _model_failure(verdict))
+    status, message = _overall(verdict, modules)
+    return _Judged(status, message, verdict, modules, failures)
 
 
 def _with_lifecycle(
