@@ -9,6 +9,7 @@ keys are unchanged; only a Transformers 4 `ModuleList` of expert MLPs is repacke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,17 @@ from fusion.params import apply_state, common_state
 DtypeRule = torch.dtype | str | None
 """A dtype a routing step casts to: a fixed dtype, `"input"` (the block input's dtype),
 `"logits"` (the router logits' dtype), or None (no cast)."""
+
+
+class GroupLimit(NamedTuple):
+    """Group-limited routing (DeepSeek V3): experts may only come from the `kept` of
+    `groups` groups whose best `per_group_k` choice values sum highest; `sorted` is the
+    group top-k's own flag."""
+
+    groups: int
+    kept: int
+    per_group_k: int
+    sorted: bool
 
 
 @dataclass(frozen=True)
@@ -37,10 +49,8 @@ class RouteStep:
     dtype: DtypeRule = None
     value: float | int | None = None
     sorted: bool = True
-    groups: tuple[int, int, int, bool] | None = None
-    """`select` only: (groups, groups kept, per-group top-k, sorted) of group-limited
-    routing: experts may only come from the groups whose best `per-group top-k` choice
-    values sum highest."""
+    groups: GroupLimit | None = None
+    """`select` only: the group limit, when routing is group-limited."""
     bias: str | None = None
     """`select` only: the router buffer added to the scores for the choice (not to the
     weights), e.g. DeepSeek V3's `e_score_correction_bias`."""
@@ -71,7 +81,7 @@ class RouteSpec:
                 bias = f" of scores + {step.bias}" if step.bias else ""
                 groups = ""
                 if step.groups:
-                    groups = f" in the best {step.groups[1]} of {step.groups[0]} groups"
+                    groups = f" in the best {step.groups.kept} of {step.groups.groups} groups"
                 names.append(f"top-{step.value}{bias}{groups}")
             elif step.kind == "renorm":
                 names.append("renormalise")
@@ -153,7 +163,7 @@ def _select(
     """Expert ids of a `select` step, with the ops (and their order) of DeepSeek V3's router."""
     choice = scores if step.bias is None else scores + buffers[step.bias]
     if step.groups is not None:
-        groups, kept, per_group_k, group_sorted = step.groups
+        groups, kept, per_group_k, group_sorted = step.groups  # a GroupLimit
         experts = choice.shape[-1]
         grouped = choice.view(-1, groups, experts // groups)
         group_scores = grouped.topk(per_group_k, dim=-1)[0].sum(dim=-1)

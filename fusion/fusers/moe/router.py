@@ -20,7 +20,7 @@ from torch import fx, nn
 
 from fusion.errors import RewriteRefused
 from fusion.graph import call_arg, first_input, is_op, output_value, peel, strip_reshapes
-from fusion.moe_modules import DtypeRule, RouteSpec, RouteStep
+from fusion.moe_modules import DtypeRule, GroupLimit, RouteSpec, RouteStep
 from fusion.trace import trace
 
 
@@ -142,8 +142,9 @@ def _user(node: fx.Node, predicate: Callable[[fx.Node], bool]) -> fx.Node | None
     return next((u for u in node.users if predicate(u)), None)
 
 
-def _groups(masked: fx.Node, choice: fx.Node, topks: list[fx.Node]) -> tuple[int, int, int, bool]:
-    """(groups, groups kept, per-group top-k, sorted) of DeepSeek's group-limited choice:
+def _groups(masked: fx.Node, choice: fx.Node, topks: list[fx.Node]) -> GroupLimit:
+    """The `GroupLimit` (groups, groups kept, per-group top-k, sorted) of DeepSeek's
+    group-limited choice:
 
         group_scores = choice.view(-1, G, E // G).topk(PK, dim=-1)[0].sum(dim=-1)
         kept = topk(group_scores, k=TG, dim=-1)[1]
@@ -197,7 +198,7 @@ def _groups(masked: fx.Node, choice: fx.Node, topks: list[fx.Node]) -> tuple[int
         raise refuse
     if not all(isinstance(v, int) for v in (groups, per_group, kept_groups, per_group_k)):
         raise refuse
-    return groups, kept_groups, per_group_k, group_sorted
+    return GroupLimit(groups, kept_groups, per_group_k, group_sorted)
 
 
 def _selection(
