@@ -104,23 +104,6 @@ def test_state_dict_is_the_unfused_layout(model_type: str) -> None:
     assert not fused.state_dict()[key].any()
 
 
-def test_mixed_bias_zero_slices_take_no_gradient() -> None:
-    """A merged bias holds exact zeros for a bias-less shard: after a training step those
-    zeros stay zeros (no gradient reaches them), so the shard stays bias-less."""
-    module = hazards.Attention()
-    module.k_proj = nn.Linear(32, 16, bias=True)
-    fused = copy.deepcopy(module)
-    fusion.fuse(fused)
-    optimizer = torch.optim.SGD(fused.parameters(), lr=0.5)
-    x = torch.randn(2, 5, 32)
-    fused(x).square().sum().backward()
-    optimizer.step()
-    merged = next(m for m in fused.modules() if type(m).__name__ == "MergedLinear")
-    sizes = merged.output_sizes
-    q_bias, _, v_bias = merged.bias.detach().split(sizes)
-    assert not q_bias.any() and not v_bias.any()
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_unfused_named_maps_gradients_and_absent_ones(model_type: str) -> None:
     """Gradients keyed like `named_parameters()` map to the unfused names with the unfused

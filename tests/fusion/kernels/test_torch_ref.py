@@ -1,0 +1,86 @@
+"""`fusion.kernels.torch_ref`: the reference kernels compute the functions their docstrings
+define, checked against the plainest spelling of each (a per-token loop, the Llama and Gemma
+norms written out)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion.kernels import torch_ref
+
+
+def _loop_experts(hidden, gate_up, down, ids, weights, activation):
+    """Transformers' eager expert loop, token by token: each routed product rounded to the
+    input dtype, then summed."""
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            projected = hidden[t] @ gate_up[e].t()
+            inter = projected.shape[-1] // 2
+            act = torch_ref.ACTIVATIONS[activation](projected[:inter]) * projected[inter:]
+            out[t] += (weights[t, k] * (act @ down[e].t())).to(hidden.dtype)
+    return out
+
+
+@pytest.mark.parametrize("activation", sorted(torch_ref.ACTIVATIONS))
+@pytest.mark.parametrize("grad", [False, True])
+def test_moe_experts_is_the_expert_loop(activation: str, grad: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 16, generator=g, dtype=torch.float64)
+    gate_up = torch.randn(4, 24, 16, generator=g, dtype=torch.float64, requires_grad=grad)
+    down = torch.randn(4, 16, 12, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=g, dtype=torch.float64)
+    got = torch_ref.moe_experts(hidden, gate_up, down, ids, weights, activation)
+    want = _loop_experts(hidden, gate_up, down, ids, weights, activation)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if grad:
+        got.sum().backward()
+        assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+
+
+def test_moe_experts_with_no_tokens_or_no_choices_is_zeros() -> None:
+    gate_up, down = torch.randn(2, 8, 4), torch.randn(2, 4, 4)
+    empty = torch_ref.moe_experts(
+        torch.randn(0, 4),
+        gate_up,
+        down,
+        torch.zeros(0, 1, dtype=torch.long),
+        torch.ones(0, 1),
+        "silu",
+    )
+    assert empty.shape == (0, 4)
+    none = torch_ref.moe_experts(
+        torch.randn(3, 4),
+        gate_up,
+        down,
+        torch.zeros(3, 0, dtype=torch.long),
+        torch.ones(3, 0),
+        "silu",
+    )
+    assert torch.equal(none, torch.zeros(3, 4))
+
+
+def test_act_and_mul_gate_first() -> None:
+    x = torch.randn(3, 10)
+    assert torch.equal(torch_ref.act_and_mul(x, "silu"), F.silu(x[:, :5]) * x[:, 5:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_llama_and_gemma_orders(dtype: torch.dtype) -> None:
+    """`weight_after_cast` is Llama's order; without it Gemma's `(1 + w)` in float32; both
+    bit-identical to the modules' own spelling."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 32, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    llama = w * h.to(dtype)
+    assert torch.equal(torch_ref.rms_norm(x, w, 1e-6), llama)
+    gemma = (h * (1.0 + w.float())).to(dtype)
+    got = torch_ref.rms_norm(x, w, 1e-6, offset=1.0, weight_after_cast=False)
+    assert torch.equal(got, gemma)
+    assert torch.equal(torch_ref.rms_norm(x, None, 1e-6), h.to(dtype))
