@@ -13,7 +13,10 @@ they live here rather than next to one package's tests.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -34,3 +37,13 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="package")
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one intra-op thread (as the sweep's workers do, and as
+    xdist supplies the parallelism); packages that time or sweep models use it autouse."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -13,18 +13,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.check import CheckOptions
 
 
 @pytest.fixture(scope="package", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one intra-op thread; xdist supplies the parallelism."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def _single_thread(one_thread) -> None:
+    """Every test of this package runs on one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
