@@ -56,15 +56,15 @@ K_BLOCK = 128
 """Reduction block length: each GEMM sums `K_BLOCK` products in registers, then adds the
 block's result to the running sum (MKL-like accuracy; see the module docstring)."""
 
-MIN_OUTPUTS = 16384
-"""Smallest GEMM (rows x output features) that goes to oneDNN; smaller ones take `mm`.
-Each oneDNN call (one per reduction block) costs ~10 us of fixed overhead on a 2-core Zen 4
-against ~3 us for `mm`, so below this size `mm` is faster. Measured there (float32, one
-thread, mm time / oneDNN time): N=512 breaks even at 16 rows (0.96-1.02) and wins 1.5x at 64;
-N=2048 wins 1.4x at 4 rows and 2.1x at 64; the threshold (32 rows of N=512, 8 of N=2048)
-leaves a margin. A fixed shape rule, not a timing, so the same inputs always take the same
-path (reproducible rounding). When every expert of a call is below it, the call runs as one
-`grouped_mm` per projection instead."""
+MIN_ROWS = 64
+"""Fewest rows an expert's GEMM needs to go to oneDNN; fewer take `mm`. Every oneDNN GEMM
+first copies its weight's `K_BLOCK`-wide blocks (the price of reading the live weight, see
+the module docstring), a cost of the weight's size that only enough rows amortise. Measured
+on a 2-core Zen 4 (AVX-512), float32, one thread, `mm` time / blocked-copy oneDNN time:
+16 rows 0.62-1.04, 64 rows 1.16-1.63, 256 rows 1.75-1.98 (N, K in 512-2048). A fixed shape
+rule, not a timing, so the same inputs always take the same path (reproducible rounding).
+When every expert of a call is below it, the call runs as one `grouped_mm` per projection
+instead."""
 
 AUTO_CAPABILITIES = frozenset({"AVX512"})
 """ATen CPU capabilities (`torch.backends.cpu.get_cpu_capability()`) on which `auto` picks
@@ -206,8 +206,7 @@ class OneDnnKernels(torch_ref.TorchKernels):
         if num_tokens == 0 or topk_ids.shape[-1] == 0:
             return hidden.new_zeros(hidden.shape)
         routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
-        largest = max(routed.counts) * max(gate_up.shape[1], down.shape[1])
-        if largest < MIN_OUTPUTS and _grouped_mm_ok(gate_up, down):
+        if max(routed.counts) < MIN_ROWS and _grouped_mm_ok(gate_up, down):
             expert_out = self._small(routed, gate_up, down, activation)
         else:
             expert_out = self._chain(routed, gate_up, down, activation)
@@ -246,8 +245,8 @@ class OneDnnKernels(torch_ref.TorchKernels):
 
     @staticmethod
     def _gemm(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
-        """`x @ weights[expert].t()`: oneDNN from `MIN_OUTPUTS` outputs up, else `mm`."""
-        if x.shape[0] * weights.shape[1] >= MIN_OUTPUTS:
+        """`x @ weights[expert].t()`: oneDNN from `MIN_ROWS` rows up, else `mm`."""
+        if x.shape[0] >= MIN_ROWS:
             return linear(x, weights[expert])
         return torch.mm(x, weights[expert].t())
 

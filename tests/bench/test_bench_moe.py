@@ -15,21 +15,26 @@ side of the ratio), at 16, 64 and 512 tokens, whole block timed (routing include
 All share one set of weights.
 
 Measured (2-core AMD EPYC Zen 4 with AVX-512, torch 2.13.0+cpu, Transformers 5.24.0, float32,
-one torch thread, `time.process_time`, quiet machine; medians; ratio = other / `fused`):
+one torch thread, `time.process_time`, glibc malloc thresholds as `tox -e bench` sets them,
+another process busy on the other core; medians; ratio = other / `fused`), after the oneDNN
+backend stopped caching packed weights (it copies each weight block per call, coherent with
+any write; it takes only experts with 64+ rows):
 
     intermediate  tokens  vs eager loop  vs hf[grouped_mm]  fused[torch] vs eager
-    256           16      1.39x          1.04x              1.29x
-    256           64      1.22x          1.04x              1.21x
-    256           512     1.65x          1.67x              1.02x
-    1024          16      1.01x          1.02x              1.03x
-    1024          64      1.34x          1.34x              0.94x
-    1024          512     1.86x          1.86x              1.04x
+    256           16      1.43x          1.03x              1.30x
+    256           64      1.18x          1.04x              1.17x
+    256           512     1.40x          1.43x              1.03x
+    1024          16      1.00x          1.05x              0.95x
+    1024          64      1.02x          0.99x              1.05x
+    1024          512     1.65x          1.60x              1.06x
 
 With MKL's `mm` (`fused[torch]`, as both Transformers paths) the expert GEMMs are ~96% of
-the block at I=1024 and grouping alone ties; the win at 64+ tokens is oneDNN's GEMMs
-(`fusion.kernels.onednn_backend`). At 16 tokens every expert gets ~4 rows, too few for
-oneDNN, and the backend runs `grouped_mm` (a tie). See conftest.py for running and reading the results; on
-a shared CPU pass `--benchmark-timer=time.process_time` with `FUSION_BENCH_THREADS=1` so
+the block and grouping alone ties; the win at 512 tokens is oneDNN's GEMMs
+(`fusion.kernels.onednn_backend`). Below 64 rows per expert (16 and 64 tokens here: ~4 and
+~16 rows) the backend runs `mm`/`grouped_mm`, a tie. (The cached-pack version measured
+1.22-1.34x at 64 tokens, but went stale on `p.data` writes.)
+
+See conftest.py for running and reading the results; on a shared CPU pass `--benchmark-timer=time.process_time` with `FUSION_BENCH_THREADS=1` so
 time other processes take from the cores is not charged to the kernel.
 """
 

@@ -202,7 +202,7 @@ def test_fused_model_sees_data_writes_after_the_first_forward() -> None:
             param.normal_(0.0, 0.05)
     holder = nn.Sequential(copy.deepcopy(block))
     assert fusion.fuse(holder, backend="onednn").counts() == {"moe": 1}
-    x = torch.randn(1, 128, 256)
+    x = torch.randn(1, 256, 256)  # ~128 rows per expert: the oneDNN path
     with torch.no_grad():
         assert numerics.relative_error(holder[0](x), block(x).double()) < 1e-5
         for model in (block, holder):
@@ -280,7 +280,7 @@ def test_fused_mixtral_block_passes_the_parity_oracle() -> None:
 def test_moe_experts_pass_the_parity_oracle_on_random_shapes(
     tokens: int, hidden: int, inter: int, experts: int, data: st.DataObject
 ) -> None:
-    """Any shape and routing (skewed, with idle experts, crossing `MIN_OUTPUTS` and `K_BLOCK`
+    """Any shape and routing (skewed, with idle experts, crossing `MIN_ROWS` and `K_BLOCK`
     boundaries): against float64 the backend's float32 error passes `fusion.numerics.judge`
     against the reference kernel's, the rule the harness applies to every fused module."""
     top_k = data.draw(st.integers(1, experts), label="top_k")
