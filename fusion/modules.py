@@ -1,7 +1,8 @@
 """Fused nn.Modules that replace the matched Transformers submodules.
 
 Each holds exactly the state of what it replaces (stacked, never re-initialised) and calls
-its kernel through `fusion.kernels`, so a backend can be swapped without refusing.
+its kernel through `fusion.kernels.ops` (the backend chosen per call; a registered operator
+while `torch.compile` traces), so a backend can be swapped without refusing.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion import kernels
+from fusion.kernels import ops
 from fusion.params import apply_state, common_state
 
 
@@ -117,7 +118,7 @@ class ActAndMul(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.get(self.backend, x.device).act_and_mul(x, self.activation)
+        return ops.act_and_mul(self.backend, x, self.activation)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}, backend={self.backend}"
@@ -180,7 +181,8 @@ class FusedRMSNorm(nn.Module):
         eps = self.eps
         if eps is None:
             eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
-        return kernels.get(self.backend, x.device).rms_norm(
+        return ops.rms_norm(
+            self.backend,
             x,
             weight,
             eps,

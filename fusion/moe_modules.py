@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion import kernels
+from fusion.kernels import ops
 from fusion.params import apply_state, common_state
 
 DtypeRule = torch.dtype | str | None
@@ -317,8 +317,8 @@ class FusedMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.route(x)
         experts = getattr(self, self.experts_name)
-        out = kernels.get(self.backend, x.device).moe_experts(
-            x, experts.gate_up_proj, experts.down_proj, ids, weights, self.activation
+        out = ops.moe_experts(
+            self.backend, x, experts.gate_up_proj, experts.down_proj, ids, weights, self.activation
         )
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
