@@ -1,0 +1,248 @@
+"""A pytest plugin that runs any test suite under fusion.
+
+    python -m pytest -p harness.pytest_fusion --fusion tests/          # fuse every model
+    python -m pytest -p harness.pytest_fusion --fusion-outcomes base.jsonl tests/
+    python -m pytest -p harness.pytest_fusion --fusion --fusion-outcomes fused.jsonl tests/
+    python -m harness.pytest_fusion base.jsonl fused.jsonl             # what fusion broke
+
+With `--fusion`, every Transformers `PreTrainedModel` the tests build is passed through
+`fusion.fuse`, once per model:
+
+- right after construction (`post_init`, which every model's `__init__` ends with). A model
+  built inside another model's `__init__` (a text model inside a causal LM, a vision tower)
+  is not fused on its own: the outer model is fused whole when its own construction ends.
+- right after `from_pretrained` returns, not during it: the loader writes the checkpoint's
+  unfused keys into the model it constructed, which must therefore still be unfused.
+
+Each test's fusions (model class, fusions per fuser) and outcome are recorded; with
+`--fusion-outcomes FILE` one JSON line per test is written (also without `--fusion`, for the
+baseline run), and `python -m harness.pytest_fusion BASE FUSED` lists the tests that pass
+unfused and fail fused, grouped by cause (the exception type and the first line of its
+message, numbers folded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_STATE = threading.local()
+"""Per thread: `loading` (depth of from_pretrained calls) and `fused` (records of the
+current test). Explicit and per-thread: a test that builds models in threads records each."""
+
+_KEY = pytest.StashKey[dict[str, Any]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fusion", "run the suite with every Transformers model fused")
+    group.addoption(
+        "--fusion",
+        action="store_true",
+        help="fuse every PreTrainedModel the tests build (after construction and after "
+        "from_pretrained), with fusion.fuse",
+    )
+    group.addoption(
+        "--fusion-backend", default="auto", help="kernel backend for fusion.fuse (default auto)"
+    )
+    group.addoption(
+        "--fusion-outcomes",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write one JSON line per test: outcome, failure cause and the fusions applied",
+    )
+
+
+def _records() -> list[dict[str, Any]]:
+    if not hasattr(_STATE, "fused"):
+        _STATE.fused = []
+    return _STATE.fused
+
+
+def _loading() -> int:
+    return getattr(_STATE, "loading", 0)
+
+
+def _inside_outer_init(model: Any) -> bool:
+    """Is `model` being built inside the `__init__` of another PreTrainedModel?"""
+    from transformers import PreTrainedModel
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if owner is not model and isinstance(owner, PreTrainedModel):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _fuse(model: Any, backend: str, when: str) -> None:
+    import fusion
+
+    if getattr(model, "_fusion_plugin_fused", False):
+        return
+    report = fusion.fuse(model, backend=backend)
+    object.__setattr__(model, "_fusion_plugin_fused", True)
+    _records().append(
+        {"model": type(model).__name__, "when": when, "applied": dict(report.counts())}
+    )
+
+
+@contextlib.contextmanager
+def _patched(backend: str) -> Iterator[None]:
+    """Wrap `post_init` and `from_pretrained` of `PreTrainedModel` for the session."""
+    from transformers import PreTrainedModel
+
+    original_post_init = PreTrainedModel.post_init
+    original_from_pretrained = PreTrainedModel.from_pretrained.__func__
+
+    def post_init(self, *args, **kwargs):
+        result = original_post_init(self, *args, **kwargs)
+        if not _loading() and not _inside_outer_init(self):
+            _fuse(self, backend, "constructed")
+        return result
+
+    def from_pretrained(cls, *args, **kwargs):
+        _STATE.loading = _loading() + 1
+        try:
+            model = original_from_pretrained(cls, *args, **kwargs)
+        finally:
+            _STATE.loading -= 1
+        if not _loading():
+            fused = model[0] if isinstance(model, tuple) else model
+            if isinstance(fused, PreTrainedModel):
+                _fuse(fused, backend, "from_pretrained")
+        return model
+
+    PreTrainedModel.post_init = post_init
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        PreTrainedModel.post_init = original_post_init
+        PreTrainedModel.from_pretrained = classmethod(original_from_pretrained)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    state: dict[str, Any] = {"outcomes": {}, "patch": None}
+    config.stash[_KEY] = state
+    if config.getoption("--fusion"):
+        patch = _patched(config.getoption("--fusion-backend"))
+        patch.__enter__()
+        state["patch"] = patch
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(_KEY, None)
+    if state is None:
+        return
+    if state["patch"] is not None:
+        state["patch"].__exit__(None, None, None)
+    path = config.getoption("--fusion-outcomes")
+    if path is not None:
+        lines = [json.dumps({"test": k, **v}, sort_keys=True) for k, v in state["outcomes"].items()]
+        Path(path).write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _STATE.fused = []
+    try:
+        return (yield)
+    finally:
+        _STATE.fused = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    records = list(_records())
+    if records:
+        report.user_properties.append(("fusion", records))
+    state = item.config.stash.get(_KEY, None)
+    if state is None:
+        return report
+    entry = state["outcomes"].setdefault(
+        item.nodeid, {"outcome": "passed", "cause": None, "fusions": []}
+    )
+    entry["fusions"] = records
+    if report.failed and entry["outcome"] != "failed":
+        entry["outcome"], entry["cause"] = "failed", cause_of(call)
+    elif report.skipped and report.when in ("setup", "call") and entry["outcome"] == "passed":
+        entry["outcome"] = "skipped"
+    return report
+
+
+def cause_of(call: pytest.CallInfo) -> str:
+    """A failure's cause: exception type and first message line, numbers and addresses
+    folded, so the same defect in many tests is one group."""
+    excinfo = call.excinfo
+    if excinfo is None:
+        return "unknown"
+    first = str(excinfo.value).strip().splitlines()[0] if str(excinfo.value).strip() else ""
+    first = re.sub(r"0x[0-9a-fA-F]+", "0x_", first)
+    first = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", first)
+    return f"{excinfo.type.__name__}: {first[:200]}"
+
+
+def compare(base: dict[str, dict], fused: dict[str, dict]) -> dict[str, list[str]]:
+    """{cause: [tests]} of the tests that passed in `base` and fail in `fused`."""
+    groups: dict[str, list[str]] = {}
+    for test, outcome in fused.items():
+        if outcome["outcome"] == "failed" and base.get(test, {}).get("outcome") == "passed":
+            groups.setdefault(outcome["cause"] or "unknown", []).append(test)
+    return dict(sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+
+
+def _load(path: Path) -> dict[str, dict]:
+    outcomes = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            record = json.loads(line)
+            outcomes[record["test"]] = record
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{path}:{number}: not an outcomes line ({exc})") from None
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.pytest_fusion",
+        description="Tests that pass unfused and fail fused, grouped by cause, from two "
+        "--fusion-outcomes files. Exit status 1 when there is any.",
+    )
+    parser.add_argument("base", type=Path, help="outcomes of the run without --fusion")
+    parser.add_argument("fused", type=Path, help="outcomes of the run with --fusion")
+    args = parser.parse_args(argv)
+    base, fused = _load(args.base), _load(args.fused)
+    groups = compare(base, fused)
+    fusions: Counter[str] = Counter()
+    for outcome in fused.values():
+        for record in outcome.get("fusions", []):
+            fusions.update(record["applied"])
+    passed = sum(o["outcome"] == "passed" for o in base.values())
+    broken = sum(len(tests) for tests in groups.values())
+    print(f"{passed} tests pass unfused; {broken} of them fail fused")
+    print(
+        "fusions applied: " + (", ".join(f"{f} {n}" for f, n in sorted(fusions.items())) or "none")
+    )
+    for cause, tests in groups.items():
+        print(f"\n{len(tests)} x {cause}")
+        for test in tests:
+            print(f"    {test}")
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
