@@ -12,6 +12,7 @@ rewritten around fused children is reported as skipped, "already fused", and lef
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
@@ -102,13 +103,15 @@ def run(
             except RewriteRefused as exc:
                 report.skipped.append(Skipped(qualname, fuser.name, cls_name, str(exc)))
                 continue
-            if not dry_run:
-                if owners is None:
-                    owners = parameter_owners(model)
+            if owners is None:
+                owners = parameter_owners(model)
+            if dry_run:
+                error = _untie_in_a_copy(module, fuser, backend, owners)
+            else:
                 error = _fuse_transactionally(model, qualname, module, fuser, backend, owners)
-                if error is not None:
-                    report.skipped.append(Skipped(qualname, fuser.name, cls_name, error))
-                    continue
+            if error is not None:
+                report.skipped.append(Skipped(qualname, fuser.name, cls_name, error))
+                continue
             redefined = redefined or fuser.redefines_forward
             report.applied.append(_applied(qualname, fuser))
             if fuser.replaces_module:
@@ -210,6 +213,30 @@ def _fuse_transactionally(
         kind = "" if isinstance(exc, RewriteRefused) else f"{type(exc).__name__}: "
         return f"fuse failed, module left unchanged: {kind}{exc}"
     return None
+
+
+def _untie_in_a_copy(
+    module: nn.Module,
+    fuser: Fuser,
+    backend: str,
+    owners: dict[int, list[tuple[str, nn.Module]]],
+) -> str | None:
+    """For a dry run: the reason `fuse` would refuse for breaking a tie, found by fusing a
+    deep copy of `module` (only when it holds tied parameters, so a plan costs no copies
+    otherwise); None when there is no tie to break, or fusing the copy fails otherwise (the
+    plan then reports what validation decided, as before)."""
+    tied = _tied_elsewhere(module, owners)
+    if not tied:
+        return None
+    memo: dict[int, object] = {}
+    copied = copy.deepcopy(module, memo)
+    try:
+        replacement = fuser.fuse(copied, backend)
+    except Exception:
+        return None
+    kept = {id(p) for p in replacement.parameters()}
+    lost = [pair for key, pair in tied.items() if id(memo.get(key)) not in kept]
+    return str(_Untied(lost)) if lost else None
 
 
 class _Untied(Exception):

@@ -135,7 +135,10 @@ def test_a_merge_that_would_untie_weights_is_refused() -> None:
     for name in ("q_proj", "k_proj", "v_proj"):
         getattr(tied["b"], name).weight = getattr(tied["a"], name).weight
     before = {n: p.clone() for n, p in tied.state_dict().items()}
+    planned = fusion.plan(tied)  # a dry run finds the same refusal (by fusing a copy)
+    assert "qkv" not in planned.counts(), str(planned)
     report = fusion.fuse(tied)
+    assert [s.reason for s in planned.skipped] == [s.reason for s in report.skipped]
     assert "qkv" not in report.counts(), str(report)
     reasons = [s.reason for s in report.skipped if s.fuser == "qkv"]
     assert reasons and all("tied to another module's" in r for r in reasons)
