@@ -32,7 +32,10 @@ and grids), `table` (running a case, the rows and the speedup table), `cli` (the
 from __future__ import annotations
 
 from harness.bench.cases import (
+    COMPILED,
     DENSE_SHAPES,
+    END_TO_END,
+    END_TO_END_TOKENS,
     KERNELS,
     MODELS,
     MOE_SHAPES,
@@ -42,6 +45,7 @@ from harness.bench.cases import (
     Case,
     Unavailable,
     VariantUnavailable,
+    end_to_end_cases,
     fused_backends,
     kernel_cases,
     model_cases,
@@ -49,7 +53,14 @@ from harness.bench.cases import (
     norm_eps,
 )
 from harness.bench.cli import DTYPES, add_parser, main, run_from_args
-from harness.bench.table import Row, format_table, machine_info, rows_from_medians, run_case
+from harness.bench.table import (
+    Row,
+    compiled_ratios,
+    format_table,
+    machine_info,
+    rows_from_medians,
+    run_case,
+)
 from harness.bench.timers import (
     MALLOC_ENV,
     CudaEventClock,
@@ -64,8 +75,11 @@ from harness.bench.timers import (
 )
 
 __all__ = [
+    "COMPILED",
     "DENSE_SHAPES",
     "DTYPES",
+    "END_TO_END",
+    "END_TO_END_TOKENS",
     "KERNELS",
     "MALLOC_ENV",
     "MODELS",
@@ -79,9 +93,11 @@ __all__ = [
     "Unavailable",
     "VariantUnavailable",
     "add_parser",
+    "compiled_ratios",
     "copy_bandwidth",
     "default_device",
     "default_dtype",
+    "end_to_end_cases",
     "flush_cache",
     "format_table",
     "fused_backends",

@@ -336,11 +336,24 @@ def kernel_cases(
     return cases
 
 
+COMPILED = ("compiled", "fused+compiled")
+"""Variants of a model case under `torch.compile` (Inductor): the unfused and the fused
+decoder stack, each compiled once (and run once) before timing."""
+
+
 def _model_case(
-    arch: str, config_kwargs: dict, tokens: int, dtype: torch.dtype, device: str, name: str
+    arch: str,
+    config_kwargs: dict,
+    tokens: int,
+    dtype: torch.dtype,
+    device: str,
+    name: str,
+    *,
+    compiled: bool = False,
 ) -> Case:
-    """A 2-layer slice of a real model (real widths, random weights, small vocabulary since
-    only the decoder stack is timed): the unfused decoder forward vs the fused one."""
+    """A slice of a real model (real widths, random weights, small vocabulary since only the
+    decoder stack is timed): the unfused decoder forward vs the fused one, and with
+    `compiled` both under `torch.compile` too (compiled before timing: minutes on a CPU)."""
 
     def make() -> dict[str, Callable[[], Any]]:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -368,6 +381,12 @@ def _model_case(
             if report.applied
             else Unavailable(f"fusion.fuse applied nothing: {report.skipped}")
         )
+        if compiled:
+            for variant, source in zip(COMPILED, (model, fused)):
+                target = copy.deepcopy(source)
+                target.model = torch.compile(target.model)
+                fns[variant] = forward(target)
+                fns[variant]()  # compile now, not inside the timed rounds
         return fns
 
     return Case(
@@ -377,8 +396,75 @@ def _model_case(
         device=device,
         tokens=tokens,
         make=make,
-        variants=(UNFUSED, "fused"),
+        variants=(UNFUSED, "fused", *(COMPILED if compiled else ())),
     )
+
+
+END_TO_END = (
+    # (case name, architecture, config): the models the speed issue measures end to end
+    (
+        "llama-3.2-1b-2L",
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_hidden_layers=2,
+        ),
+    ),
+    (
+        "qwen3-0.6b-4L",
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=4,
+        ),
+    ),
+    (
+        "qwen3-30b-a3b-E32-2L",
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=32,
+            num_experts_per_tok=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_hidden_layers=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+)
+"""Real widths, fewer layers (the per-layer work is what fusion changes)."""
+
+END_TO_END_TOKENS = (1, 16, 128)
+"""Decode, small batch, a prefill chunk."""
+
+
+def end_to_end_cases(
+    device: str,
+    dtype: torch.dtype,
+    *,
+    compiled: bool = False,
+    tokens: Sequence[int] | None = None,
+) -> list[Case]:
+    """One case per `END_TO_END` model and token count: unfused vs fused decoder forward
+    (plus both under `torch.compile` with `compiled`)."""
+    common = dict(vocab_size=1024, max_position_embeddings=8192)
+    return [
+        _model_case(arch, {**common, **config}, t, dtype, device, name, compiled=compiled)
+        for name, arch, config in END_TO_END
+        for t in (tuple(tokens) if tokens else END_TO_END_TOKENS)
+    ]
 
 
 def model_cases(

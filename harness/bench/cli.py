@@ -15,8 +15,8 @@ from dataclasses import asdict
 
 import torch
 
-from harness.bench.cases import KERNELS, MODELS, kernel_cases, model_cases
-from harness.bench.table import Row, format_table, machine_info, run_case
+from harness.bench.cases import KERNELS, MODELS, Case, end_to_end_cases, kernel_cases, model_cases
+from harness.bench.table import Row, compiled_ratios, format_table, machine_info, run_case
 from harness.bench.timers import (
     MALLOC_ENV,
     copy_bandwidth,
@@ -61,6 +61,18 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokens", action="append", type=int, metavar="N", help="token counts (repeatable)"
     )
     parser.add_argument("--full", action="store_true", help="the full grid (long on CPU)")
+    parser.add_argument(
+        "--models",
+        action="store_true",
+        help="end to end instead: Llama-3.2-1B (2 layers), Qwen3-0.6B (4 layers) and "
+        "Qwen3-30B-A3B (32 experts, 2 layers) widths, unfused vs fused decoder forward",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --models: also both under torch.compile (Inductor; compiling takes "
+        "minutes on a CPU), printing fused+compiled vs compiled",
+    )
     parser.add_argument(
         "--budget", type=float, default=0.3, metavar="S", help="seconds per variant (default 0.3)"
     )
@@ -110,6 +122,9 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
     if args.threads:
         torch.set_num_threads(args.threads)
     selected = args.kernel or [*KERNELS, *MODELS]
+    if args.models:
+        cases = end_to_end_cases(device, dtype, compiled=args.compile, tokens=args.tokens)
+        return _run_and_print(cases, args, device, dtype)
     cases = kernel_cases(
         device,
         dtype,
@@ -123,6 +138,14 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
         models=[k for k in selected if k in MODELS],
         tokens=args.tokens,
     )
+    return _run_and_print(cases, args, device, dtype)
+
+
+def _run_and_print(
+    cases: Sequence[Case], args: argparse.Namespace, device: str, dtype: torch.dtype
+) -> int:
+    """Time `cases`, print the table (and, for compiled model cases, fused+compiled vs
+    compiled), write --json; exit status 0."""
     gpu = torch.device(device).type == "cuda"
     copy_bw = copy_bandwidth(device) if gpu else None
     info = machine_info(device)
@@ -139,6 +162,10 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
         if gpu:
             torch.cuda.empty_cache()
     print(format_table(rows, bandwidth=gpu))
+    compiled = compiled_ratios(rows)
+    if compiled:
+        print("\nfused+compiled vs compiled (above 1: fusion still pays under torch.compile):")
+        print("\n".join(compiled))
     if args.json:
         document = {
             "machine": info,

@@ -106,3 +106,24 @@ def test_cuda_timers_and_copy_bandwidth() -> None:
     x.mul_(1.0)
     assert clock() > 0.0
     assert bench.copy_bandwidth("cuda", nbytes=1 << 26) > 0
+
+
+def test_end_to_end_cases_and_compiled_ratios() -> None:
+    """The speed issue's models, each with unfused and fused variants (and both compiled on
+    request); the compiled ratio is compiled-unfused over compiled-fused time."""
+    cases = bench.end_to_end_cases("cpu", torch.float32, tokens=[16])
+    assert [c.shape for c in cases] == [name for name, _, _ in bench.END_TO_END]
+    assert all(c.variants == ("unfused", "fused") for c in cases)
+    compiled = bench.end_to_end_cases("cpu", torch.float32, compiled=True, tokens=[1])
+    assert all(c.variants[-2:] == bench.COMPILED for c in compiled)
+
+    def row(variant: str, ms: float) -> bench.Row:
+        return bench.Row("model_llama", variant, "s", 16, "float32", "cpu", 2.0, ms, 2.0 / ms)
+
+    lines = bench.compiled_ratios(
+        [row("fused", 1.5), row("compiled", 1.2), row("fused+compiled", 1.0)]
+    )
+    assert lines == [
+        "  model_llama s T16 float32: compiled 1.200 ms, fused+compiled 1.000 ms, 1.20x"
+    ]
+    assert bench.compiled_ratios([row("fused", 1.5)]) == []
