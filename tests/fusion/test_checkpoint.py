@@ -121,3 +121,43 @@ def test_unfused_named_maps_gradients_and_absent_ones(model_type: str) -> None:
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     nothing = unfused_named(fused, {n: None for n, _ in fused.named_parameters()})
     assert set(nothing) == set(want) and all(v is None for v in nothing.values())
+
+
+def _saved_tensors(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("original_format", [True, False])
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_save_pretrained_writes_the_unfused_checkpoint(
+    tmp_path, model_type: str, original_format: bool, shard: str | None
+) -> None:
+    """Regression (`save_pretrained` wrote fused keys): sharded or not, with Transformers'
+    original-format conversion or without, the fused model's checkpoint holds the unfused
+    keys with bit-identical tensors, and the stock class loads it to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    unfused = tiny_model(model_type, seed=6)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    options = {"save_original_format": original_format}
+    if shard:
+        options["max_shard_size"] = shard
+    unfused.save_pretrained(tmp_path / "unfused", **options)
+    fused.save_pretrained(tmp_path / "fused", **options)
+    want, got = _saved_tensors(tmp_path / "unfused"), _saved_tensors(tmp_path / "fused")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    if shard:
+        assert len(list((tmp_path / "fused").glob("*.safetensors"))) > 1
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "fused").eval()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "unfused").eval()
+    ids = token_ids()
+    with torch.no_grad():
+        assert torch.equal(stock(ids).logits, reference(ids).logits)
