@@ -96,11 +96,8 @@ class MergedStateDictHook:
             _replace_in_place(state_dict, key, pieces)
 
 
-@dataclass
-class MergedLoadHook:
-    """`load_state_dict` pre-hook: the original shard keys -> `<prefix><merged>.<leaf>`."""
-
-    merged_name: str
+class _LoadPreHook:
+    """A `load_state_dict` pre-hook reduced to what the layouts use (`load`)."""
 
     def __call__(
         self,
@@ -112,6 +109,23 @@ class MergedLoadHook:
         missing_keys: list[str],
         _unexpected: list[str],
         _errors: list[str],
+    ) -> None:
+        self.load(module, state_dict, prefix, missing_keys)
+
+    def load(
+        self, module: nn.Module, state_dict: dict, prefix: str, missing_keys: list[str]
+    ) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class MergedLoadHook(_LoadPreHook):
+    """`load_state_dict` pre-hook: the original shard keys -> `<prefix><merged>.<leaf>`."""
+
+    merged_name: str
+
+    def load(
+        self, module: nn.Module, state_dict: dict, prefix: str, missing_keys: list[str]
     ) -> None:
         merged = getattr(module, self.merged_name, None)
         if not isinstance(merged, MergedLinear):
@@ -209,21 +223,13 @@ class PackedStateDictHook:
 
 
 @dataclass
-class PackedLoadHook:
+class PackedLoadHook(_LoadPreHook):
     """`load_state_dict` pre-hook: per-expert keys -> the packed tensors (see `_stack_into`)."""
 
     experts_name: str
 
-    def __call__(
-        self,
-        module: nn.Module,
-        state_dict: dict,
-        prefix: str,
-        _meta: Any,
-        _strict: bool,
-        missing_keys: list[str],
-        _unexpected: list[str],
-        _errors: list[str],
+    def load(
+        self, module: nn.Module, state_dict: dict, prefix: str, missing_keys: list[str]
     ) -> None:
         packed = getattr(module, self.experts_name, None)
         if not isinstance(packed, PackedExperts):

@@ -17,6 +17,8 @@ reference kernels are plain torch code), compiled or not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -31,6 +33,28 @@ def _use_operator(*tensors: Tensor | None) -> bool:
     )
 
 
+def _rms(
+    kernel: Callable[..., Tensor],
+    x: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    offset: float,
+    upcast: bool,
+    weight_after_cast: bool,
+    cast_to_weight: bool,
+) -> Tensor:
+    """`kernel` (a `Kernels.rms_norm`) called with the variant flags as keywords."""
+    return kernel(
+        x,
+        weight,
+        eps,
+        offset=offset,
+        upcast=upcast,
+        weight_after_cast=weight_after_cast,
+        cast_to_weight=cast_to_weight,
+    )
+
+
 @torch.library.custom_op("fusion::rms_norm", mutates_args=())
 def _rms_norm_op(
     x: Tensor,
@@ -42,29 +66,15 @@ def _rms_norm_op(
     cast_to_weight: bool,
     backend: str,
 ) -> Tensor:
-    return kernels.get(backend, x.device).rms_norm(
-        x,
-        weight,
-        eps,
-        offset=offset,
-        upcast=upcast,
-        weight_after_cast=weight_after_cast,
-        cast_to_weight=cast_to_weight,
-    )
+    flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    return _rms(kernels.get(backend, x.device).rms_norm, x, weight, eps, *flags)
 
 
 @_rms_norm_op.register_fake
 def _rms_norm_fake(x, weight, eps, offset, upcast, weight_after_cast, cast_to_weight, backend):
     # The reference traces on fake tensors: its output dtype is the variant's, by definition.
-    return torch_ref.rms_norm(
-        x,
-        weight,
-        eps,
-        offset=offset,
-        upcast=upcast,
-        weight_after_cast=weight_after_cast,
-        cast_to_weight=cast_to_weight,
-    )
+    flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    return _rms(torch_ref.rms_norm, x, weight, eps, *flags)
 
 
 def rms_norm(
@@ -79,19 +89,10 @@ def rms_norm(
     cast_to_weight: bool = False,
 ) -> Tensor:
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`)."""
+    flags = (offset, upcast, weight_after_cast, cast_to_weight)
     if _use_operator(x, weight):
-        return torch.ops.fusion.rms_norm(
-            x, weight, eps, offset, upcast, weight_after_cast, cast_to_weight, backend
-        )
-    return kernels.get(backend, x.device).rms_norm(
-        x,
-        weight,
-        eps,
-        offset=offset,
-        upcast=upcast,
-        weight_after_cast=weight_after_cast,
-        cast_to_weight=cast_to_weight,
-    )
+        return torch.ops.fusion.rms_norm(x, weight, eps, *flags, backend)
+    return _rms(kernels.get(backend, x.device).rms_norm, x, weight, eps, *flags)
 
 
 @torch.library.custom_op("fusion::act_and_mul", mutates_args=())
