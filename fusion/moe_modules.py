@@ -175,6 +175,13 @@ def _select(
     return torch.topk(choice, k=int(step.value), dim=-1, sorted=step.sorted)[1]
 
 
+def experts_implementation(experts: nn.Module) -> str | None:
+    """The Transformers experts implementation `experts` dispatches to now (its config's
+    `_experts_implementation`), or None for experts without one (repacked Transformers 4)."""
+    config = getattr(experts, "config", None)
+    return getattr(config, "_experts_implementation", None) if config is not None else None
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(
         module._forward_hooks
@@ -245,6 +252,13 @@ class FusedMoE(nn.Module):
     reach both; `fusion.fusers.moe` passes it only when the block holds no state of its own).
     Without `eager` (Transformers 4 experts, which were repacked into new tensors) training
     mode raises instead of silently computing another function.
+
+    Experts implementation: Transformers 5 experts modules dispatch on
+    `config._experts_implementation` (`model.set_experts_implementation(...)`). The value at
+    fuse time is recorded (`fused_with`); when the model's choice differs from it later, the
+    block calls the experts module itself, `experts(x, ids, weights)` (the calling convention
+    the match proved), so the user's choice of implementation is honoured; routing stays
+    fused and bit-identical. Setting it back returns to the fused kernel.
     """
 
     def __init__(
@@ -279,6 +293,7 @@ class FusedMoE(nn.Module):
         self.shared_gate_name = shared_gate_name
         self.training_sensitive = training_sensitive
         self.backend = backend
+        self.fused_with = experts_implementation(experts)
         setattr(self, router_name, router)
         setattr(self, experts_name, experts)
         if shared_name is not None:
@@ -317,9 +332,18 @@ class FusedMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.route(x)
         experts = getattr(self, self.experts_name)
-        out = ops.moe_experts(
-            self.backend, x, experts.gate_up_proj, experts.down_proj, ids, weights, self.activation
-        )
+        if experts_implementation(experts) != self.fused_with:
+            out = experts(x, ids, weights)  # the implementation chosen after fusing
+        else:
+            out = ops.moe_experts(
+                self.backend,
+                x,
+                experts.gate_up_proj,
+                experts.down_proj,
+                ids,
+                weights,
+                self.activation,
+            )
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
             if self.shared_gate_name is not None:

@@ -22,7 +22,7 @@ from fusion.checkpoint import unfused_state_dict
 from fusion.kernels import torch_ref
 from fusion.moe_modules import FusedMoE, PackedExperts
 from tests.fusion.fusers.helpers import reasons
-from tests.fusion.tiny_models import randomize_, relative_error, token_ids
+from tests.fusion.tiny_models import randomize_, relative_error, tiny_model, token_ids
 
 HIDDEN = 64
 COMMON = dict(
@@ -639,3 +639,40 @@ def test_moe_experts_kernel_empty_input() -> None:
         "silu",
     )
     assert out.shape == (0, HIDDEN)
+
+
+def test_set_experts_implementation_is_honoured_after_fusing() -> None:
+    """`set_experts_implementation` on a fused model: each FusedMoE then calls the experts
+    module (which dispatches to the chosen implementation), routing still fused, outputs
+    identical to the unfused model's on that implementation; setting the fuse-time choice
+    back returns to the fused kernel."""
+    unfused = tiny_model("qwen3_moe", seed=3)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    block = fused.model.layers[0].mlp
+    assert block.fused_with == unfused.config._experts_implementation == "grouped_mm"
+    experts_type = type(block.experts)
+    calls = []
+    original = experts_type.forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    ids = token_ids()
+    try:
+        experts_type.forward = spy
+        with torch.no_grad():
+            fused(ids)
+            assert calls == []  # the fused kernel
+            for model in (fused, unfused):
+                model.set_experts_implementation("eager")
+            calls.clear()
+            assert torch.equal(fused(ids).logits, unfused(ids).logits)
+            assert block.experts in calls
+            fused.set_experts_implementation("grouped_mm")
+            calls.clear()
+            fused(ids)
+            assert calls == []
+    finally:
+        experts_type.forward = original
