@@ -31,6 +31,10 @@ class UnknownArchitecture(ValueError):
     """A requested name or glob matches no architecture."""
 
 
+class BuilderExit(RuntimeError):
+    """A model builder raised SystemExit (see `build`)."""
+
+
 class PluginError(ImportError):
     """A test plugin module is missing or does not define HARNESS_ARCHITECTURES."""
 
@@ -93,14 +97,22 @@ def build(
     """The tiny random model for `name`: a plugin's builder if one defines it, else the corpus.
 
     Raises whatever the builder raises (corpus.BuildError for a corpus architecture that does
-    not build); the caller records it.
+    not build); the caller records it. A builder that raises SystemExit (a library calling
+    sys.exit on a bad config) raises BuilderExit instead: an Exception, so it is recorded as a
+    build error like any other, not taken for the end of the worker.
     """
     builders = plugin_architectures(plugins) if plugins else {}
     if name in builders:
-        return builders[name](seed=seed, dtype=dtype, device=device)
+        try:
+            return builders[name](seed=seed, dtype=dtype, device=device)
+        except SystemExit as exc:
+            raise BuilderExit(f"the builder called sys.exit({exc.code!r})") from None
     import corpus
 
-    return corpus.build(name, seed=seed, dtype=dtype, device=device)
+    try:
+        return corpus.build(name, seed=seed, dtype=dtype, device=device)
+    except SystemExit as exc:
+        raise BuilderExit(f"the builder called sys.exit({exc.code!r})") from None
 
 
 def unbuildable() -> dict[str, str]:

@@ -8,8 +8,12 @@
     fusion-harness bench  fused vs unfused timings (harness.bench)
 
 Exit status: 0 success; 1 a parity failure, an unexpected crash or error (run), or a
-reproducing failure (repro); 2 bad usage or unusable input (unknown architecture, malformed
-bundle, unusable results file); 130 interrupted.
+reproducing failure (repro); 2 bad usage or unusable input or output (unknown architecture,
+malformed bundle, unusable or unwritable results file, an output that could not be written);
+130 interrupted. Errors are one line on stderr, "fusion-harness: error: ...", never a traceback.
+
+Imports are lazy: torch, Transformers and the corpus load only in the command that needs them,
+so `--help` and usage errors answer at once.
 """
 
 from __future__ import annotations
@@ -19,15 +23,23 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from harness import architectures, check, summary
 from harness.results import ResultsError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""--dtype choices: the keys of harness.check.DTYPES (a test keeps them equal), spelled out here
+so that building the parser does not import torch."""
+
+DEFAULT_REPRO_DIR = Path("repro-bundles")
 
 
 class UsageError(ValueError):
@@ -51,7 +63,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=list(check.DTYPES),
+        choices=list(DTYPE_NAMES),
         help="dtype of the unfused and fused models (the reference is always float64)",
     )
     parser.add_argument(
@@ -124,9 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--repro-dir",
         type=Path,
-        default=Path("repro-bundles"),
+        default=None,
         metavar="DIR",
-        help="where repro bundles of failures go (default repro-bundles)",
+        help=f"where repro bundles of failures go (default {DEFAULT_REPRO_DIR})",
+    )
+    run.add_argument(
+        "--lifecycle",
+        choices=("off", "quick", "full", "all"),
+        default="quick",
+        help="lifecycle parity after the forward verdict (harness.lifecycle): generate, a "
+        "training step, save_pretrained -> stock from_pretrained, load_state_dict and in-place "
+        "weight edits after a forward, deepcopy, torch.save. 'quick' (default) runs them all "
+        "but torch.compile; 'full' also compiles a selection of architectures (what "
+        "`tox -e conformance` runs); 'all' compiles every architecture (seconds each); 'off' "
+        "skips them",
     )
     run.add_argument(
         "--update-expected",
@@ -174,30 +197,91 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("dir", type=Path, metavar="DIR", help="bundle directory")
     replay.set_defaults(handler=cmd_repro)
 
-    from harness import bench  # owns its options and handler
-
-    bench.add_parser(commands)
+    # Listed for --help only: `main` hands `bench ...` to harness.bench, which owns its options
+    # (building them here would import torch for every command).
+    commands.add_parser(
+        "bench",
+        help="fused vs unfused timings",
+        description="see `fusion-harness bench --help`",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; returns its exit status (see the module docstring).
+
+    Started as a program (`argv` None), the first Ctrl-C interrupts and any further one is
+    ignored, so the bounded clean-up (workers killed, table printed, results kept) finishes
+    without "Exception ignored" noise or a traceback.
+    """
+    if argv is None:
+        signal.signal(signal.SIGINT, _interrupt_once)
+        status = main(sys.argv[1:])
+        if status == EXIT_INTERRUPTED:
+            # Everything is reported and every worker stopped; skip interpreter clean-up,
+            # where a late signal could still end the process with another status.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
+    argv = list(argv)
     try:
+        if argv[:1] == ["bench"]:
+            return _bench(argv[1:])
+        args = build_parser().parse_args(argv)
         return args.handler(args)
-    except (
-        UsageError,
-        architectures.UnknownArchitecture,
-        architectures.PluginError,
-        ResultsError,
-    ) as exc:
+    except Exception as exc:
+        if not isinstance(exc, _usage_errors()):
+            raise
+        sys.stdout.flush()
         print(f"fusion-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        sys.stdout.flush()
         print("fusion-harness: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
-def _check_options(args: argparse.Namespace) -> check.CheckOptions:
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """SIGINT handler: raise KeyboardInterrupt once, then ignore SIGINT for the rest of the run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that are the user's input, not a bug: a one-line message and exit 2.
+
+    Classes of modules not imported yet cannot have been raised, so they are not imported here.
+    """
+    errors: list[type[BaseException]] = [UsageError, ResultsError]
+    if "harness.architectures" in sys.modules:
+        from harness import architectures
+
+        errors += [architectures.UnknownArchitecture, architectures.PluginError]
+    if "harness.plans" in sys.modules:
+        from harness import plans
+
+        errors.append(plans.PlanError)
+    return tuple(errors)
+
+
+def _bench(argv: list[str]) -> int:
+    """`fusion-harness bench ...`: harness.bench parses its own options and runs."""
+    if any(a == "--arch" or a.startswith("--arch=") for a in argv):
+        raise UsageError(
+            "bench does not take --arch: it times kernels and model slices at real model "
+            "widths, not corpus architectures; choose them with --kernel K "
+            "(see `fusion-harness bench --help`)"
+        )
+    from harness import bench
+
+    return bench.main(argv)
+
+
+def _check_options(args: argparse.Namespace):
+    """harness.check.CheckOptions from the parsed options (imports torch)."""
+    from harness import architectures, check
+
     if args.device.startswith("cuda"):
         import torch
 
@@ -208,28 +292,45 @@ def _check_options(args: argparse.Namespace) -> check.CheckOptions:
         device=args.device,
         seed=args.seed,
         plugins=architectures.plugins_from_env(),
+        lifecycle=getattr(args, "lifecycle", "quick"),
     )
 
 
 def _selected(args: argparse.Namespace, plugins: Sequence[str]) -> list[str]:
+    from harness import architectures
+
     return architectures.select(args.arch, architectures.available(plugins))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness import pool, progress, sweep
+    """`fusion-harness run`: sweep, print the table, write --json; returns the exit status.
 
+    Every output is checked before the sweep starts (a results file that is a directory,
+    locked or not writable; a --json or --repro-dir that cannot be created), so a bad path
+    costs seconds, not a sweep. An output that fails later (a full disk) never changes a
+    verdict: the table is printed first, the failure is one line on stderr, and the exit
+    status is the sweep's (1 or 130) or, for a sweep that was green, 2.
+    """
     if args.resume and args.results and args.resume != args.results:
         raise UsageError(
             "--resume FILE is also the results file; do not pass a different --results"
         )
     if args.jobs < 1 or args.timeout <= 0:
         raise UsageError("-j must be at least 1 and --timeout positive")
+    results_path = args.resume or args.results or _default_results(args)
+    if results_path.is_dir():
+        raise UsageError(f"{results_path} is a directory; the results file must be a file")
+    if args.json is not None:
+        _probe_file(args.json, "--json")
+    repro_dir = _repro_dir(args)
+
+    from harness import pool, progress, summary, sweep
+
     pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = _check_options(args)
     if args.update_expected:
         _check_golden_options(options)
     names = _selected(args, options.plugins)
-    results_path = args.resume or args.results or sweep.default_results(options)
     sweep_options = sweep.SweepOptions(
         architectures=names,
         check=options,
@@ -237,27 +338,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         results=results_path,
         resume=args.resume is not None,
-        repro_dir=args.repro_dir,
+        repro_dir=repro_dir,
     )
     bar = progress.Progress()
     try:
         run = sweep.sweep(sweep_options, on_start=bar.start, on_result=bar.advance)
     finally:
         bar.close()
+    golden = _golden_entries(options)
     print(summary.format_table(run.results))
-    problems = summary.format_problems(run.results)
+    problems = summary.format_problems(run.results, golden=golden)
     if problems:
         print("\n" + problems)
     print("\n" + summary.format_totals(summary.totals(run.results), wall=run.wall, jobs=args.jobs))
-    print(f"results: {results_path}")
+    from harness import reach
+
+    print(reach.format_reach(reach.reach(run.results)))
+    print(f"results: {results_path}", flush=True)
+    status = EXIT_INTERRUPTED if run.interrupted else summary.exit_status(run.results)
+    if run.write_error:
+        _error(run.write_error)
+        status = status or EXIT_USAGE
     if args.json:
         document = summary.json_document(
             run.results,
             options={**vars(options), "jobs": args.jobs, "timeout": args.timeout},
             wall=run.wall,
             interrupted=run.interrupted,
+            status=status,
         )
-        args.json.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+        try:
+            _write_text(args.json, json.dumps(document, indent=1, allow_nan=False) + "\n")
+        except OSError as exc:
+            _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
+            status = status or EXIT_USAGE
     if run.interrupted:
         missing = len(names) - len(run.results)
         print(
@@ -265,13 +379,101 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"`fusion-harness run --resume {results_path}` (same options)",
             file=sys.stderr,
         )
-        return EXIT_INTERRUPTED
+        return status
     if args.update_expected:
         _update_expected(run.results, options)
-    return summary.exit_status(run.results)
+    return status
 
 
-def _check_golden_options(options: check.CheckOptions) -> None:
+def _error(message: str) -> None:
+    sys.stdout.flush()
+    print(f"fusion-harness: error: {message}", file=sys.stderr)
+
+
+def _default_results(args: argparse.Namespace) -> Path:
+    """results/sweep-DTYPE-DEVICE.jsonl (as harness.sweep.default_results, without torch)."""
+    return Path("results") / f"sweep-{args.dtype}-{args.device.replace(':', '')}.jsonl"
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` (a file, or a device such as /dev/stdout); OSError if it fails,
+    flush and close included (a full disk shows up there)."""
+    with path.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def _probe_file(path: Path, option: str) -> None:
+    """UsageError unless `path` can be opened for writing; leaves no file behind.
+
+    Opened in append mode, so an existing file (or a device such as /dev/stdout) is untouched;
+    a file the probe created is removed again. Checks what permission bits cannot tell root:
+    a read-only file system, a missing parent, a directory.
+    """
+    existed = path.exists()
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a directory")
+    try:
+        with path.open("ab"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option} {path} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _probe_dir(path: Path) -> str | None:
+    """Why `path` cannot hold new directories (None if it can); creates nothing lasting.
+
+    A directory that does not exist yet is judged by its nearest existing ancestor, where a
+    temporary directory is made and removed, since that is what creating it will need.
+    """
+    target = path
+    while not target.exists():
+        if target.parent == target:
+            break
+        target = target.parent
+    if not target.is_dir():
+        return f"{target} is not a directory"
+    try:
+        tempfile.TemporaryDirectory(dir=target, prefix=".fusion-harness-probe-").cleanup()
+    except OSError as exc:
+        return f"{target}: {exc.strerror or exc}"
+    return None
+
+
+def _repro_dir(args: argparse.Namespace) -> Path | None:
+    """Where bundles go: --repro-dir (UsageError if it cannot be written) or the default
+    (a warning and no bundles if it cannot be written: the user did not ask for it)."""
+    path = args.repro_dir or DEFAULT_REPRO_DIR
+    problem = _probe_dir(path)
+    if problem is None:
+        return path
+    if args.repro_dir is not None:
+        raise UsageError(f"--repro-dir {path} cannot be written: {problem}")
+    print(
+        f"fusion-harness: warning: no repro bundles this run ({problem}); use --repro-dir DIR",
+        file=sys.stderr,
+    )
+    return None
+
+
+def _golden_entries(options) -> dict[str, Any] | None:
+    """{"path": the golden file, "entries": its plan entries by architecture} of the installed
+    Transformers line when recorded under these options; None otherwise, or when there is no
+    usable golden file (the table then just does not say what is expected)."""
+    from harness import plans
+
+    try:
+        golden = plans.load()
+    except plans.PlanError:
+        return None
+    if not plans.matches_options(golden, options):
+        return None
+    return {"path": str(golden.path), "entries": golden.architectures}
+
+
+def _check_golden_options(options) -> None:
     from harness import plans
 
     chosen = {k: getattr(options, k) for k in plans.GOLDEN_OPTIONS}
@@ -281,8 +483,8 @@ def _check_golden_options(options: check.CheckOptions) -> None:
         )
 
 
-def _update_expected(results, options: check.CheckOptions) -> None:
-    from harness import plans
+def _update_expected(results, options) -> None:
+    from harness import architectures, plans
 
     path, changes = plans.update(
         results,
@@ -299,7 +501,7 @@ def _update_expected(results, options: check.CheckOptions) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from harness import pool, sweep
+    from harness import architectures, pool, sweep
 
     pool.start_server()
     options = _check_options(args)
@@ -335,8 +537,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    import difflib
+
     import fusion
-    from harness import repro
+    from harness import architectures, repro
 
     options = _check_options(args)
     unbuildable = architectures.unbuildable()
@@ -345,7 +549,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 1
     names = architectures.available(options.plugins)
     if args.arch not in names:
-        matched = architectures.select([args.arch], names)  # no match: an error with suggestions
+        try:
+            matched = architectures.select([args.arch], names)
+        except architectures.UnknownArchitecture:
+            close = difflib.get_close_matches(args.arch, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise UsageError(
+                f"no architecture named {args.arch!r}{hint} "
+                "(show takes one name; `fusion-harness list` lists them)"
+            ) from None
         raise UsageError(f"show takes one architecture; {args.arch!r} matches {', '.join(matched)}")
     try:
         model = architectures.build(

@@ -11,13 +11,24 @@ Workers come from a forkserver that has already imported torch, Transformers and
 milliseconds, not seconds. They ignore
 SIGINT: Ctrl-C is the parent's to handle, and closing the `run_tasks` generator (or an exception
 in the consumer) kills every worker.
+
+Workers also die with the parent when it is killed outright (`kill -9`, an OOM kill), where no
+cleanup code of the parent runs: each worker watches a pipe only the parent holds open and
+kills itself when it reads end-of-file, and on Linux it also asks the kernel for SIGKILL when
+its parent process dies (`prctl(PR_SET_PDEATHSIG)`; for a forkserver child that is the
+forkserver, which exits once the parent and every worker have let go of it). A worker whose
+parent is gone exits quietly instead of printing BrokenPipe / ConnectionReset tracebacks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
+import os
 import signal
+import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -58,6 +69,7 @@ class _Worker:
     process: Any
     conn: Connection
     spawned: float
+    alive: Connection | None = None  # the parent's end of the worker's watch pipe (see spawn)
     ready: bool = False
     key: str | None = None  # the task it is running, if any
     started: float = 0.0
@@ -74,12 +86,38 @@ def context() -> Any:
 
 
 def start_server() -> None:
-    """Start the forkserver now, so its preload runs while the caller does other work."""
+    """Start the forkserver now, so its preload runs while the caller does other work.
+
+    Idempotent. The server is spawned with SIGINT blocked, a mask that survives exec, so a
+    Ctrl-C in its first milliseconds (before harness.preload ignores SIGINT) cannot print a
+    KeyboardInterrupt traceback from interpreter start-up; this process's own Ctrl-C stays
+    pending meanwhile and is delivered as soon as the spawn returns. The resource tracker is
+    started first, on its own: it blocks SIGINT for its spawn the same way and unblocks it
+    after, which would end our block early.
+    """
     if "forkserver" in mp.get_all_start_methods():
         context()
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver, resource_tracker
 
-        forkserver.ensure_running()
+        resource_tracker.ensure_running()
+        with _sigint_blocked():
+            forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread for the duration (deferred, not lost); a no-op without
+    signal masks or outside the main thread (the only one Python delivers signals to)."""
+    if not hasattr(signal, "pthread_sigmask") or (
+        threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -95,29 +133,91 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with status {exitcode}"
 
 
-def _worker_main(conn: Connection, handler: Callable, setup: Callable | None, setup_args: tuple):
+PR_SET_PDEATHSIG = 1
+"""prctl option (linux/prctl.h): the signal the kernel sends this process when its parent dies."""
+
+
+def die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux only).
+
+    Returns whether the request was registered. Safe anywhere: on other systems, or if libc
+    cannot be loaded, it does nothing and returns False (the watch pipe still covers workers).
+    The kernel sends the signal when the thread that forked this process exits, so it is only
+    for processes forked from a parent's main thread (the forkserver, its workers).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(watch: Connection) -> None:
+    """Block until the parent's end of `watch` closes (it never sends), then die at once.
+
+    End-of-file means the parent process is gone, however it died; SIGKILL to ourselves stops
+    a task mid-call, with no cleanup that could block or print (the parent wants nothing more).
+    """
+    with contextlib.suppress(EOFError, OSError):
+        watch.recv_bytes()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _release_forkserver() -> None:
+    """Close this worker's copy of the forkserver's "alive" pipe (forkserver children only).
+
+    The forkserver exits when every holder of that pipe has closed it; a worker inherits a copy
+    (for forking children of its own, which it never does), so without this a hung worker
+    would keep the forkserver, and with it the resource tracker, alive after the parent died.
+    Best effort: it uses a private attribute of multiprocessing and does nothing if absent.
+    """
+    with contextlib.suppress(Exception):
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver  # type: ignore[attr-defined]
+        fd = server._forkserver_alive_fd
+        if isinstance(fd, int):  # None in a spawned worker, or if multiprocessing changed
+            os.close(fd)
+            server._forkserver_alive_fd = None
+
+
+def _worker_main(
+    conn: Connection,
+    watch: Connection,
+    handler: Callable,
+    setup: Callable | None,
+    setup_args: tuple,
+) -> None:
     # Ctrl-C reaches the whole process group; only the parent decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    threading.Thread(target=_watch_parent, args=(watch,), daemon=True).start()
+    _release_forkserver()
     try:
-        if setup is not None:
-            setup(*setup_args)
-    except BaseException:
-        conn.send(("fatal", traceback.format_exc()))
-        return
-    conn.send(("ready",))
-    while True:
         try:
-            message = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if message is None:
-            return
-        key, payload = message
-        try:
-            reply = ("done", key, handler(payload))
+            if setup is not None:
+                setup(*setup_args)
         except BaseException:
-            reply = ("error", key, traceback.format_exc())
-        conn.send(reply)
+            conn.send(("fatal", traceback.format_exc()))
+            return
+        conn.send(("ready",))
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the parent is gone
+                return
+            if message is None:
+                return
+            key, payload = message
+            try:
+                reply = ("done", key, handler(payload))
+            except BaseException:  # SystemExit too: a handler may not end the worker quietly
+                reply = ("error", key, traceback.format_exc())
+            conn.send(reply)
+    except OSError:  # BrokenPipe / ConnectionReset: the parent is gone, nobody to tell
+        return
 
 
 def run_tasks(
@@ -137,18 +237,24 @@ def run_tasks(
     the moment a ready worker receives it. Outcomes arrive in completion order, one per task.
     Raises PoolError if workers cannot start. Leaves no worker behind, however it exits.
     """
+    start_server()  # (if not started yet) quietly, see there
     ctx = context()
     pending = deque(tasks)
     workers: list[_Worker] = []
 
     def spawn() -> _Worker:
         parent_end, child_end = ctx.Pipe()
+        # Only this process holds `alive`: the worker reads EOF from `watch` when it dies.
+        watch, alive = ctx.Pipe(duplex=False)
         process = ctx.Process(
-            target=_worker_main, args=(child_end, handler, setup, setup_args), daemon=True
+            target=_worker_main,
+            args=(child_end, watch, handler, setup, setup_args),
+            daemon=True,
         )
         process.start()
         child_end.close()
-        return _Worker(process, parent_end, time.monotonic())
+        watch.close()
+        return _Worker(process, parent_end, time.monotonic(), alive=alive)
 
     try:
         while pending or any(w.key is not None for w in workers):
@@ -205,6 +311,7 @@ def _service(worker: _Worker, timeout: float, start_timeout: float) -> Outcome |
     if not alive:
         worker.process.join()
         worker.dead = True
+        _close(worker)
         how = describe_exit(worker.process.exitcode)
         if not worker.ready:
             raise PoolError(f"a worker died while starting: {how}")
@@ -258,6 +365,14 @@ def _kill(worker: _Worker) -> None:
     worker.process.kill()
     worker.process.join()
     worker.dead = True
+    _close(worker)
+
+
+def _close(worker: _Worker) -> None:
+    """Close the parent's ends of a reaped worker's pipes (no fd leaks over a long sweep)."""
+    worker.conn.close()
+    if worker.alive is not None:
+        worker.alive.close()
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -273,4 +388,4 @@ def _stop(workers: list[_Worker]) -> None:
         if worker.process.is_alive():
             worker.process.kill()
         worker.process.join()
-        worker.conn.close()
+        _close(worker)

@@ -17,10 +17,20 @@ corpus.build_from_config), so the bundle survives refactors of the corpus's shri
 Directories are named by architecture, kind, fuser and a hash of the failure signature: the
 same failure found twice (another layer, another run) maps to the same directory and is
 written once.
+
+A bundle is untrusted input (it arrives attached to a bug report), so replay validates it
+completely before building anything (`load_bundle`): bundle.json must be a regular file (no
+symlink, FIFO or device) of at most MAX_BUNDLE_BYTES, JSON nested at most MAX_DEPTH deep, with
+every field of the schema; batch, seq and every size of the config within the tiny-model bounds
+the corpus uses (`check_config_sizes`); and no config field that loads code or reaches the
+network (`check_config_safety`). Nothing is unpickled or executed. Strings from a bundle are
+printed escaped (`printable`), so a bundle cannot drive the terminal. Exit status 1 means only
+"the failure reproduces"; a malformed or unsafe bundle is 2 with a one-line reason on stderr.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -29,6 +39,8 @@ import os
 import platform
 import re
 import shutil
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +49,14 @@ from harness import architectures, check
 from harness.results import ArchResult, Failure, json_safe
 
 BUNDLE_FORMAT = 1
-KINDS = ("fuse-error", "fused-forward-error", "model-parity", "module-parity", "module-error")
+KINDS = (
+    "fuse-error",
+    "fused-forward-error",
+    "model-parity",
+    "module-parity",
+    "module-error",
+    "lifecycle",  # a lifecycle operation (harness.lifecycle) failed on the fused model
+)
 
 _NONE = type(None)
 _NUMBER = (int, float, str, _NONE)  # str: "nan"/"inf" (strict JSON has no non-finite floats)
@@ -63,6 +82,39 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "signature": (str,),
 }
 """Every bundle.json field and the JSON types it may hold; replay checks each one."""
+
+MAX_BUNDLE_BYTES = 4 * 1024 * 1024
+"""Largest bundle.json replay reads (real ones are tens of kB: a config and a traceback tail)."""
+
+MAX_DEPTH = 16
+"""Deepest JSON nesting accepted (a config nests sub-configs and rope dicts a few levels)."""
+
+MAX_BATCH, MAX_SEQ = 8, 64
+"""Input bounds: the harness uses batch 2, 6 tokens; a little room for hand-made bundles."""
+
+SIZE_SLACK = 16
+"""A config size may exceed the corpus's tiny target for its name by this factor (per-arch
+overrides raise a few sizes); beyond it the model would not be tiny. Loose on purpose: the
+parameter count (MAX_PARAMETERS) bounds the whole model, this bounds each size on its own
+(a vocabulary or a position table alone can ask for gigabytes)."""
+
+UNSIZED = re.compile(r".*(window|chunk|index_topk|block_size|budget|ngram).*")
+"""Shrinker rules for values that size nothing (attention windows, chunk lengths): exempt."""
+
+MAX_PARAMETERS = 20_000_000
+"""Backstop on the rebuilt model's parameter count (counted on the meta device, no memory):
+catches a large size under a name the corpus's shrinker rules do not know."""
+
+IMPLEMENTATIONS = frozenset({"eager", "sdpa", "grouped_mm", "batched_mm"})
+"""Values a `*_implementation` config field may take: Transformers' built-in attention and
+experts code. Anything else may name a Hub kernel repository that would be downloaded and run."""
+
+FORBIDDEN_KEYS = re.compile(
+    r"auto_map|trust_remote_code|custom_pipelines|quantization_config|use_kernels|"
+    r"kernel_config|.*(hub|remote|_repo|repo_id|revision|_url).*"
+)
+"""Config field names that load code or reach the network (remote code, quantization backends,
+Hub kernels, repositories); a bundle holding one anywhere in its config is refused."""
 
 REPRO_SCRIPT = '''\
 """Replay of a fusion-harness failure: {title}
@@ -101,8 +153,15 @@ class Bundle:
     @property
     def options(self) -> check.CheckOptions:
         f = self.fields
+        # Lifecycle checks replay only for a lifecycle failure: any other kind is judged on
+        # the forward, and skipping them keeps the replay fast and about that one failure.
         return check.CheckOptions(
-            dtype=f["dtype"], device=f["device"], seed=f["seed"], batch=f["batch"], seq=f["seq"]
+            dtype=f["dtype"],
+            device=f["device"],
+            seed=f["seed"],
+            batch=f["batch"],
+            seq=f["seq"],
+            lifecycle="quick" if f["kind"] == "lifecycle" else "off",
         )
 
     def where(self) -> str:
@@ -245,30 +304,105 @@ def write_bundle(root: Path, failure: Failure, subject: check.Subject) -> Path |
 
 
 def write_bundles(result: ArchResult, subject: check.Subject, root: Path) -> ArchResult:
-    """`result` with a bundle written for each failure and its path recorded on the failure."""
-    failures = []
+    """`result` with a bundle written for each failure and its path recorded on the failure.
+
+    Never raises for a bundle that cannot be written (read-only or full file system): the
+    verdict is what matters, so the failure keeps `bundle=None` and the result's message says
+    why no bundle was written.
+    """
+    failures, problems = [], []
     for failure in result.failures:
-        path = write_bundle(root, failure, subject)
+        try:
+            path = write_bundle(root, failure, subject)
+        except OSError as exc:
+            path = None
+            problems.append(f"{exc.strerror or exc} ({exc.filename or root})")
         failures.append(dataclasses.replace(failure, bundle=str(path) if path else None))
-    return dataclasses.replace(result, failures=failures)
+    message = result.message
+    if problems:
+        message += f" [repro bundle not written: {problems[0]}]"
+    return dataclasses.replace(result, failures=failures, message=message)
+
+
+def printable(text: object, limit: int = 2000) -> str:
+    """`text` safe for a terminal: control and other unprintable characters escaped
+    (\\x1b, \\n, \\u202e, ...), and cut to `limit` characters; a bundle cannot move the cursor,
+    recolour, retitle or hide text."""
+    out = []
+    for char in str(text):
+        if char.isprintable():
+            out.append(char)
+        else:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    escaped = "".join(out)
+    return escaped if len(escaped) <= limit else escaped[:limit] + f"... ({len(escaped)} chars)"
+
+
+def _read_bundle_json(file: Path) -> bytes:
+    """The bytes of bundle.json, refusing anything but a small regular file.
+
+    Opened without following a symlink and without blocking (a FIFO would hang a plain open),
+    then checked with fstat on the open descriptor, so what is checked is what is read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(file, flags)
+    except FileNotFoundError:
+        raise BundleError(f"{file}: missing") from None
+    except OSError as exc:
+        reason = "a symbolic link" if file.is_symlink() else exc.strerror
+        raise BundleError(f"{file}: cannot be read safely: {reason}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise BundleError(f"{file}: not a regular file")
+    with os.fdopen(fd, "rb") as handle:
+        if info.st_size > MAX_BUNDLE_BYTES:
+            raise BundleError(
+                f"{file}: {info.st_size} bytes, more than the {MAX_BUNDLE_BYTES} a bundle may have"
+            )
+        data = handle.read(MAX_BUNDLE_BYTES + 1)
+    if len(data) > MAX_BUNDLE_BYTES:  # it grew after fstat
+        raise BundleError(f"{file}: more than the {MAX_BUNDLE_BYTES} bytes a bundle may have")
+    return data
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, without recursion (any depth is measured safely)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def load_bundle(path: Path) -> Bundle:
     """Read and validate `path`/bundle.json; BundleError names what is missing or wrong.
 
-    Only JSON is read: nothing in a bundle is ever unpickled or executed by replay.
+    Returns a Bundle only when the file is a small regular file of strict JSON that fits the
+    schema, its sizes are tiny and its config loads no code (module docstring). Only JSON is
+    read: nothing in a bundle is ever unpickled or executed by replay.
     """
     if not path.is_dir():
         raise BundleError(f"{path}: not a directory (a bundle is a directory with bundle.json)")
     file = path / "bundle.json"
+    data = _read_bundle_json(file)
     try:
-        fields = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BundleError(f"{file}: missing") from None
+        fields = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BundleError(f"{file}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise BundleError(f"{file}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BundleError(f"{file}: JSON nested too deeply") from None
     if not isinstance(fields, dict):
         raise BundleError(f"{file}: expected a JSON object, found {type(fields).__name__}")
+    if _depth(fields) > MAX_DEPTH:
+        raise BundleError(f"{file}: JSON nested more than {MAX_DEPTH} levels deep")
     for name, types in FIELDS.items():
         if name not in fields:
             raise BundleError(f"{file}: field {name!r} is missing")
@@ -279,6 +413,7 @@ def load_bundle(path: Path) -> Bundle:
                 f"{file}: field {name!r} must be {wanted}, found {type(value).__name__}"
             )
     _check_values(file, fields)
+    check_config_safety(fields["config"], where=f"{file}: config")
     return Bundle(path, fields)
 
 
@@ -287,18 +422,119 @@ def _check_values(file: Path, fields: dict[str, Any]) -> None:
         raise BundleError(f"{file}: field 'format' is {fields['format']}, expected {BUNDLE_FORMAT}")
     if fields["dtype"] not in check.DTYPES:
         raise BundleError(f"{file}: field 'dtype' must be one of {list(check.DTYPES)}")
+    if fields["device"] != "cpu" and not re.fullmatch(r"cuda(:\d{1,2})?", fields["device"]):
+        raise BundleError(f"{file}: field 'device' must be cpu, cuda or cuda:N")
     if fields["kind"] not in KINDS:
         raise BundleError(f"{file}: field 'kind' must be one of {list(KINDS)}")
     if fields["kind"].startswith("module") and fields["qualname"] is None:
         raise BundleError(f"{file}: field 'qualname' is null for a {fields['kind']} failure")
+    for name, most in (("batch", MAX_BATCH), ("seq", MAX_SEQ)):
+        if not 1 <= fields[name] <= most:
+            raise BundleError(f"{file}: field {name!r} must be between 1 and {most}")
+    if not 0 <= fields["seed"] < 2**63:
+        raise BundleError(f"{file}: field 'seed' must be between 0 and 2**63 - 1")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", fields["model_type"]):
+        raise BundleError(f"{file}: field 'model_type' is not a model type name")
+    for name, value in fields["versions"].items():
+        if not isinstance(value, str):
+            raise BundleError(f"{file}: field 'versions' must map names to strings ({name!r})")
+
+
+def check_config_safety(config: Any, *, where: str = "config") -> None:
+    """Refuse a config (a JSON dict, sub-configs included) that would load code or reach the
+    network when Transformers builds it: a FORBIDDEN_KEYS field, an `*implementation` field
+    other than Transformers' built-in ones, or a URL anywhere. Raises BundleError naming the
+    field; returns None when the config is plain data."""
+    stack: list[tuple[str, Any]] = [(where, config)]
+    while stack:
+        at, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                here = f"{at}.{key}"
+                if FORBIDDEN_KEYS.fullmatch(key):
+                    raise BundleError(
+                        f"{printable(here)}: refused, this field can load code or reach the network"
+                    )
+                builtin = item is None or (isinstance(item, str) and item in IMPLEMENTATIONS)
+                if key.endswith(("implementation", "implementation_internal")) and not builtin:
+                    raise BundleError(
+                        f"{printable(here)}: {printable(json.dumps(item), 80)} refused; "
+                        f"allowed: null, {', '.join(sorted(IMPLEMENTATIONS))}"
+                    )
+                stack.append((here, item))
+        elif isinstance(value, list):
+            stack.extend((f"{at}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and "://" in value:
+            raise BundleError(f"{printable(at)}: refused, a URL in a config")
+
+
+def check_config_sizes(config: Any, *, where: str = "config") -> None:
+    """Refuse a built config object (defaults filled in) whose sizes are not tiny.
+
+    Every int attribute the corpus's shrinker has a rule for (widths, heads, layers, experts,
+    vocabularies, positions, ...; sub-configs too; not windows or chunks, UNSIZED) may be at
+    most SIZE_SLACK times the tiny target of that rule. Raises BundleError naming the first
+    size over its bound.
+    """
+    from corpus.rules import KEEP, SIZES, is_int, rule_for
+    from corpus.tiny import config_values, is_config
+
+    stack = [(where, config)]
+    while stack:
+        at, cfg = stack.pop()
+        for name, value in config_values(cfg).items():
+            if is_config(value):
+                stack.append((f"{at}.{name}", value))
+                continue
+            rule = rule_for(name)
+            if not is_int(value) or rule is None or UNSIZED.fullmatch(name):
+                continue
+            target = rule(2**62, SIZES)
+            if target is KEEP or not is_int(target):
+                continue
+            bound = max(SIZE_SLACK * target, 8)
+            if value > bound:
+                raise BundleError(
+                    f"{printable(at)}.{name} is {value}: not a tiny model (at most {bound})"
+                )
+
+
+def _count_parameters(bundle: Bundle, config: Any) -> int:
+    """Parameters of the bundle's model, constructed on the meta device (no memory used)."""
+    import torch
+
+    import corpus
+    from corpus.catalog import model_class
+
+    name = bundle["architecture"] if bundle["architecture"] in corpus.all_types() else None
+    arch = name or corpus.arch_for_config(config)
+    with torch.device("meta"):
+        model = model_class(arch)._from_config(copy.deepcopy(config))
+    return sum(p.numel() for p in model.parameters())
 
 
 def rebuild(bundle: Bundle):
-    """The tiny model of `bundle`, rebuilt from its config and seed, and its inputs."""
+    """The tiny model of `bundle`, rebuilt from its config and seed, and its inputs.
+
+    The config object is checked for tiny sizes (check_config_sizes) and the model's parameter
+    count on the meta device before any weight is allocated; BundleError if either is too big.
+    """
     import corpus
 
     options = bundle.options
     config = corpus.config_from_dict(bundle["model_type"], bundle["config"])
+    check_config_sizes(config, where=f"{bundle.path / 'bundle.json'}: config")
+    try:
+        parameters = _count_parameters(bundle, config)
+    except BundleError:
+        raise
+    except Exception:  # it does not construct on meta; the real build reports why
+        parameters = 0
+    if parameters > MAX_PARAMETERS:
+        raise BundleError(
+            f"{bundle.path / 'bundle.json'}: the model would have {parameters:,} parameters, "
+            f"more than the {MAX_PARAMETERS:,} of a tiny model"
+        )
     name = bundle["architecture"] if bundle["architecture"] in corpus.all_types() else None
     model = corpus.build_from_config(
         config, seed=options.seed, dtype=options.torch_dtype, device=options.device, name=name
@@ -315,6 +551,8 @@ def replay(bundle: Bundle, *, fuse: check.FuseFn | None = None) -> Replay:
     """
     try:
         model, inputs = rebuild(bundle)
+    except BundleError:
+        raise
     except Exception as exc:
         raise BundleError(f"{bundle.path}: cannot rebuild the model: {exc}") from exc
     checked = check.check_model(bundle["architecture"], model, inputs, bundle.options, fuse=fuse)
@@ -326,28 +564,41 @@ def replay(bundle: Bundle, *, fuse: check.FuseFn | None = None) -> Replay:
 def replay_main(path: Path, *, fuse: check.FuseFn | None = None) -> int:
     """Replay the bundle at `path`, print the outcome; 1 reproduces, 0 does not, 2 unusable.
 
-    Test plugins named in the environment are imported first, like every harness entry point
-    does (see harness.architectures), so a test can inject a fault into a replay subprocess.
+    Exit status 1 is reserved for "reproduces": a malformed or unsafe bundle, or a replay that
+    breaks for another reason, is 2 with a one-line "fusion-harness: error: ..." on stderr, and
+    Ctrl-C is 130. Every string that comes from the bundle is printed escaped. Test plugins
+    named in the environment are imported first, like every harness entry point does (see
+    harness.architectures), so a test can inject a fault into a replay subprocess.
     """
-    architectures.plugin_architectures(architectures.plugins_from_env())
     try:
+        architectures.plugin_architectures(architectures.plugins_from_env())
         bundle = load_bundle(path)
-        print(f"bundle: {bundle.where()}")
-        print(f"recorded: {bundle['error']}")
+        print(f"bundle: {printable(bundle.where())}")
+        print(f"recorded: {printable(bundle['error'])}")
         for note in version_notes(bundle):
-            print(f"note: {note}")
+            print(f"note: {printable(note)}")
         outcome = replay(bundle, fuse=fuse)
-    except BundleError as exc:
-        print(f"error: {exc}")
-        return 2
+    except (BundleError, architectures.PluginError) as exc:
+        return _error(str(exc))
+    except KeyboardInterrupt:
+        print("fusion-harness: interrupted", file=sys.stderr)
+        return 130
+    except (Exception, RecursionError) as exc:  # never exit 1 ("reproduces") by traceback
+        return _error(f"replay of {path} failed: {type(exc).__name__}: {exc}")
     if outcome.reproduces:
-        print(f"REPRODUCES: {outcome.now.message}")
+        print(f"REPRODUCES: {printable(outcome.now.message)}")
         return 1
     result = outcome.result
-    print(
-        f"does not reproduce (now: {result.status}{': ' + result.message if result.message else ''})"
-    )
+    now = f"{result.status}{': ' + result.message if result.message else ''}"
+    print(f"does not reproduce (now: {printable(now)})")
     return 0
+
+
+def _error(message: str) -> int:
+    """Print a one-line error the way every fusion-harness command does; exit status 2."""
+    sys.stdout.flush()
+    print(f"fusion-harness: error: {printable(message)}", file=sys.stderr)
+    return 2
 
 
 def version_notes(bundle: Bundle) -> list[str]:

@@ -2,18 +2,34 @@
 
 One `ArchResult` per architecture, appended to the results file as soon as it is known, one
 JSON object per line written with a single `write` and flushed: a crash or Ctrl-C loses at most
-the line being written, and `read_results` skips such a torn last line. Non-finite floats are
-stored as the strings "nan"/"inf"/"-inf" so every line is strict JSON.
+the line being written, and `read_results` skips such a torn last line (one without its
+newline). Non-finite floats are stored as the strings "nan"/"inf"/"-inf" so every line is
+strict JSON.
+
+A results file is input as well as output (`--resume` reads it back), so every line is
+validated field by field (`from_dict`): a wrong type, an unknown status or a foreign JSON
+document is a `ResultsError` naming the line and the field, never a traceback later on. One
+sweep writes a file at a time: `ResultsWriter` holds an exclusive lock on it (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import math
+import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+try:  # POSIX only; elsewhere a results file is not locked (see ResultsWriter)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 STATUSES = (
     "pass",  # parity green (model and every fused module)
@@ -32,6 +48,10 @@ FUSION_FAILURES = frozenset({"fail", "fused-error", "fuse-error"})
 UNEXPECTED = frozenset({"forward-error", "build-error", "crashed", "timeout"})
 """Statuses that make a sweep red although no parity check failed: the corpus promises that
 every architecture it lists builds and runs, and a worker death is never expected."""
+
+LIFECYCLE_VERDICTS = ("pass", "fail", "n/a")
+"""Verdicts of a lifecycle check (`ArchResult.lifecycle`: generate, a training step, save and
+load, ... after fusing; see DESIGN oracle 6)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +85,7 @@ class Failure:
     """One thing a fix must address; each becomes (at most) one repro bundle.
 
     `kind` is one of fuse-error, fused-forward-error, model-parity, module-parity,
-    module-error; `detail` is the traceback tail when something raised. `signature` identifies "the same failure" for de-duplication and replay
+    module-error, lifecycle; `detail` is the traceback tail when something raised. `signature` identifies "the same failure" for de-duplication and replay
     (architecture-independent; layer indices folded). `bundle` is the bundle directory
     written for it, if any.
     """
@@ -102,6 +122,9 @@ class ArchResult:
     tolerance: float | None = None
     modules: list[ModuleResult] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
+    lifecycle: dict[str, dict[str, str]] = field(default_factory=dict)
+    """{operation: {"verdict": "pass"|"fail"|"n/a", "detail": str}} of the lifecycle checks
+    (empty when none ran)."""
 
     @property
     def built(self) -> bool:
@@ -118,7 +141,8 @@ class ArchResult:
 
 
 class ResultsError(ValueError):
-    """A results file that cannot be used (bad line, other dtype/device/seed)."""
+    """A results file that cannot be used (bad line, other dtype/device/seed, locked, not
+    writable); the message is one line meant for the user."""
 
 
 def json_safe(value: Any) -> Any:
@@ -132,10 +156,6 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _number(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 def to_dict(result: ArchResult) -> dict[str, Any]:
     """A strict-JSON-safe dict of the result (non-finite floats as strings)."""
     return json_safe(dataclasses.asdict(result))
@@ -145,78 +165,299 @@ def to_json_line(result: ArchResult) -> str:
     return json.dumps(to_dict(result), allow_nan=False, sort_keys=False) + "\n"
 
 
-def from_dict(data: dict[str, Any]) -> ArchResult:
-    """Rebuild a result from `to_dict` output; raises ResultsError naming the bad field."""
+# ------------------------------------------------------------------------------ validation
+
+
+class _Bad(Exception):
+    """A field that does not fit the schema (caught in `from_dict`, never escapes)."""
+
+
+def _kind(value: Any) -> str:
+    """The JSON name of a value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Bad(f"{where} must be a string, found {_kind(value)}")
+    return value
+
+
+def _optional_string(where: str, value: Any) -> str | None:
+    return None if value is None else _string(where, value)
+
+
+def _integer(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Bad(f"{where} must be an integer, found {_kind(value)}")
+    return value
+
+
+def _number(where: str, value: Any) -> float:
+    """A float from a JSON number or the strings "nan"/"inf"/"-inf" (how json_safe wrote it)."""
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Bad(f"{where} must be a number, found {_kind(value)} {_short(value)}")
+    return float(value)
+
+
+def _optional_number(where: str, value: Any) -> float | None:
+    return None if value is None else _number(where, value)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, (dict, list)) else ""
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _mapping(where: str, value: Any, item: Callable[[str, Any], Any]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _Bad(f"{where} must be an object, found {_kind(value)}")
+    return {k: item(f"{where}[{k!r}]", v) for k, v in value.items()}
+
+
+def _array(where: str, value: Any, item: Callable[[str, Any], Any]) -> list[Any]:
+    if not isinstance(value, list):
+        raise _Bad(f"{where} must be an array, found {_kind(value)}")
+    return [item(f"{where}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _record(
+    where: str,
+    value: Any,
+    cls: type,
+    fields: dict[str, Callable[[str, Any], Any]],
+    required: tuple[str, ...],
+) -> Any:
+    """`cls(**checked fields)` from a JSON object; unknown or missing fields are errors."""
+    if not isinstance(value, dict):
+        raise _Bad(f"{where} must be an object, found {_kind(value)}")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise _Bad(f"{where} has unknown field(s) {', '.join(map(repr, unknown))}")
+    missing = [name for name in required if name not in value]
+    if missing:
+        raise _Bad(f"{where} lacks field(s) {', '.join(map(repr, missing))}")
+    return cls(**{k: check(f"{where}.{k}", value[k]) for k, check in fields.items() if k in value})
+
+
+def _status(where: str, value: Any) -> str:
+    if _string(where, value) not in STATUSES:
+        raise _Bad(f"{where} is {_short(value)}, not one of {', '.join(STATUSES)}")
+    return value
+
+
+def _lifecycle_entry(where: str, value: Any) -> dict[str, str]:
+    entry = _record(
+        where, value, dict, {"verdict": _string, "detail": _string}, ("verdict", "detail")
+    )
+    if entry["verdict"] not in LIFECYCLE_VERDICTS:
+        raise _Bad(f"{where}.verdict is {_short(entry['verdict'])}, not one of pass, fail, n/a")
+    return entry
+
+
+def _counts(where: str, value: Any) -> dict[str, int]:
+    return _mapping(where, value, _integer)
+
+
+_MODULE = {
+    "qualname": _string,
+    "source_class": _string,
+    "fuser": _string,
+    "status": _string,
+    "fused_error": _number,
+    "unfused_error": _number,
+    "tolerance": _number,
+    "reason": _string,
+    "calls": _integer,
+}
+_REFUSAL = {
+    "fuser": _optional_string,
+    "source_class": _string,
+    "reason": _string,
+    "count": _integer,
+    "example": _string,
+}
+_FAILURE = {
+    "kind": _string,
+    "qualname": _optional_string,
+    "fuser": _optional_string,
+    "source_class": _optional_string,
+    "message": _string,
+    "detail": _string,
+    "observed": _optional_number,
+    "tolerance": _optional_number,
+    "signature": _string,
+    "bundle": _optional_string,
+}
+_RESULT: dict[str, Callable[[str, Any], Any]] = {
+    "architecture": _string,
+    "status": _status,
+    "dtype": _string,
+    "device": _string,
+    "seed": _integer,
+    "seconds": _number,
+    "message": _string,
+    "applied": _counts,
+    "applied_by_class": lambda w, v: _mapping(w, v, _counts),
+    "refusals": lambda w, v: _array(
+        w, v, lambda w2, v2: _record(w2, v2, Refusal, _REFUSAL, tuple(_REFUSAL))
+    ),
+    "unfused_error": _optional_number,
+    "fused_error": _optional_number,
+    "tolerance": _optional_number,
+    "modules": lambda w, v: _array(
+        w, v, lambda w2, v2: _record(w2, v2, ModuleResult, _MODULE, tuple(_MODULE)[:7])
+    ),
+    "failures": lambda w, v: _array(
+        w, v, lambda w2, v2: _record(w2, v2, Failure, _FAILURE, tuple(_FAILURE)[:5])
+    ),
+    "lifecycle": lambda w, v: _mapping(w, v, _lifecycle_entry),
+}
+_RESULT_REQUIRED = ("architecture", "status", "dtype", "device", "seed", "seconds")
+
+
+def from_dict(data: Any) -> ArchResult:
+    """Rebuild a result from `to_dict` output, checking every field's JSON type.
+
+    Returns the ArchResult; raises ResultsError naming the first field that does not fit
+    (a non-object, a missing or unknown field, a wrong type, an unknown status), so a damaged
+    or foreign file is refused before anything is computed from it.
+    """
     try:
-        numbers = {k: _number(data.get(k)) for k in ("unfused_error", "fused_error", "tolerance")}
-        modules = [
-            ModuleResult(
-                **{
-                    **m,
-                    **{k: float(m[k]) for k in ("fused_error", "unfused_error", "tolerance")},
-                }
-            )
-            for m in data.get("modules", [])
-        ]
-        failures = [
-            Failure(
-                **{
-                    **f,
-                    "observed": _number(f.get("observed")),
-                    "tolerance": _number(f.get("tolerance")),
-                }
-            )
-            for f in data.get("failures", [])
-        ]
-        refusals = [Refusal(**r) for r in data.get("refusals", [])]
-        rest = {
-            k: v for k, v in data.items() if k not in {"modules", "failures", "refusals", *numbers}
-        }
-        return ArchResult(**rest, **numbers, modules=modules, failures=failures, refusals=refusals)
-    except (TypeError, KeyError, ValueError) as exc:
+        return _record("record", data, ArchResult, _RESULT, _RESULT_REQUIRED)
+    except _Bad as exc:
         raise ResultsError(f"not a result record: {exc}") from None
+
+
+# ------------------------------------------------------------------------------- the file
+
+
+def _regular_or_absent(path: Path) -> bool:
+    """Is `path` a regular file or nothing at all (following symlinks)?"""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except FileNotFoundError:
+        return True
 
 
 def read_results(path: Path) -> list[ArchResult]:
     """Every complete result in a JSONL file, in file order.
 
-    A torn final line (the process died mid-write) is ignored; a bad line anywhere else raises
-    ResultsError with its line number, since silently dropping it would re-run or lose work.
+    A torn final line (no newline: the process died mid-write) is ignored. Any other bad line,
+    the last complete one included, raises ResultsError with its line number: silently
+    dropping it would re-run or lose work, and appending after it would leave the damage in
+    the middle of the file. A path that is not a regular file (a directory, a FIFO, a device
+    that never ends) is refused before it is read.
     """
-    lines = path.read_text(encoding="utf-8").splitlines()
+    if not path.exists():
+        raise ResultsError(f"{path}: no such results file")
+    if not _regular_or_absent(path):
+        raise ResultsError(f"{path} is not a regular file, so not a results file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ResultsError(f"cannot read {path}: {exc.strerror or exc}") from None
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" when the file ends with a newline, else an unfinished line
+    del torn  # only ever the interrupted write of the last result: skipped by design
     results = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
         try:
-            results.append(from_dict(json.loads(line)))
-        except (json.JSONDecodeError, ResultsError) as exc:
-            if number == len(lines):
-                break  # torn last line: the writer was interrupted mid-line
-            raise ResultsError(f"{path}:{number}: {exc}") from None
+            results.append(from_dict(json.loads(raw.decode("utf-8"))))
+        except UnicodeDecodeError:
+            raise ResultsError(_bad_line(path, number, "not UTF-8 text")) from None
+        except json.JSONDecodeError as exc:
+            raise ResultsError(_bad_line(path, number, f"not JSON ({exc.msg})")) from None
+        except (ResultsError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ResultsError(_bad_line(path, number, reason)) from None
     return results
 
 
-class ResultsWriter:
-    """Appends results to a JSONL file, one flushed line each.
+def _bad_line(path: Path, number: int, reason: str) -> str:
+    hint = (
+        "; is it a fusion-harness results file?"
+        if number == 1
+        else "; fix or delete that line, or start a fresh file with --results"
+    )
+    return f"{path}:{number}: {reason}{hint}"
 
-    Opened in append mode for a resume; a fresh run truncates. A torn last line left by an
-    earlier crash is cut off first, so appended lines never join onto it.
+
+class ResultsWriter:
+    """Appends results to a JSONL file, one flushed line each, as the file's only writer.
+
+    The file is opened without truncating and locked (an exclusive `flock`, released by the
+    kernel however the process ends) before anything else: a second sweep on the same file
+    gets a ResultsError instead of truncating, interleaving or re-running the first one's
+    work. Then a fresh run truncates; a resume cuts a torn last line left by an earlier crash,
+    so appended lines never join onto it. Only regular files are accepted (a results file is
+    re-read by --resume); failures to open, lock, read or write are ResultsError with the
+    reason. A resume's earlier results are in `previous`.
     """
 
     def __init__(self, path: Path, *, append: bool) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if append and path.exists():
-            _drop_torn_tail(path)
-        self._file: IO[str] = path.open("a" if append else "w", encoding="utf-8")
+        if not _regular_or_absent(path):
+            raise ResultsError(f"{path} is not a regular file; --results needs a file path")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Read and append: a resume re-reads the tail; writes always land at the end.
+            self._file: IO[bytes] = path.open("a+b")
+        except OSError as exc:
+            raise ResultsError(f"cannot write results file {path}: {_why(exc)}") from None
+        self.previous: list[ArchResult] = []
+        """The results already in the file (a resume), read and validated under the lock."""
+        try:
+            self._lock()
+            if append:
+                # Validate before changing anything: a file that is not a results file (or
+                # has a bad line) is refused untouched, not cut at its "torn" last line.
+                self.previous = read_results(path)
+                _drop_torn_tail(self._file)
+            else:
+                self._file.truncate(0)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _lock(self) -> None:
+        if fcntl is None:  # pragma: no cover - no advisory locks here: one sweep per file, please
+            return
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise ResultsError(
+                    f"{self.path} is being written by another sweep; wait for it to finish, "
+                    "or give this one another --results file"
+                ) from None
+            raise ResultsError(f"cannot lock results file {self.path}: {_why(exc)}") from None
 
     def write(self, result: ArchResult) -> None:
-        self._file.write(to_json_line(result))
-        self._file.flush()
+        """Append one result as one line; ResultsError (the file keeps its earlier lines,
+        at worst a torn last line that a resume cuts) if the file system refuses it."""
+        try:
+            self._file.write(to_json_line(result).encode("utf-8"))
+            self._file.flush()
+        except OSError as exc:
+            raise ResultsError(f"cannot write results file {self.path}: {_why(exc)}") from None
 
     def close(self) -> None:
-        self._file.close()
+        # A failed flush at close (a full disk) must not mask the error already reported.
+        with contextlib.suppress(OSError):
+            self._file.close()
 
     def __enter__(self) -> ResultsWriter:
         return self
@@ -225,7 +466,16 @@ class ResultsWriter:
         self.close()
 
 
-def _drop_torn_tail(path: Path) -> None:
-    data = path.read_bytes()
+def _why(exc: OSError) -> str:
+    """The system's words for an OSError ("No space left on device"), without the path."""
+    if exc.errno is not None:
+        return os.strerror(exc.errno)
+    return exc.strerror or str(exc)
+
+
+def _drop_torn_tail(file: IO[bytes]) -> None:
+    """Cut everything after the last newline of the open (locked) file."""
+    file.seek(0)
+    data = file.read()
     if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
+        file.truncate(data.rfind(b"\n") + 1)

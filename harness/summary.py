@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.results import FUSION_FAILURES, STATUSES, UNEXPECTED, ArchResult, to_dict
@@ -27,12 +27,17 @@ class Totals:
     statuses: dict[str, int]
     fusions: dict[str, int]
     seconds: float
+    lifecycle: dict[str, dict[str, int]] = field(default_factory=dict)
+    """{operation: {verdict: architectures}} of the lifecycle checks (harness.lifecycle)."""
 
 
 def totals(results: Sequence[ArchResult]) -> Totals:
     fusions: Counter[str] = Counter()
+    cycle: dict[str, Counter[str]] = {}
     for result in results:
         fusions.update(result.applied)
+        for op, verdict in result.lifecycle.items():
+            cycle.setdefault(op, Counter())[verdict["verdict"]] += 1
     return Totals(
         architectures=len(results),
         built=sum(r.built for r in results),
@@ -42,6 +47,7 @@ def totals(results: Sequence[ArchResult]) -> Totals:
         statuses={s: n for s in STATUSES if (n := sum(r.status == s for r in results))},
         fusions=dict(sorted(fusions.items())),
         seconds=round(sum(r.seconds for r in results), 3),
+        lifecycle={op: dict(sorted(c.items())) for op, c in cycle.items()},
     )
 
 
@@ -63,18 +69,69 @@ def _error(value: float | None) -> str:
     return f"{value:.1e}"
 
 
+NO_FUSION_STATUSES = frozenset({"build-error", "crashed", "timeout", "fuse-error"})
+"""Statuses where fusion never ran to completion, so there is no refusal to show."""
+
+REASON_WIDTH = 60
+
+
+def main_refusal(result: ArchResult) -> str:
+    """Why nothing was fused, in a few words: the refusal covering the most modules.
+
+    Returns "fuser: reason category" (harness.plans.reason_category: the stable head of the
+    reason, without graph dumps), cut to REASON_WIDTH characters, or "no candidate module"
+    when no fuser even considered a module.
+    """
+    from harness.plans import reason_category
+
+    if not result.refusals:
+        return "no candidate module"
+    top = max(result.refusals, key=lambda r: r.count)  # first of equals: report order
+    text = f"{top.fuser or 'none'}: {reason_category(top.reason)}"
+    return text if len(text) <= REASON_WIDTH else text[: REASON_WIDTH - 3] + "..."
+
+
 def _fusions(result: ArchResult) -> str:
-    return " ".join(f"{f}:{n}" for f, n in sorted(result.applied.items())) or "-"
+    fused = " ".join(f"{f}:{n}" for f, n in sorted(result.applied.items()))
+    if fused:
+        return fused
+    if result.status in NO_FUSION_STATUSES:
+        return "-"
+    return f"none ({main_refusal(result)})"
+
+
+def _lifecycle(result: ArchResult) -> str:
+    """`-` when no lifecycle check ran; else the failed operations, or `N pass` (and how many
+    were not applicable)."""
+    if not result.lifecycle:
+        return "-"
+    verdicts = {op: v["verdict"] for op, v in result.lifecycle.items()}
+    failed = [op for op, v in verdicts.items() if v == "fail"]
+    if failed:
+        return "fail: " + ", ".join(failed)
+    passed = sum(v == "pass" for v in verdicts.values())
+    other = len(verdicts) - passed
+    return f"{passed} pass" + (f", {other} n/a" if other else "")
 
 
 def format_table(results: Sequence[ArchResult]) -> str:
-    """One row per architecture: fusions by fuser, verdict, worst errors, seconds."""
-    header = ("architecture", "fusions", "verdict", "unfused err", "fused err", "seconds")
+    """One row per architecture: fusions by fuser (or, when none, the main refusal reason),
+    verdict, worst errors, seconds."""
+    header = (
+        "architecture",
+        "fusions",
+        "verdict",
+        "lifecycle",
+        "unfused err",
+        "fused err",
+        "seconds",
+    )
     rows = [
         (
             r.architecture,
             _fusions(r),
             r.status,
+            _lifecycle(r),
             _error(r.unfused_error),
             _error(r.fused_error),
             f"{r.seconds:.2f}",
@@ -82,7 +139,7 @@ def format_table(results: Sequence[ArchResult]) -> str:
         for r in results
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    right = {3, 4, 5}
+    right = {4, 5, 6}
 
     def line(row: Sequence[str]) -> str:
         cells = (
@@ -94,13 +151,32 @@ def format_table(results: Sequence[ArchResult]) -> str:
     return "\n".join([line(header), rule, *(line(row) for row in rows)])
 
 
-def format_problems(results: Sequence[ArchResult]) -> str:
-    """Every result that is not a plain pass, with its message and bundle directories."""
+def format_problems(
+    results: Sequence[ArchResult], *, golden: Mapping[str, Any] | None = None
+) -> str:
+    """Every result that is not a plain pass, with its message and bundle directories.
+
+    `golden` ({"path": file, "entries": {architecture: plan entry}}, harness.plans) adds, for
+    a status the golden file already records for that architecture, whether it is an expected
+    break of this Transformers line or a fusion failure that stays a failure even so.
+    """
+    from harness.plans import accepted
+
+    entries = (golden or {}).get("entries") or {}
     lines = []
     for r in results:
         if r.status == "pass":
             continue
-        lines.append(f"{r.architecture}: {r.status}: {r.message}")
+        entry = entries.get(r.architecture)
+        note = ""
+        if entry is not None and entry.get("status") == r.status:
+            where = golden["path"] if golden else "the golden file"
+            note = (
+                f" (expected: recorded in {where})"
+                if accepted(entry)
+                else f" (recorded in {where}, but a fusion failure is never expected)"
+            )
+        lines.append(f"{r.architecture}: {r.status}{note}: {r.message}")
         bundles = dict.fromkeys(f.bundle for f in r.failures if f.bundle)
         lines.extend(f"    repro bundle: {b}" for b in bundles)
     return "\n".join(lines)
@@ -116,6 +192,12 @@ def format_totals(t: Totals, *, wall: float | None = None, jobs: int | None = No
         f"statuses: {statuses}",
         f"fusions applied: {sum(t.fusions.values())} ({fusions})",
     ]
+    if t.lifecycle:
+        per_op = "; ".join(
+            f"{op} " + " / ".join(f"{n} {v}" for v, n in counts.items())
+            for op, counts in t.lifecycle.items()
+        )
+        lines.append(f"lifecycle: {per_op}")
     if wall is not None:
         on = f" with -j {jobs}" if jobs else ""
         lines.append(
@@ -130,13 +212,20 @@ def json_document(
     options: dict[str, Any],
     wall: float,
     interrupted: bool,
+    status: int | None = None,
 ) -> dict[str, Any]:
-    """The --json output: options, totals, exit status and every result (strict JSON)."""
+    """The --json output: options, totals, exit status and every result (strict JSON).
+
+    `status` is the process's real exit status (130 for an interrupted run, 2 for a failed
+    output), stored as "exit_status"; by default the sweep's verdict (`exit_status`).
+    """
+    if status is None:
+        status = exit_status(results)
     return {
         "options": options,
         "wall_seconds": round(wall, 3),
         "interrupted": interrupted,
-        "exit_status": exit_status(results),
+        "exit_status": status,
         "totals": asdict(totals(results)),
         "results": [to_dict(r) for r in results],
     }

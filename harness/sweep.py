@@ -4,6 +4,11 @@ Each architecture is one task in `harness.pool` (long-lived workers, per-archite
 a crashed or hung worker replaced and its architecture recorded as crashed/timeout). Every result
 is appended to the JSONL results file the moment it arrives, so an interrupted sweep keeps all
 finished work and `resume=True` skips it next time.
+
+The results file is locked for the whole sweep (harness.results.ResultsWriter) before the
+previous results are read, so two sweeps can neither interleave lines nor both run what a
+resume left to do. If the file system stops taking results mid-sweep (a full disk), the sweep
+still finishes and returns every verdict; `SweepRun.write_error` says what was not recorded.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import architectures, check, pool, repro
-from harness.results import ArchResult, ResultsError, ResultsWriter, from_dict, read_results
+from harness.results import ArchResult, ResultsError, ResultsWriter, from_dict
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -48,6 +53,8 @@ class SweepRun:
     results: list[ArchResult]
     interrupted: bool
     wall: float
+    write_error: str | None = None
+    """Why results stopped reaching the results file (None: every result was written)."""
 
 
 def setup_worker(plugins: tuple[str, ...]) -> None:
@@ -84,6 +91,7 @@ def check_task(payload: tuple[str, check.CheckOptions, str | None]) -> dict:
     checked = check.check_architecture(name, options)
     result = checked.result
     if repro_dir and result.failures and checked.subject is not None:
+        # Never raises for a bundle it cannot write: the verdict must survive a side file.
         result = repro.write_bundles(result, checked.subject, Path(repro_dir))
     return to_dict(result)
 
@@ -127,16 +135,16 @@ def result_of(outcome: pool.Outcome, options: check.CheckOptions) -> ArchResult:
     )
 
 
-def previous_results(path: Path, options: check.CheckOptions) -> dict[str, ArchResult]:
-    """The results already in `path` by architecture (empty if the file does not exist).
+def previous_results(
+    path: Path, options: check.CheckOptions, results: Sequence[ArchResult]
+) -> dict[str, ArchResult]:
+    """`results` (read from `path`) by architecture.
 
     Raises ResultsError if they were computed with another dtype, device or seed: mixing them
     into one table would compare unlike with unlike.
     """
-    if not path.exists():
-        return {}
     done = {}
-    for result in read_results(path):
+    for result in results:
         ours = (options.dtype, options.device, options.seed)
         theirs = (result.dtype, result.device, result.seed)
         if theirs != ours:
@@ -159,17 +167,20 @@ def sweep(
     `on_start(total, already_done)` is called once before any work, `on_result(result)` for
     each new result (both for progress reporting). Ctrl-C (KeyboardInterrupt) stops the sweep:
     workers are killed, the results file keeps every finished line, and the partial run is
-    returned with `interrupted=True`.
+    returned with `interrupted=True`. Raises ResultsError before any work when the results
+    file cannot be used (locked by another sweep, not writable, not a results file).
     """
     started = time.perf_counter()
-    done = previous_results(options.results, options.check) if options.resume else {}
-    todo = [name for name in options.architectures if name not in done]
-    if on_start is not None:
-        on_start(len(options.architectures), len(options.architectures) - len(todo))
-    repro_dir = str(options.repro_dir) if options.repro_dir else None
-    tasks = [(name, (name, options.check, repro_dir)) for name in todo]
     interrupted = False
+    write_error: str | None = None
+    # Lock first, read second: another sweep cannot add lines between the two.
     with ResultsWriter(options.results, append=options.resume) as writer:
+        done = previous_results(options.results, options.check, writer.previous)
+        todo = [name for name in options.architectures if name not in done]
+        if on_start is not None:
+            on_start(len(options.architectures), len(options.architectures) - len(todo))
+        repro_dir = str(options.repro_dir) if options.repro_dir else None
+        tasks = [(name, (name, options.check, repro_dir)) for name in todo]
         outcomes = pool.run_tasks(
             tasks,
             check_task,
@@ -178,15 +189,24 @@ def sweep(
             setup=setup_worker,
             setup_args=(tuple(options.check.plugins),),
         )
+        unwritten = 0
         try:
             with contextlib.closing(outcomes):
                 for outcome in outcomes:
                     result = result_of(outcome, options.check)
-                    writer.write(result)
+                    if write_error is None:
+                        try:
+                            writer.write(result)
+                        except ResultsError as exc:
+                            write_error = str(exc)
+                    if write_error is not None:
+                        unwritten += 1
                     done[result.architecture] = result
                     if on_result is not None:
                         on_result(result)
         except KeyboardInterrupt:
             interrupted = True
+    if write_error is not None:
+        write_error += f"; {unwritten} result(s) not recorded there (the table has them all)"
     results = [done[name] for name in options.architectures if name in done]
-    return SweepRun(results, interrupted, time.perf_counter() - started)
+    return SweepRun(results, interrupted, time.perf_counter() - started, write_error)

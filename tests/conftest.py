@@ -8,16 +8,58 @@ they live here rather than next to one package's tests.
 - "slow": randomized, 20x more examples; a soak run after changing an analysis, e.g.
   `HYPOTHESIS_PROFILE=slow python -m pytest tests/fusion/test_alias.py`.
 - "dev": a quick randomized smoke run while editing.
+
+Test selection (markers declared in pyproject.toml): a run that names no test paths and no
+`-m` expression, i.e. the README's `python -m pytest -n auto`, selects
+`not slow and not conformance` (DEFAULT_SELECTION): the unit tests, a few minutes on two
+cores. `-m slow` runs the long suites (CI runs them in a step of their own), `-m conformance`
+or `tox -e conformance` the corpus conformance suite, `-m ""` everything. Naming paths
+(`pytest tests/fuzz`, as tox's fuzz and bench environments and scripts/gpu_check.sh do)
+selects everything in them. Whole modules owned elsewhere are marked slow here (SLOW_PATHS),
+single tests with `@pytest.mark.slow` where they are.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+DEFAULT_SELECTION = "not slow and not conformance"
+
+SLOW_PATHS = (
+    "tests/fuzz/test_fuzz_fusion.py",  # the fuzzer at its CI size (`tox -e fuzz`: full size)
+    "tests/corpus/test_all_architectures.py",  # every corpus architecture built and run
+    "tests/fusion/kernels/test_triton_backend.py",  # Triton kernels in the interpreter
+    "tests/bench/",  # benchmark smoke runs (`tox -e bench` times them)
+)
+"""Test files (or directories, ending in "/") whose every test is `slow`: each takes minutes
+on two CPU cores. Paths are relative to the repository root."""
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Apply DEFAULT_SELECTION to a run that names no paths and gives no `-m` (not even an
+    empty one: `-m ""` asks for everything)."""
+    given = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))]
+    chose_marks = any(str(arg).startswith("-m") and not str(arg).startswith("--") for arg in given)
+    named_paths = config.args_source != pytest.Config.ArgsSource.TESTPATHS
+    if not chose_marks and not named_paths and not config.option.markexpr:
+        config.option.markexpr = DEFAULT_SELECTION
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m expression deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = os.path.relpath(str(item.path), REPO).replace(os.sep, "/")
+        if any(path == p or (p.endswith("/") and path.startswith(p)) for p in SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
+
 
 settings.register_profile(
     "ci",

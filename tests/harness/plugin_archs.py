@@ -16,6 +16,10 @@ def _abort(**_kwargs):
 
 
 def _hang(**_kwargs):
+    marker = os.environ.get("HARNESS_TEST_HANG_MARKER")
+    if marker:  # tells a test the worker is now inside the task
+        with open(marker, "a") as f:
+            f.write(f"{os.getpid()}\n")
     time.sleep(3600)  # a native call that never returns
 
 
@@ -28,9 +32,14 @@ def _raise(**_kwargs):
     raise ValueError("this test architecture never builds")
 
 
+def _sys_exit(**_kwargs):
+    raise SystemExit(3)  # a library that calls sys.exit on a config it dislikes
+
+
 HARNESS_ARCHITECTURES = {
     "harness-test-abort": _abort,
     "harness-test-hang": _hang,
     "harness-test-slow-llama": _slow_llama,
     "harness-test-unbuildable": _raise,
+    "harness-test-sys-exit": _sys_exit,
 }

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from harness import cli
+from harness import architectures, cli
 from harness.results import read_results
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +94,7 @@ def test_resume_with_a_different_results_file_is_refused(tmp_path, capsys):
     assert "--resume FILE is also the results file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # several sweep processes: tens of seconds
 def test_a_parity_failure_fails_the_run_and_bundles_replay(tmp_path):
     env = {
         **os.environ,
@@ -136,7 +139,7 @@ def test_a_parity_failure_fails_the_run_and_bundles_replay(tmp_path):
 def test_repro_of_a_malformed_bundle_exits_2(tmp_path, capsys):
     (tmp_path / "bundle.json").write_text('{"format": 1}')
     assert cli.main(["repro", str(tmp_path)]) == 2
-    assert "field 'versions' is missing" in capsys.readouterr().out
+    assert "field 'versions' is missing" in capsys.readouterr().err
 
 
 def test_show_prints_plan_and_diffs(capsys):
@@ -151,7 +154,7 @@ def test_show_prints_plan_and_diffs(capsys):
 def test_show_takes_exactly_one_known_architecture(capsys):
     assert cli.main(["show", "qwen*"]) == 2
     assert "show takes one architecture; 'qwen*' matches qwen2" in capsys.readouterr().err
-    unbuildable = sorted(cli.architectures.unbuildable())
+    unbuildable = sorted(architectures.unbuildable())
     if unbuildable:
         assert cli.main(["show", unbuildable[0]]) == 1
         assert "is known unbuildable" in capsys.readouterr().out
@@ -175,3 +178,178 @@ def test_list_reports_a_build_failure(capsys, monkeypatch):
     assert cli.main(["list", "--arch", "harness-test-unbuildable", "llama", "-j", "1"]) == 1
     out = capsys.readouterr().out
     assert "harness-test-unbuildable  error: ValueError: this test architecture never builds" in out
+
+
+# --- the first ten minutes: fast help, clear errors --------------------------------------------
+
+
+def test_help_and_usage_errors_do_not_import_torch():
+    """Before: `--help` imported torch, Transformers and the bench module (4-7 s)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from harness import cli\n"
+        "for argv in (['--help'], ['run', '--help'], ['show', '--help'], ['repro', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        cli.main(argv)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'corpus', 'fusion') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_dtype_choices_are_the_checks_dtypes():
+    from harness import check
+
+    assert list(cli.DTYPE_NAMES) == list(check.DTYPES)
+
+
+def test_show_of_an_unknown_name_speaks_of_a_name_not_of_arch(capsys):
+    """Before: `show nosucharch` said "--arch 'nosucharch' matches no architecture"."""
+    assert cli.main(["show", "nosucharch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusion-harness: error: no architecture named 'nosucharch'")
+    assert "--arch" not in err
+    assert cli.main(["show", "lama"]) == 2
+    assert "did you mean llama" in capsys.readouterr().err
+
+
+def test_bench_arch_is_a_clear_error(capsys):
+    """Before: `bench --arch` was unrecognised and printed the top-level usage."""
+    assert cli.main(["bench", "--arch", "llama"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusion-harness: error: bench does not take --arch")
+    assert "--kernel" in err and "usage:" not in err
+
+
+def test_repro_errors_go_to_stderr_with_the_common_prefix(tmp_path, capsys):
+    """Before: `repro` printed "error: ..." on stdout, unlike every other subcommand."""
+    assert cli.main(["repro", str(tmp_path / "nope")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("fusion-harness: error: ") and "not a directory" in captured.err
+
+
+# --- results files: one-line errors, exit 2, nothing appended ----------------------------------
+
+
+def _record(**changes) -> str:
+    from harness.results import ArchResult, to_json_line
+
+    line = json.loads(to_json_line(ArchResult("gpt2", "pass", "float32", "cpu", 0, 0.1)))
+    line.update(changes)
+    return json.dumps(line) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"[1, 2]\n", "record must be an object"),
+        (b"42\n", "record must be an object"),
+        (b"\xff\xfe\n", "not UTF-8 text"),
+        (_record(applied=[1]).encode(), "record.applied must be an object"),
+        (_record(architecture=3).encode(), "record.architecture must be a string"),
+        (_record(seconds="fast").encode(), "record.seconds must be a number"),
+        (_record(status="bogus").encode(), 'record.status is "bogus"'),
+        (_record().encode() + b'{"foo": 1}\n', "unknown field(s) 'foo'"),
+        (json.dumps({"format": 1, "config": {}}, indent=2).encode(), "is it a fusion-harness"),
+    ],
+)
+def test_resume_of_a_bad_results_file_is_one_line_and_exit_2(tmp_path, capsys, content, message):
+    """Before: tracebacks and exit 1 (some after the whole sweep ran), or the bad line kept
+    and appended after; `"status": "bogus"` was accepted and counted."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(content)
+    assert cli.main(["run", "--arch", "llama", "-j", "1", "--resume", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusion-harness: error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert path.read_bytes() == content  # nothing appended, nothing cut
+
+
+def test_resume_of_a_directory_is_one_line_and_exit_2(tmp_path, capsys):
+    assert cli.main(["run", "--arch", "llama", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusion-harness: error: ") and "is a directory" in err
+
+
+def test_unwritable_outputs_are_refused_before_the_sweep(tmp_path, unwritable_dir, capsys):
+    """Before: raw tracebacks (for --json after a green sweep)."""
+    base = ["run", "--arch", "llama", "-j", "1", "--results", str(tmp_path / "r.jsonl")]
+    for extra, message in [
+        (["--results", str(unwritable_dir / "r.jsonl")], "cannot write results file"),
+        (["--json", str(unwritable_dir / "s.json")], "--json"),
+        (["--json", str(tmp_path)], "is a directory"),
+        (["--repro-dir", str(unwritable_dir / "bundles")], "--repro-dir"),
+    ]:
+        assert cli.main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("fusion-harness: error: ") and message in err, err
+        assert err.count("\n") == 1
+    assert not (tmp_path / "r.jsonl").exists() or not (tmp_path / "r.jsonl").read_text()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_json_on_a_full_device_keeps_the_verdict(tmp_path, capsys):
+    """--json /dev/full after a green sweep: the table is printed, one error line, exit 2
+    (a red sweep would keep its 1), and the results file holds the verdict."""
+    results = tmp_path / "r.jsonl"
+    argv = ["run", "--arch", "llama", "-j", "1", "--results", str(results)]
+    assert cli.main([*argv, "--json", "/dev/full"]) == 2
+    captured = capsys.readouterr()
+    assert any(line.split()[:1] == ["llama"] for line in captured.out.splitlines())
+    assert captured.err.strip().splitlines()[-1] == (
+        "fusion-harness: error: cannot write --json /dev/full: No space left on device"
+    )
+    assert [r.status for r in read_results(results)] == ["pass"]
+
+
+def test_an_unwritable_default_repro_dir_is_a_warning(tmp_path, unwritable_dir, monkeypatch):
+    monkeypatch.chdir(unwritable_dir)
+    args = cli.build_parser().parse_args(["run"])
+    assert cli._repro_dir(args) is None  # no bundles, but the sweep runs
+
+
+@pytest.mark.slow  # several sweep processes: tens of seconds
+def test_two_sweeps_on_one_results_file(tmp_path):
+    """Before: both exited 0 and one's results were silently gone (and a fragment line broke
+    the next --resume); two --resume runs both ran the remaining architectures."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "FUSION_HARNESS_TEST_PLUGINS": "tests.harness.plugin_archs",
+    }
+    results = tmp_path / "r.jsonl"
+    argv = [sys.executable, "-m", "harness", "run", "-j", "1", "--timeout", "600"]
+    first = subprocess.Popen(  # one result, then a hang: it holds the file until stopped
+        [*argv, "--results", str(results), "--arch", "llama", "harness-test-hang"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (results.exists() and results.read_text().count("\n") == 1):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.1)
+    before = results.read_bytes()
+    for extra in (["--results", str(results)], ["--resume", str(results)]):
+        second = subprocess.run(
+            [*argv, *extra, "--arch", "gpt2"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert "being written by another sweep" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert results.read_bytes() == before  # not truncated, nothing appended
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 130, err
+    assert [r.architecture for r in read_results(results)] == ["llama"]

@@ -350,6 +350,7 @@ def _conformance(expected_dir: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # runs the conformance suite in a subprocess
 def test_conformance_fails_on_a_missing_golden_file(tmp_path):
     run = _conformance(tmp_path / "none", "-k", "golden_plan_exists")
     assert run.returncode == 1, run.stdout
@@ -357,6 +358,7 @@ def test_conformance_fails_on_a_missing_golden_file(tmp_path):
     assert "fusion-harness run --update-expected" in run.stdout
 
 
+@pytest.mark.slow  # runs the conformance suite in a subprocess
 def test_conformance_reports_a_changed_plan_in_words(tmp_path):
     golden = plans.load(plans.golden_path())  # the committed file of this line
     llama = json.loads(json.dumps(golden.architectures["llama"]))

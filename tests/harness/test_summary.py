@@ -7,7 +7,7 @@ import json
 import pytest
 
 from harness import summary
-from harness.results import ArchResult, Failure
+from harness.results import ArchResult, Failure, Refusal
 
 
 def _r(name: str, status: str = "pass", **fields) -> ArchResult:
@@ -60,13 +60,14 @@ def test_table_and_problems():
         "architecture",
         "fusions",
         "verdict",
+        "lifecycle",
         "unfused",
         "err",
         "fused",
         "err",
         "seconds",
     ]
-    assert table[2].split() == ["llama", "qkv:2", "pass", "1.0e-07", "2.0e-07", "0.50"]
+    assert table[2].split() == ["llama", "qkv:2", "pass", "-", "1.0e-07", "2.0e-07", "0.50"]
     problems = summary.format_problems(results)
     assert "gpt2: fail: m (A) [qkv]: bad" in problems
     assert problems.count(bundle) == 1  # one line per distinct bundle
@@ -81,3 +82,77 @@ def test_json_document_is_strict_json():
     )
     text = json.dumps(doc, allow_nan=False)
     assert json.loads(text)["totals"]["green"] == 1
+
+
+def test_lifecycle_verdicts_in_table_totals_and_json():
+    ok = {"verdict": "pass", "detail": ""}
+    results = [
+        _r("llama", lifecycle={"generate": ok, "train": ok}),
+        _r("bart", lifecycle={"generate": {"verdict": "n/a", "detail": "x"}, "train": ok}),
+        _r(
+            "opt",
+            "fail",
+            lifecycle={"generate": ok, "train": {"verdict": "fail", "detail": "grad"}},
+        ),
+    ]
+    rows = summary.format_table(results).splitlines()[2:]
+    assert "2 pass" in rows[0] and "1 pass, 1 n/a" in rows[1] and "fail: train" in rows[2]
+    t = summary.totals(results)
+    assert t.lifecycle == {"generate": {"n/a": 1, "pass": 2}, "train": {"fail": 1, "pass": 2}}
+    assert "lifecycle: generate 1 n/a / 2 pass; train 1 fail / 2 pass" in summary.format_totals(t)
+    doc = summary.json_document(results, options={}, wall=1.0, interrupted=False)
+    assert doc["totals"]["lifecycle"]["train"] == {"fail": 1, "pass": 2}
+
+
+def test_an_architecture_without_fusion_shows_its_main_refusal():
+    """Before: `-` in the fusions column, saying nothing about why."""
+    refusals = [
+        Refusal(
+            "qkv",
+            "BigBirdAttention",
+            "the forward does not trace as far as its projections",
+            2,
+            "a",
+        ),
+        Refusal("glu", "MLP", "no gate: fc1 -> act -> fc2", 1, "b"),
+    ]
+    rows = summary.format_table(
+        [_r("big_bird", refusals=refusals), _r("x"), _r("y", "build-error")]
+    ).splitlines()[2:]
+    assert "none (qkv: the forward does not trace as far as its projections)" in rows[0]
+    assert "none (no candidate module)" in rows[1]
+    assert rows[2].split()[1] == "-"  # never built: nothing was refused
+
+
+def test_problems_say_what_the_golden_file_already_expects():
+    golden = {
+        "path": "corpus/expected/5.24.json",
+        "entries": {
+            "inkling2_text": {"status": "inconclusive", "reason": "logits: float64 reference"},
+            "opt": {"status": "fail", "reason": "m: bad"},
+            "gpt2": {"status": "pass"},
+        },
+    }
+    results = [
+        _r("inkling2_text", "inconclusive", message="logits: float64 reference does not run"),
+        _r("opt", "fail", message="m: bad"),
+        _r("gpt2", "fail", message="new"),
+    ]
+    lines = summary.format_problems(results, golden=golden).splitlines()
+    assert lines[0].startswith(
+        "inkling2_text: inconclusive (expected: recorded in corpus/expected/5.24.json): logits"
+    )
+    assert "opt: fail (recorded in corpus/expected/5.24.json, but a fusion failure" in lines[1]
+    assert lines[2] == "gpt2: fail: new"
+
+
+def test_json_document_carries_the_real_exit_status():
+    """Before: an interrupted run's JSON said "exit_status": 0 while the process exited 130."""
+    doc = summary.json_document([_r("a")], options={}, wall=1.0, interrupted=True, status=130)
+    assert doc["exit_status"] == 130 and doc["interrupted"]
+    assert (
+        summary.json_document([_r("a", "fail")], options={}, wall=1.0, interrupted=False)[
+            "exit_status"
+        ]
+        == 1
+    )
