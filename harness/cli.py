@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    _add_run_parser(commands)
+    _add_other_parsers(commands)
+    return parser
+
+
+def _add_run_parser(commands: Any) -> None:
+    """The `run` subcommand and its options."""
     run = commands.add_parser(
         "run",
         help="sweep the corpus and judge parity",
@@ -160,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=cmd_run)
 
+
+def _add_other_parsers(commands: Any) -> None:
+    """The `list`, `show`, `repro` and (for --help) `bench` subcommands."""
     listing = commands.add_parser(
         "list",
         help="the corpus with build status",
@@ -204,7 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="fused vs unfused timings",
         description="see `fusion-harness bench --help`",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -345,15 +354,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = sweep.sweep(sweep_options, on_start=bar.start, on_result=bar.advance)
     finally:
         bar.close()
-    golden = _golden_entries(options)
-    print(summary.format_table(run.results))
-    problems = summary.format_problems(run.results, golden=golden)
-    if problems:
-        print("\n" + problems)
-    print("\n" + summary.format_totals(summary.totals(run.results), wall=run.wall, jobs=args.jobs))
-    from harness import reach
-
-    print(reach.format_reach(reach.reach(run.results)))
+    _print_summary(run, options, args.jobs)
     print(f"results: {results_path}", flush=True)
     status = EXIT_INTERRUPTED if run.interrupted else summary.exit_status(run.results)
     if run.write_error:
@@ -383,6 +384,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.update_expected:
         _update_expected(run.results, options)
     return status
+
+
+def _print_summary(run: Any, options: Any, jobs: int) -> None:
+    """The table, the problems (with what the golden file already expects), the totals and
+    the per-family reach of a finished (or interrupted) sweep."""
+    from harness import reach, summary
+
+    print(summary.format_table(run.results))
+    problems = summary.format_problems(run.results, golden=_golden_entries(options))
+    if problems:
+        print("\n" + problems)
+    print("\n" + summary.format_totals(summary.totals(run.results), wall=run.wall, jobs=jobs))
+    print(reach.format_reach(reach.reach(run.results)))
 
 
 def _error(message: str) -> None:
