@@ -225,8 +225,10 @@ def rewrite_stacked(
     """Rewrite `type(module).forward` so the `shards` projections become one merged call.
 
     Split pieces flagged in `contiguous` become `.contiguous()`; those flagged in `fresh`,
-    or written in place according to the rewritten source (`layout.written_pieces`), become
-    `.clone()`.
+    or that the rewritten source may write in place by any spelling, on any path, through
+    any view or holder (`layout.written_pieces`, which reads the helpers, methods and
+    children the forward calls, and presumes a write where it cannot), or that it asks
+    for their layout or returns, become copies of their own (`_make_fresh`).
 
     Returns (compiled forward, original source, rewritten source). Refuses unless: each shard
     is called exactly once as `self.<shard>(input)` with the same side-effect-free input,
@@ -268,7 +270,9 @@ def rewrite_stacked(
     temps = source.splice_merged_call(
         funcdef, calls, block, start, merged_name, contiguous=contiguous
     )
-    written = written_pieces(funcdef, temps)
+    # Read with `module` and the forward's globals, so the calls it makes (helpers, q/k
+    # norms, methods) are followed rather than presumed to write what they are passed.
+    written = written_pieces(funcdef, temps, module, getattr(fn, "__globals__", {}))
     flags = list(fresh) + [False] * (len(temps) - len(fresh))
     _make_fresh(funcdef, [t for t, f, w in zip(temps, flags, written) if f or w])
     compiled = source.compile_forward(funcdef, fn)
@@ -277,8 +281,11 @@ def rewrite_stacked(
 
 def _make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
     """Replace each use of a split temporary in `temps` (`t` or `t.contiguous()`, where the
-    projection call was) by `t.clone()`: a fresh, contiguous tensor that is not a view, as
-    the projection's own output was, so writing it in place behaves the same."""
+    projection call was) by `t.new_empty(t.shape).copy_(t)`: a fresh tensor with standard
+    contiguous strides that is not a view, as the projection's own output was, so writing
+    it in place, or asking its strides or storage, behaves the same. (`t.clone()` would
+    keep the merged tensor's stride on a size-1 leading dimension, which `stride()` shows;
+    `clone(memory_format=...)` would need `torch` in the forward's globals.)"""
     for node in list(ast.walk(funcdef)):
         for field_name, value in ast.iter_fields(node):
             items = value if isinstance(value, list) else [value]
@@ -298,13 +305,8 @@ def _make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
                     and target.id in temps
                 ):
                     continue
-                clone = ast.Call(
-                    func=ast.Attribute(
-                        value=ast.Name(id=target.id, ctx=ast.Load()), attr="clone", ctx=ast.Load()
-                    ),
-                    args=[],
-                    keywords=[],
-                )
+                name = target.id
+                clone = ast.parse(f"{name}.new_empty({name}.shape).copy_({name})", mode="eval").body
                 for part in ast.walk(clone):
                     ast.copy_location(part, item)
                 if isinstance(value, list):

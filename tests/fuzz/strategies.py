@@ -180,6 +180,49 @@ SNIPPETS: dict[str, str] = {
                 output = super().__call__(input)
                 return output * self.scale if self.scale != 1.0 else output
         ''',
+    "InplaceHeadRMSNorm": '''
+        class InplaceHeadRMSNorm(nn.Module):
+            """A q/k RMSNorm that normalises its input in place (`.float()` of a float32
+            tensor is the tensor itself), as some remote-code models do."""
+
+            def __init__(self, hidden_size, eps=1e-6):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(hidden_size) * 0.1 + 1.0)
+                self.variance_epsilon = eps
+
+            def forward(self, hidden_states):
+                hidden_states = hidden_states.float()
+                variance = hidden_states.pow(2).mean(-1, keepdim=True)
+                hidden_states.mul_(torch.rsqrt(variance + self.variance_epsilon))
+                return self.weight * hidden_states
+        ''',
+    "rotary": '''
+        def rotate_half(x):
+            """Rotates half the hidden dims of the input (as Transformers does)."""
+            x1 = x[..., : x.shape[-1] // 2]
+            x2 = x[..., x.shape[-1] // 2 :]
+            return torch.cat((-x2, x1), dim=-1)
+
+
+        def rotary_tables(x):
+            """cos/sin tables for `x`'s sequence length and head size."""
+            seq, dim = x.shape[-2], x.shape[-1]
+            angles = torch.arange(seq, dtype=x.dtype)[:, None] * torch.arange(1, dim + 1, dtype=x.dtype)
+            return torch.cos(angles * 0.1), torch.sin(angles * 0.1)
+
+
+        def apply_rotary_pos_emb(q, k, cos, sin):
+            """Out of place, as Transformers does."""
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+        def apply_rotary_in_place(q, k, cos, sin):
+            """In place: the rotated values are copied back into q and k."""
+            q.copy_(q * cos + rotate_half(q) * sin)
+            half = k.shape[-1] // 2
+            k[..., :half] = k[..., :half] * cos[..., :half] - k[..., half : 2 * half] * sin[..., :half]
+            return q, k
+        ''',
     "CustomAct": '''
         class CustomAct(nn.Module):
             """An activation no fused kernel reproduces (quick GELU spelled by hand)."""
@@ -325,6 +368,16 @@ OUTPUT_ANY = _stmts(
         ("out_contiguity_probe", ["if not {p}.is_contiguous():", "    {p} = {p} * 0.5"]),
         ("out_rebind", ["{p} = {p} * 0.5"]),
         ("out_inplace_view_op", ["{p}.unsqueeze_(0)", "{p}.squeeze_(0)"]),
+        ("out_clamp", ["{p}.clamp_(min=-0.5, max=0.5)"]),
+        ("out_masked_fill", ["{p}.masked_fill_({p} > 0.5, 0.5)"]),
+        ("out_augassign_add", ["{p} += 0.25"]),
+        ("out_slice_copy", ["{p}[..., :1].copy_({p}[..., -1:] * 0.5)"]),
+        ("out_half_assign", ["_z_half = {p}.shape[-1] // 2", "{p}[..., :_z_half] = 0.5"]),
+        ("out_view_write", ["_z_ov = {p}.unsqueeze(0).transpose(0, 1)", "_z_ov *= 0.5"]),
+        ("out_cast_write", ["{p}.float().mul_(0.5)"]),
+        ("out_guarded_write", ["if {p} is not None:", "    {p}.mul_(0.5)"]),
+        ("out_container_write", ["_z_ob = [{p}]", "_z_ob[0].add_(0.25)"]),
+        ("out_helper_write", ["bump({p})"], ["bump"]),
     ],
     hazard=False,
 )
@@ -558,11 +611,26 @@ def attention_part(
     widths = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
     biases = {p: draw(st.booleans()) for p in ("q", "k", "v", "o")}
     kinds = {p: _linear_kind(draw, part, f"{p}_proj", safe) for p in ("q", "k", "v")}
-    norm = draw(st.sampled_from([None, None, "nn.RMSNorm", "HeadRMSNorm"]))
-    if norm == "HeadRMSNorm":
-        part.snippets.append("HeadRMSNorm")
+    norm = draw(st.sampled_from([None, None, "nn.RMSNorm", "HeadRMSNorm", "InplaceHeadRMSNorm"]))
+    if norm in ("HeadRMSNorm", "InplaceHeadRMSNorm"):
+        part.snippets.append(norm)
+    # Per head, through a view (Qwen3), or over the flat projection before the view (OLMo 2).
+    norm_flat = bool(norm) and draw(st.booleans())
     if norm:
-        part.features.append(f"qk_norm:{norm}")
+        part.features.append(f"qk_norm:{norm}:{'flat' if norm_flat else 'head'}")
+    # In-place forms real modules use on projected states: OLMo's clip_qkv clamp (behind a
+    # config test, which a second instance may take where the traced one did not), queries
+    # scaled in place, rotary embeddings written back in place.
+    clip = draw(weighted([(None, 4), ("always", 1), ("config", 1)]))
+    if clip:
+        part.features.append(f"clip_qkv:{clip}")
+    prescale = draw(weighted([(None, 5), ("augassign", 1), ("mul_", 1), ("rebind", 1)]))
+    if prescale:
+        part.features.append(f"prescale:{prescale}")
+    rotary = draw(weighted([(None, 5), ("functional", 2), ("in_place", 1), ("inline_setitem", 1)]))
+    if rotary:
+        part.snippets.append("rotary")
+        part.features.append(f"rotary:{rotary}")
     order = draw(st.permutations(["q", "k", "v"]))
     if order != ["q", "k", "v"]:
         part.features.append("order:" + "".join(order))
@@ -607,10 +675,14 @@ def attention_part(
         init.append(f"self.{p}_proj = {kinds[p]}({hidden}, {widths[p]}, bias={biases[p]})")
     init.append(f"self.o_proj = nn.Linear({heads * head_dim}, {hidden}, bias={biases['o']})")
     if norm:
+        q_dim, k_dim = (widths["q"], widths["k"]) if norm_flat else (head_dim, head_dim)
         init += [
-            f"self.q_norm = {norm}({head_dim}, eps=1e-6)",
-            f"self.k_norm = {norm}({head_dim}, eps=1e-6)",
+            f"self.q_norm = {norm}({q_dim}, eps=1e-6)",
+            f"self.k_norm = {norm}({k_dim}, eps=1e-6)",
         ]
+    if clip == "config":
+        init.append("self.clip_qkv = None")
+        part.tweaks.append("{m}.clip_qkv = 0.5")
     if dropout:
         init.append("self.resid_dropout = nn.Dropout(0.0)")
         part.features.append("dropout")
@@ -620,6 +692,8 @@ def attention_part(
             part.tweaks.append(f"{{m}}.use_{p} = {guards[p] != 'flag_on'}")
 
     def shaped(p: str, value: str) -> str:
+        if norm and p in ("q", "k") and norm_flat:
+            return f"self.{p}_norm({value}).view(hidden_shape).transpose(1, 2)"
         if norm and p in ("q", "k"):
             return f"self.{p}_norm({value}.view(hidden_shape)).transpose(1, 2)"
         return f"{value}.view(hidden_shape).transpose(1, 2)"
@@ -656,6 +730,32 @@ def attention_part(
             body.append(f"{names[p]} = {shaped(p, names[p])}")
     slot.outputs = [(n, False) for n, _ in slot.outputs]
     body += part.add(draw_statements(draw, x, slot, projections, safe, min(busy, 1)))
+    clip_lines = [f"{names[p]}.clamp_(min=-0.5, max=0.5)" for p in ("q", "k", "v")]
+    if clip == "always":
+        body += clip_lines
+    elif clip == "config":
+        clip_lines = [f"{n}.clamp_(min=-self.clip_qkv, max=self.clip_qkv)" for n in names.values()]
+        body += ["if self.clip_qkv is not None:", *(f"    {line}" for line in clip_lines)]
+    if rotary:
+        body.append("cos, sin = rotary_tables(query_states)")
+    if rotary == "functional":
+        body.append(
+            "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)"
+        )
+    elif rotary == "in_place":
+        body.append("apply_rotary_in_place(query_states, key_states, cos, sin)")
+    elif rotary == "inline_setitem":
+        body += [
+            "_z_rot = query_states.shape[-1] // 2",
+            "query_states[..., :_z_rot] = query_states[..., :_z_rot] * cos[..., :_z_rot]",
+            "key_states[..., :_z_rot].copy_(key_states[..., :_z_rot] * sin[..., :_z_rot])",
+        ]
+    if prescale == "augassign":
+        body.append("query_states *= self.scaling")
+    elif prescale == "mul_":
+        body.append("query_states.mul_(self.scaling)")
+    elif prescale == "rebind":
+        body.append("query_states = query_states * self.scaling")
     if cache:
         part.snippets.append(cache_kind)
         part.features.append(f"cache:{cache}:{cache_kind}")

@@ -10,6 +10,14 @@ A failure is shrunk by Hypothesis; every failing call rewrites the shape's repro
 (`repro-bundles/fuzz/fuzz--<shape>`, or `FUZZ_REPRO_DIR`), so the bundle left behind holds
 the final, shrunk example. Example counts: tests/fuzz/profiles.py (`FUZZ_PROFILE`).
 
+Every failure the fuzzer ever found is also kept as a fixed example: the complete generated
+source, shrunk, in tests/fuzz/findings/<name>.py.txt, and `test_known_finding` runs each
+through the same oracle on every run, whatever the profile. The CI profile's 150 derandomized
+examples per shape need not draw any given hazard family (issue 18's guarded chained view
+was missed that way); these files make sure each family a fix was made for stays reached.
+Add one for every new finding: the shrunk source from its repro bundle, with the header
+lines `# fuzz finding: <name> (shape <shape>)`, `# hazards: ...`, `# features: ...`.
+
 A second test checks the generator itself on a fixed, derandomized batch: it must produce
 modules the engine actually fuses (at least MIN_SAFE_FUSED of the hazard-free ones, for
 every shape), hazardous ones too, and programs that run.
@@ -26,9 +34,12 @@ from hypothesis import strategies as st
 from tests.fuzz.oracle import SESSION_TALLY, Tally, check
 from tests.fuzz.profiles import FUZZ_SETTINGS
 from tests.fuzz.repro import write_bundle
-from tests.fuzz.strategies import SHAPES, generated_modules
+from tests.fuzz.strategies import SHAPES, GeneratedModule, generated_modules
 
 SEEDS = st.integers(0, 2**16 - 1)
+FINDINGS = Path(__file__).with_name("findings")
+"""Shrunk generated modules of every failure the fuzzer has found (and of the in-place forms
+added to the generator with the fix of issue 18), replayed on every run."""
 COVERAGE_EXAMPLES = 40
 """Size of the fixed batch the coverage test draws per shape."""
 MIN_SAFE_FUSED = 0.30
@@ -60,23 +71,70 @@ def test_fuse_is_safe(
     )
 
 
+def _finding(path: Path) -> GeneratedModule:
+    """A findings file as the GeneratedModule it was generated as (header: shape, labels)."""
+    text = path.read_text(encoding="utf-8")
+    header = dict(
+        line[2:].split(": ", 1)
+        for line in text.splitlines()[:8]
+        if line.startswith("# ") and ": " in line
+    )
+    shape = header["fuzz finding"].split("(shape ")[1].rstrip(")")
+    labels = {
+        key: tuple(v for v in header.get(key, "").split(", ") if v and v != "none")
+        for key in ("hazards", "features")
+    }
+    return GeneratedModule(shape, "GeneratedModel", text, labels["hazards"], labels["features"])
+
+
+@pytest.mark.parametrize(
+    "path", sorted(FINDINGS.glob("*.py.txt")), ids=lambda p: p.name[: -len(".py.txt")]
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_known_finding(path: Path, seed: int, generated_dir: Path, repro_dir: Path) -> None:
+    module = _finding(path)
+    outcome = check(module, seed, generated_dir)
+    failure = outcome.failure  # not in the session tally: that counts generated examples
+    if failure is not None:
+        bundle = write_bundle(
+            repro_dir, f"finding--{path.name[: -len('.py.txt')]}", module, seed, outcome
+        )
+        raise AssertionError(
+            f"{failure.kind}: {failure.message}\n  finding: {path.name}\n"
+            f"  applied: {', '.join(outcome.fusers) or 'nothing'}\n  repro bundle: {bundle}\n{failure.detail}"
+        )
+
+
+def test_findings_are_there() -> None:
+    """At least the findings fixed so far (a glob that matched nothing would pass silently)."""
+    names = {path.name for path in FINDINGS.glob("*.py.txt")}
+    assert "issue18-decoder-guarded-view-augassign.py.txt" in names, names
+    assert len(names) >= 10, names
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_generator_exercises_fusion(shape: str, generated_dir: Path) -> None:
     tally = Tally()
 
-    @settings(
-        max_examples=COVERAGE_EXAMPLES,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(module=generated_modules(shape), seed=SEEDS)
-    def batch(module, seed: int) -> None:
-        tally.record(module, check(module, seed, generated_dir))
+    def batch(safe: bool) -> None:
+        # Half safe, half hazardous by construction: the first examples of a derandomized
+        # run lean to one kind, and which way changes with every draw a generator adds.
+        @settings(
+            max_examples=COVERAGE_EXAMPLES // 2,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(module=generated_modules(shape, safe=safe), seed=SEEDS)
+        def run(module, seed: int) -> None:
+            tally.record(module, check(module, seed, generated_dir))
 
-    batch()
+        run()
+
+    batch(safe=True)
+    batch(safe=False)
     table = "\n".join(tally.lines())
     print(f"\n{table}")
     row = tally.counts[shape]
