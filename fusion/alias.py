@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
 
 METADATA_ATTRS = frozenset(
@@ -129,18 +130,6 @@ EVERYTHING = "*"
 # -- alias reads ---------------------------------------------------------------------------
 
 
-def _has_hooks(child: nn.Module) -> bool:
-    """Can a hook change what calling `child` reads or returns (its own or a global one)?"""
-    from torch.nn.modules import module as module_globals
-
-    return bool(
-        child._forward_hooks
-        or child._forward_pre_hooks
-        or module_globals._global_forward_hooks
-        or module_globals._global_forward_pre_hooks
-    )
-
-
 def _is_self_child_call(node: ast.Call, module: nn.Module | None, types: tuple[type, ...]) -> bool:
     func = node.func
     if not (
@@ -154,7 +143,7 @@ def _is_self_child_call(node: ast.Call, module: nn.Module | None, types: tuple[t
     if child is None:
         return True
     # A forward hook may return (or a pre-hook substitute) any tensor it can reach.
-    return type(child) in types and not _has_hooks(child)
+    return type(child) in types and has_hooks(child) is None
 
 
 def returns_fresh(node: ast.expr, module: nn.Module | None = None) -> bool:
@@ -529,7 +518,7 @@ def _known_pure(call: ast.Call, module: nn.Module | None, shadowed: Iterable[str
         return (
             type(child) in SAFE_CHILD_TYPES
             and not getattr(child, "inplace", False)
-            and not _has_hooks(child)
+            and has_hooks(child) is None
         )
     root = _namespace_root(func)
     if root is not None:

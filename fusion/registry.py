@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser, has_hooks
+from fusion.fusers.base import Fuser
 from fusion.fusers.glu import GLUFuser
 from fusion.fusers.mla import MLAFuser
 from fusion.fusers.moe import MoEFuser

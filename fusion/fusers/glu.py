@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fusion import bound, source
+from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser, check_stackable, has_hooks, install_merged
+from fusion.fusers.base import Fuser
+from fusion.fusers.stacked import check_stackable, install_merged
 from fusion.graph import is_fn, is_linear, submodule
 from fusion.modules import ActAndMul, MergedLinear
 

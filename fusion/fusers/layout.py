@@ -13,7 +13,7 @@ it may be written in place ("Output 0 of SplitWithSizes is a view and is being m
 inplace"), while the projection's own output may (OLMo clamps q/k/v in place, rotary
 embeddings are written back, queries are scaled with `q *= s`). A piece that may be written,
 directly or through anything holding or viewing it, therefore becomes a copy of its own
-(FRESH; `base._make_fresh`): a new, non-view tensor with standard contiguous strides, like
+(FRESH; `stacked.make_fresh`): a new, non-view tensor with standard contiguous strides, like
 the projection's. So does a piece whose layout is asked (`stride()`, `untyped_storage()`,
 ...) or that is returned: `.contiguous()` hands back the piece itself where it already
 counts as contiguous (size-1 leading dimensions), merged strides and storage included. Writes are found twice, because neither
@@ -40,6 +40,7 @@ import torch
 from torch import fx, nn
 
 from fusion import alias
+from fusion.callpath import has_hooks, own_call_path
 from fusion.graph import is_leaf_call, output_value
 from fusion.trace import CACHE_ARGUMENTS, META_VALUE
 
@@ -143,7 +144,7 @@ def _run(node: fx.Node, module: nn.Module, values: dict[fx.Node, object]) -> obj
 
 OK, CONTIGUOUS, FRESH = "ok", "contiguous", "fresh"
 """Verdicts on a piece: usable as split, needs `.contiguous()`, needs a copy of its own
-(`base._make_fresh`)."""
+(`stacked.make_fresh`)."""
 
 
 def _piece_verdict(graph: fx.Graph, module: nn.Module, node: fx.Node, piece: torch.Tensor) -> str:
@@ -523,7 +524,7 @@ def _call_roots(call: ast.Call, scope: _Scope) -> set[str]:
     is_self, child = _self_attr(func, scope)
     if is_self and child is None:
         return set()  # calling a missing attribute raises: nothing is returned
-    if is_self and type(child) in FRESH_CHILD_TYPES and not alias._has_hooks(child):
+    if is_self and type(child) in FRESH_CHILD_TYPES and has_hooks(child) is None:
         return set()  # a GEMM, a norm, a lookup: a new tensor
     resolved = _resolve(call, scope) if is_self or isinstance(func, ast.Name) else None
     if resolved is not None and resolved[0] is not _no_writes:
@@ -733,13 +734,12 @@ def _resolve(call: ast.Call, scope: _Scope) -> tuple[Any, nn.Module | None, bool
     if not is_self or scope.module is None:
         return None
     if isinstance(child, nn.Module):
-        if alias._has_hooks(child) or "forward" in child.__dict__:
+        if has_hooks(child) is not None or "forward" in child.__dict__:
             return None
         if type(child) in alias.SAFE_CHILD_TYPES:
             return None if getattr(child, "inplace", False) else (_no_writes, None, False)
-        for attr in ("__call__", "_wrapped_call_impl", "_call_impl"):
-            if getattr(type(child), attr) is not getattr(nn.Module, attr):
-                return None
+        if own_call_path(child) is not None:
+            return None
         fn = inspect.unwrap(type(child).forward)
         return (fn, child, True) if inspect.isfunction(fn) else None
     method = inspect.getattr_static(type(scope.module), func.attr, None)

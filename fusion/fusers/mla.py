@@ -14,7 +14,7 @@ from typing import ClassVar
 from torch import fx, nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import StackedFuser, linear_inputs, unique_targets
+from fusion.fusers.stacked import StackedFuser, linear_inputs, unique_targets
 from fusion.graph import find_node, is_leaf_call, is_linear, returned_linear
 
 

@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from fusion import source
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import StackedFuser, linear_inputs, unique_targets
+from fusion.fusers.stacked import StackedFuser, linear_inputs, unique_targets
 from fusion.graph import returned_linear
 
 

@@ -8,8 +8,8 @@ import inspect
 
 from torch import fx, nn
 
+from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import has_hooks
 from fusion.fusers.glu import activation_kind
 from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
 from fusion.params import common_state

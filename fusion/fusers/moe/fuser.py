@@ -8,8 +8,9 @@ from typing import ClassVar
 
 from torch import fx, nn
 
+from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser, _own_call_path, has_hooks, per_signature
+from fusion.fusers.base import Fuser, per_signature
 from fusion.fusers.moe.block import MoEMatch, match_modulelist, match_packed
 from fusion.fusers.moe.build import build_fused
 from fusion.fusers.moe.experts import (
@@ -99,7 +100,7 @@ class MoEFuser(Fuser):
         # instance, which one traced instance cannot show) must refuse the whole block.
         for name, child in module.named_modules():
             if isinstance(child, nn.Linear):
-                own = _own_call_path(child)
+                own = own_call_path(child)
                 if (
                     own
                     or "forward" in child.__dict__

@@ -8,8 +8,9 @@ from typing import ClassVar
 
 from torch import fx, nn
 
+from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
-from fusion.fusers.base import Fuser, has_hooks, per_signature
+from fusion.fusers.base import Fuser, per_signature
 from fusion.fusers.rmsnorm.interpret import op_name
 from fusion.fusers.rmsnorm.match import NormMatch, instance_signature, prove_variant
 from fusion.modules import FusedRMSNorm

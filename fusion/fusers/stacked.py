@@ -1,0 +1,300 @@
+"""The projection-stacking fusers' shared machinery: sibling linears reading one input
+become one `MergedLinear` GEMM whose output the rewritten forward splits.
+
+`check_plain_linear` and `check_stackable` prove, per instance, that the merged call computes
+what the separate calls did (plain `nn.Linear`s, no hooks, no call path of their own, one
+input width, dtype, device and parameter state). `rewrite_stacked` rewrites the class's
+forward source, refusing unless alias analysis proves the shared input unchanged between
+the calls, and makes a split piece an owned copy wherever the forward may write it or ask
+its layout (`fusion.pieces`, `fusion.piece_writes`). `StackedFuser` ties both to the
+`Fuser` life cycle; `install_merged` swaps the children and registers the unfused
+checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx, nn
+
+from fusion import bound, source
+from fusion.alias import check_input_stable
+from fusion.callpath import has_hooks, own_call_path
+from fusion.errors import RewriteRefused
+from fusion.fusers.base import Fuser
+from fusion.fusers.layout import FRESH, OK, piece_verdicts, written_pieces
+from fusion.modules import MergedLinear
+from fusion.params import common_state
+
+
+def check_plain_linear(module: nn.Module, name: str) -> nn.Linear:
+    """`module.<name>` if it is an `nn.Linear` whose forward is `nn.Linear.forward` and that
+    carries no hooks; otherwise RewriteRefused naming the problem."""
+    child = getattr(module, name, None)
+    if not isinstance(child, nn.Linear):
+        raise RewriteRefused(f"{name} is {type(child).__name__}, not nn.Linear")
+    if type(child).forward is not nn.Linear.forward:
+        raise RewriteRefused(f"{name} is {type(child).__name__}, an nn.Linear with its own forward")
+    if "forward" in child.__dict__:
+        raise RewriteRefused(f"{name} has an instance-level forward")
+    call = own_call_path(child)
+    if call:
+        raise RewriteRefused(f"{name} is {type(child).__name__}, an nn.Linear with its own {call}")
+    hooks = has_hooks(child)
+    if hooks:
+        raise RewriteRefused(f"{name} has {hooks}")
+    return child
+
+
+def check_stackable(
+    module: nn.Module, names: tuple[str, ...], merged_name: str
+) -> dict[str, nn.Linear]:
+    """The named linears, once proven stackable into one `MergedLinear`: plain linears with
+    one in_features, one weight dtype and device (bias dtype too), a free merged name, and
+    weights (and biases) that agree on requires_grad, parameter type and attributes
+    (`fusion.params.common_state`), so the merged parameter trains exactly what they did."""
+    if hasattr(module, merged_name):
+        raise RewriteRefused(f"{type(module).__name__} already has an attribute {merged_name}")
+    linears = {name: check_plain_linear(module, name) for name in names}
+    first = next(iter(linears.values()))
+    for name, linear in linears.items():
+        if linear.in_features != first.in_features:
+            raise RewriteRefused(
+                f"{name} reads {linear.in_features} features, not {first.in_features}"
+            )
+        if linear.weight.dtype != first.weight.dtype:
+            raise RewriteRefused(f"mixed dtypes across projections ({name}: {linear.weight.dtype})")
+        if linear.weight.device != first.weight.device:
+            raise RewriteRefused(
+                f"mixed devices across projections ({name}: {linear.weight.device})"
+            )
+        if linear.bias is not None and (
+            linear.bias.dtype != linear.weight.dtype or linear.bias.device != linear.weight.device
+        ):
+            raise RewriteRefused(f"{name} has a bias of another dtype or device")
+    # One merged parameter carries one state: the shards must agree on it (fusion.params).
+    common_state({f"{name}.weight": linear.weight for name, linear in linears.items()})
+    biases = {f"{n}.bias": lin.bias for n, lin in linears.items() if lin.bias is not None}
+    if biases:
+        common_state(biases)
+    return linears
+
+
+def _pure_input(expr: ast.expr) -> bool:
+    """Is `expr` safe to evaluate once instead of several times (names, attributes, constant
+    subscripts only: no calls, no walrus, no lambdas)?"""
+    allowed = (ast.Name, ast.Attribute, ast.Load, ast.Subscript, ast.Constant, ast.Slice, ast.Tuple)
+    return all(isinstance(node, allowed) for node in ast.walk(expr))
+
+
+def _conditional_in_statement(stmt: ast.stmt, call: ast.Call) -> bool:
+    """Is `call` evaluated only on some paths through `stmt` (inside a ternary branch whose
+    test is not a constant, or beyond the first operand of `and`/`or`)?"""
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.IfExp):
+            if isinstance(node.test, ast.Constant):
+                dead = node.orelse if node.test.value else node.body
+                if source.contains(dead, call):
+                    return True
+                continue
+            if source.contains(node.body, call) or source.contains(node.orelse, call):
+                return True
+        if isinstance(node, ast.BoolOp) and any(source.contains(v, call) for v in node.values[1:]):
+            return True
+    return False
+
+
+_EXITS = (ast.Return, ast.Raise, ast.Break, ast.Continue, ast.Try, ast.Yield, ast.YieldFrom)
+
+
+def rewrite_stacked(
+    module: nn.Module,
+    shards: tuple[str, ...],
+    merged_name: str,
+    contiguous: tuple[bool, ...] = (),
+    fresh: tuple[bool, ...] = (),
+) -> tuple[Any, str, str]:
+    """Rewrite `type(module).forward` so the `shards` projections become one merged call.
+
+    Split pieces flagged in `contiguous` become `.contiguous()`; those flagged in `fresh`,
+    or that the rewritten source may write in place by any spelling, on any path, through
+    any view or holder (`layout.written_pieces`, which reads the helpers, methods and
+    children the forward calls, and presumes a write where it cannot), or that it asks
+    for their layout or returns, become copies of their own (`make_fresh`).
+
+    Returns (compiled forward, original source, rewritten source). Refuses unless: each shard
+    is called exactly once as `self.<shard>(input)` with the same side-effect-free input,
+    every other reference to a shard is an existence guard (folded), the input is stable from
+    the first call to the last (alias analysis), and, when calls sit inside branches, one
+    call is reached unconditionally from the hoisting point, so the hoisted GEMM never runs on
+    a path where its input was not a valid projection input.
+    """
+    funcdef, fn = source.recover_forward(type(module))
+    original = source.unparse(funcdef)
+    calls = []
+    for name in shards:
+        call, refs = source.self_call_and_refs(funcdef, name)
+        for ref in refs:
+            source.fold_existence_guard(funcdef, ref, name)
+        calls.append(call)
+    inputs = [ast.dump(call.args[0]) for call in calls]
+    if len(set(inputs)) != 1:
+        raise RewriteRefused("projections are called on different input expressions")
+    if not _pure_input(calls[0].args[0]):
+        raise RewriteRefused("projection input expression has calls or side effects")
+    block, indices = source.dominating_block(funcdef, calls)
+    start = min(indices)
+    check_input_stable(funcdef, module, calls[0].args[0], block[start : max(indices) + 1])
+    anchors = [
+        index
+        for call, index in zip(calls, indices)
+        if len(source.block_chain(block, call)) == 1  # directly in `block`, not nested
+        and not _conditional_in_statement(block[index], call)
+    ]
+    if not anchors:
+        raise RewriteRefused("no projection is called unconditionally where the merged call goes")
+    if any(
+        isinstance(node, _EXITS) for stmt in block[start : min(anchors)] for node in ast.walk(stmt)
+    ):
+        raise RewriteRefused("control can leave before an unconditional projection call")
+    # Evaluation order: temporaries replace calls in source order, so the split order is the
+    # shard order given, whatever order the calls appear in.
+    temps = source.splice_merged_call(
+        funcdef, calls, block, start, merged_name, contiguous=contiguous
+    )
+    # Read with `module` and the forward's globals, so the calls it makes (helpers, q/k
+    # norms, methods) are followed rather than presumed to write what they are passed.
+    written = written_pieces(funcdef, temps, module, getattr(fn, "__globals__", {}))
+    flags = list(fresh) + [False] * (len(temps) - len(fresh))
+    make_fresh(funcdef, [t for t, f, w in zip(temps, flags, written) if f or w])
+    compiled = source.compile_forward(funcdef, fn)
+    return compiled, original, source.unparse(funcdef)
+
+
+def make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
+    """Replace each use of a split temporary in `temps` (`t` or `t.contiguous()`, where the
+    projection call was) by `t.new_empty(t.shape).copy_(t)`: a fresh tensor with standard
+    contiguous strides that is not a view, as the projection's own output was, so writing
+    it in place, or asking its strides or storage, behaves the same. (`t.clone()` would
+    keep the merged tensor's stride on a size-1 leading dimension, which `stride()` shows;
+    `clone(memory_format=...)` would need `torch` in the forward's globals.)"""
+    for node in list(ast.walk(funcdef)):
+        for field_name, value in ast.iter_fields(node):
+            items = value if isinstance(value, list) else [value]
+            for index, item in enumerate(items):
+                target = item
+                if (
+                    isinstance(item, ast.Call)
+                    and isinstance(item.func, ast.Attribute)
+                    and item.func.attr == "contiguous"
+                    and not item.args
+                    and isinstance(item.func.value, ast.Name)
+                ):
+                    target = item.func.value
+                if not (
+                    isinstance(target, ast.Name)
+                    and isinstance(target.ctx, ast.Load)
+                    and target.id in temps
+                ):
+                    continue
+                name = target.id
+                clone = ast.parse(f"{name}.new_empty({name}.shape).copy_({name})", mode="eval").body
+                for part in ast.walk(clone):
+                    ast.copy_location(part, item)
+                if isinstance(value, list):
+                    value[index] = clone
+                else:
+                    setattr(node, field_name, clone)
+
+
+@dataclass
+class StackedFuser(Fuser):
+    """Merge sibling projections into one `MergedLinear`; the forward splits its output."""
+
+    shards: tuple[str, ...] = ()
+    merged_name: str = ""
+    forward_fn: Any = field(default=None, repr=False)
+
+    def prepare(self, module: nn.Module, graph: fx.Graph) -> None:
+        """Rewrite and compile the class's forward (once per class, by `match`).
+
+        Refuses a shard that is an `nn.Linear` subclass with its own forward up front (child
+        types are part of the cache key, so this holds for every instance sharing the match),
+        and makes contiguous (or fresh) the split pieces whose uses need it
+        (`fusion.fusers.layout`)."""
+        for name in self.shards:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear) and type(child).forward is not nn.Linear.forward:
+                raise RewriteRefused(
+                    f"{name} is {type(child).__name__}, an nn.Linear with its own forward"
+                )
+            call = own_call_path(child) if isinstance(child, nn.Linear) else None
+            if call:
+                raise RewriteRefused(
+                    f"{name} is {type(child).__name__}, an nn.Linear with its own {call}"
+                )
+            hooks = has_hooks(child) if isinstance(child, nn.Module) else None
+            if hooks:
+                raise RewriteRefused(f"{name} has {hooks}")
+        by_target = {str(n.target): n for n in graph.nodes if n.op == "call_module"}
+        nodes = [by_target[name] for name in self.shards]
+        verdicts = piece_verdicts(graph, module, nodes)
+        self.forward_fn, self.original_source, self.rewritten_source = rewrite_stacked(
+            module,
+            self.shards,
+            self.merged_name,
+            contiguous=tuple(v != OK for v in verdicts),
+            fresh=tuple(v == FRESH for v in verdicts),
+        )
+
+    def validate(self, module: nn.Module) -> None:
+        check_stackable(module, self.shards, self.merged_name)
+
+    def fuse(self, module: nn.Module, backend: str) -> nn.Module:
+        linears = check_stackable(module, self.shards, self.merged_name)
+        merged = MergedLinear.from_linears(linears)
+        install_merged(module, self.merged_name, merged, self.shards)
+        bound.bind(module, self.forward_fn)
+        return module
+
+    def describe(self) -> str:
+        return f"{' + '.join(self.shards)} -> {self.merged_name}"
+
+
+def install_merged(
+    module: nn.Module, merged_name: str, merged: nn.Module, shards: tuple[str, ...]
+) -> None:
+    """Put `merged` on `module`, remove the `shards`, and teach `module` to load the unfused
+    checkpoint layout for saving and loading (see `fusion.checkpoint`)."""
+    from fusion.checkpoint import register_unfused_layout
+
+    for name in shards:
+        delattr(module, name)
+    setattr(module, merged_name, merged)
+    register_unfused_layout(module, merged_name)
+
+
+def linear_inputs(graph: fx.Graph, module: nn.Module) -> dict[fx.Node, list[fx.Node]]:
+    """Linear call nodes grouped by the node they read (single-argument calls only)."""
+    from fusion.graph import is_linear
+
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if is_linear(node, module) and len(node.args) == 1 and not node.kwargs:
+            arg = node.args[0]
+            if isinstance(arg, fx.Node):
+                groups.setdefault(arg, []).append(node)
+    return groups
+
+
+def unique_targets(nodes: list[fx.Node]) -> tuple[str, ...] | None:
+    """Targets of `nodes` in order, or None when one child is called more than once."""
+    targets = tuple(str(node.target) for node in nodes)
+    return targets if len(set(targets)) == len(targets) else None
+
+
+def width(module: nn.Module, name: str) -> int:
+    child = getattr(module, name)
+    return int(child.out_features) if isinstance(child, nn.Linear) else 0
