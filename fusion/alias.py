@@ -23,6 +23,7 @@ from torch import nn
 
 from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
+from fusion.source import method_source
 
 METADATA_ATTRS = frozenset(
     {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_leaf"}
@@ -202,7 +203,7 @@ def alias_reads(node: ast.AST, module: nn.Module | None = None) -> set[str]:
             stack.extend(current.args)
             stack.extend(keyword.value for keyword in current.keywords)
             continue
-        if _is_opaque(current):
+        if is_opaque(current):
             names.add(EVERYTHING)
         if isinstance(current, ast.Name) and isinstance(current.ctx, ast.Load):
             names.add(current.id)
@@ -210,7 +211,7 @@ def alias_reads(node: ast.AST, module: nn.Module | None = None) -> set[str]:
     return names
 
 
-def _is_opaque(node: ast.AST) -> bool:
+def is_opaque(node: ast.AST) -> bool:
     """Does `node` name something that reaches locals by name (`locals`, `exec`, a frame)?"""
     if isinstance(node, ast.Name):
         return node.id in OPAQUE_BUILTINS
@@ -219,7 +220,7 @@ def _is_opaque(node: ast.AST) -> bool:
     )
 
 
-def _store_names(target: ast.AST) -> set[str]:
+def store_names(target: ast.AST) -> set[str]:
     return {
         node.id
         for node in ast.walk(target)
@@ -246,10 +247,10 @@ def _written_through(target: ast.AST, module: nn.Module | None) -> set[str]:
 def _targets(target: ast.AST, module: nn.Module | None) -> set[str]:
     """Names a binding to `target` may make alias the bound value: the names it binds and
     the containers or objects it stores into (`lst[0] = x` makes `lst` hold `x`)."""
-    return _store_names(target) | _written_through(target, module)
+    return store_names(target) | _written_through(target, module)
 
 
-def _match_captures(pattern: ast.AST) -> set[str]:
+def match_captures(pattern: ast.AST) -> set[str]:
     """Names a `match` case pattern binds (`case y`, `case [*rest]`, `case {**rest}`)."""
     names: set[str] = set()
     for node in ast.walk(pattern):
@@ -285,21 +286,21 @@ def _bindings(
                 )
             pairs.append((_targets(node.target, module), value))
         elif isinstance(node, ast.NamedExpr):
-            pairs.append((_store_names(node.target), node.value))
+            pairs.append((store_names(node.target), node.value))
         elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
             pairs.append((_targets(node.target, module), node.iter))
         elif isinstance(node, ast.withitem) and node.optional_vars is not None:
             pairs.append((_targets(node.optional_vars, module), node.context_expr))
         elif isinstance(node, ast.Match):
             for case in node.cases:
-                pairs.append((_match_captures(case.pattern), node.subject))
+                pairs.append((match_captures(case.pattern), node.subject))
         elif (
             isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             and node is not tree
         ):
             # A nested function closes over (so aliases) whatever its body reads.
             pairs.append(({node.name}, node))
-        elif isinstance(node, ast.Call) and not _known_pure(node, module, shadowed):
+        elif isinstance(node, ast.Call) and not known_pure(node, module, shadowed):
             pairs.append((_call_reads(node, module) - {EVERYTHING}, node))
     return pairs
 
@@ -323,7 +324,7 @@ def local_names(funcdef: ast.FunctionDef) -> set[str]:
         ):
             names.add(node.name)
         elif isinstance(node, ast.pattern):
-            names |= _match_captures(node)
+            names |= match_captures(node)
     return names
 
 
@@ -407,7 +408,7 @@ def is_inplace_name(name: str) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name in INPLACE_DUNDERS
 
 
-def _func_chain(func: ast.expr) -> list[str]:
+def func_chain(func: ast.expr) -> list[str]:
     """Attribute names along `func` from its root outwards (`torch.ops.aten.add_.Scalar` ->
     `["ops", "aten", "add_", "Scalar"]`), stopping at anything that is not an attribute."""
     attrs: list[str] = []
@@ -462,12 +463,12 @@ def writes_through_args(call: ast.Call) -> bool:
             return True
         if keyword.arg is None:  # `**options` may carry `out=` or `inplace=True`
             return True
-    chain = _func_chain(call.func)
+    chain = func_chain(call.func)
     if isinstance(call.func, ast.Name):
         chain = [call.func.id]
     if any(is_inplace_name(attr) for attr in chain):
         return True
-    root = _namespace_root(call.func)
+    root = namespace_root(call.func)
     if root is not None:
         position = _inplace_position(root, tuple(chain))
         if position is not None:
@@ -479,7 +480,7 @@ def writes_through_args(call: ast.Call) -> bool:
     return False
 
 
-def _namespace_root(func: ast.expr) -> str | None:
+def namespace_root(func: ast.expr) -> str | None:
     """`torch` for `torch.nn.functional.silu`, `F` for `F.silu`; None for other chains."""
     node = func
     while isinstance(node, ast.Attribute):
@@ -487,7 +488,7 @@ def _namespace_root(func: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) and node.id in PURE_NAMESPACES else None
 
 
-def _known_pure(call: ast.Call, module: nn.Module | None, shadowed: Iterable[str] = ()) -> bool:
+def known_pure(call: ast.Call, module: nn.Module | None, shadowed: Iterable[str] = ()) -> bool:
     """Is `call` known to write through none of its arguments or its receiver?
 
     `shadowed` holds builtin and namespace names the forward rebinds locally: a call through
@@ -520,11 +521,11 @@ def _known_pure(call: ast.Call, module: nn.Module | None, shadowed: Iterable[str
             and not getattr(child, "inplace", False)
             and has_hooks(child) is None
         )
-    root = _namespace_root(func)
+    root = namespace_root(func)
     if root is not None:
         if root in shadowed:
             return False
-        chain = _func_chain(func)
+        chain = func_chain(func)
         if root == "torch" and chain and chain[0] in IMPURE_TORCH_NAMESPACES:
             return False
         return not (root == "operator" and func.attr in MUTATING_OPERATORS)
@@ -563,13 +564,13 @@ def _effects(
     through: set[str] = set()
     for stmt in region:
         for node in ast.walk(stmt):
-            if _is_opaque(node) or isinstance(node, (ast.Global, ast.Nonlocal)):
+            if is_opaque(node) or isinstance(node, (ast.Global, ast.Nonlocal)):
                 through.add(EVERYTHING)
             if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
                 rebound.add(node.id)
             elif isinstance(node, ast.AugAssign):
                 # `t += v` is in place for tensors: a write through `t`, not only a rebinding.
-                through |= _store_names(node.target)
+                through |= store_names(node.target)
             elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(
                 node.ctx, (ast.Store, ast.Del)
             ):
@@ -581,7 +582,7 @@ def _effects(
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 rebound.add(node.name)
             elif isinstance(node, ast.pattern):
-                rebound |= _match_captures(node)
+                rebound |= match_captures(node)
             elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
                 through |= _call_reads(node.value, module)
             elif isinstance(node, ast.Call):
@@ -589,7 +590,7 @@ def _effects(
                     root = _root_name(node.func.value)
                     if root:
                         through.add(root)
-                if not _known_pure(node, module, shadowed):
+                if not known_pure(node, module, shadowed):
                     through |= _call_reads(node, module)
     return rebound, through
 
@@ -651,4 +652,50 @@ def check_input_stable(
     if hit:
         raise RewriteRefused(
             f"projection input may change between the projection calls (written: {', '.join(hit)})"
+        )
+
+
+# -- write-free methods ------------------------------------------------------------------
+
+
+def check_write_free(module: nn.Module, name: str = "forward", depth: int = 0) -> None:
+    """Refuse unless `module`'s `name` method (and the helper methods it calls on `self`)
+    provably writes no tensor: no augmented assignment, no store through a subscript or
+    attribute, and no call that may write its arguments (`fusion.alias` decides which calls
+    are pure).
+
+    The traced graph cannot show a write: fx records `h *= s` as `h = h * s`, and a
+    discarded in-place call (`F.relu(x, inplace=True)`) has no user in the dataflow. Yet with
+    a float32 input `x.to(torch.float32)` is `x` itself, so such a write changes the caller's
+    tensor (a residual kept before the norm) and every later read of it, while FusedRMSNorm
+    is a pure function of its input. No Transformers RMSNorm writes anything.
+    """
+    cls = type(module)
+    if depth > 3:
+        raise RewriteRefused(f"{cls.__name__}.{name}: helper calls nest too deeply to check")
+    funcdef = method_source(cls, name)
+    shadowed = local_names(funcdef) & (PURE_BUILTINS | PURE_NAMESPACES)
+    for node in ast.walk(funcdef):
+        if isinstance(node, ast.AugAssign):
+            raise RewriteRefused(
+                f"{cls.__name__}.{name} has an augmented assignment (may write a tensor in place)"
+            )
+        if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(
+            node.ctx, (ast.Store, ast.Del)
+        ):
+            raise RewriteRefused(f"{cls.__name__}.{name} stores through a subscript or attribute")
+        if not isinstance(node, ast.Call) or known_pure(node, module, shadowed):
+            continue
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "self"
+            and inspect.isfunction(getattr(cls, func.attr, None))
+            and not writes_through_args(node)
+        ):
+            check_write_free(module, func.attr, depth + 1)  # a helper such as Gemma's _norm
+            continue
+        raise RewriteRefused(
+            f"{cls.__name__}.{name} calls {ast.unparse(func)}, which may write its arguments"
         )

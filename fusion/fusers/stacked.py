@@ -24,9 +24,10 @@ from fusion.alias import check_input_stable
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
-from fusion.fusers.layout import FRESH, OK, piece_verdicts, written_pieces
 from fusion.modules import MergedLinear
 from fusion.params import common_state
+from fusion.piece_writes import written_pieces
+from fusion.pieces import FRESH, OK, piece_verdicts
 
 
 def check_plain_linear(module: nn.Module, name: str) -> nn.Linear:
@@ -120,7 +121,7 @@ def rewrite_stacked(
 
     Split pieces flagged in `contiguous` become `.contiguous()`; those flagged in `fresh`,
     or that the rewritten source may write in place by any spelling, on any path, through
-    any view or holder (`layout.written_pieces`, which reads the helpers, methods and
+    any view or holder (`fusion.piece_writes.written_pieces`, which reads the helpers, methods and
     children the forward calls, and presumes a write where it cannot), or that it asks
     for their layout or returns, become copies of their own (`make_fresh`).
 
@@ -223,7 +224,7 @@ class StackedFuser(Fuser):
         Refuses a shard that is an `nn.Linear` subclass with its own forward up front (child
         types are part of the cache key, so this holds for every instance sharing the match),
         and makes contiguous (or fresh) the split pieces whose uses need it
-        (`fusion.fusers.layout`)."""
+        (`fusion.pieces`, `fusion.piece_writes`)."""
         for name in self.shards:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear) and type(child).forward is not nn.Linear.forward:

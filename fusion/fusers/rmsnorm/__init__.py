@@ -26,16 +26,17 @@ instance's variant.
 
 Layout: `expr` holds the expression algebra, `interpret` evaluates a traced graph to an
 expression, `tracing` traces a norm at chosen dtypes, `variants` gives the kernel's expression
-per variant, `match` proves which variant an instance computes (`diagnose` says why not,
-`writes` checks the source for tensor writes), and `fuser` holds `RMSNormFuser`.
+per variant, `match` proves which variant an instance computes (`diagnose` says why not;
+`fusion.alias.check_write_free` checks the source for tensor writes), and `fuser` holds
+`RMSNormFuser`.
 """
 
 from __future__ import annotations
 
+from fusion.alias import check_write_free
 from fusion.fusers.rmsnorm.fuser import RMSNormFuser
 from fusion.fusers.rmsnorm.match import NormMatch, prove_variant
 from fusion.fusers.rmsnorm.variants import EXTRA, GRID, Variant
-from fusion.fusers.rmsnorm.writes import check_write_free
 
 __all__ = [
     "EXTRA",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion.alias import check_write_free
 from fusion.errors import RewriteRefused
 from fusion.fusers.rmsnorm.diagnose import diagnose
 from fusion.fusers.rmsnorm.expr import Expr, const, walk
@@ -27,7 +28,6 @@ from fusion.fusers.rmsnorm.variants import (
     candidate_variants,
     kernel_expr,
 )
-from fusion.fusers.rmsnorm.writes import check_write_free
 from fusion.signature import MODULE_INTERNALS, plain_attributes
 from fusion.trace import forward_parameters
 

@@ -27,8 +27,7 @@ from torch import nn
 
 import fusion
 from fusion import registry
-
-from .hazards import eager_attention_forward
+from tests.fusion.fusers.hazards import eager_attention_forward
 
 
 class Attention(nn.Module):
