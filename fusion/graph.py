@@ -133,9 +133,14 @@ def upstream_linear(node: object, module: nn.Module) -> fx.Node | None:
     return None
 
 
-def downstream_linear(node: fx.Node, module: nn.Module) -> fx.Node | None:
+def downstream_linear(
+    node: fx.Node, module: nn.Module, *, through_children: bool = False
+) -> fx.Node | None:
     """The nearest linear consuming `node`'s value (breadth first, through ops and casts),
-    never through a leaf call or a metadata read."""
+    never through a leaf call (an attention interface) or a metadata read. With
+    `through_children`, also through calls of `module`'s other children (a norm between
+    MLA's down- and up-projection)."""
+    passable = ("call_function", "call_method") + (("call_module",) if through_children else ())
     queue = [user for user in node.users if node in _node_inputs(user)]
     seen: set[fx.Node] = set()
     while queue:
@@ -145,7 +150,7 @@ def downstream_linear(node: fx.Node, module: nn.Module) -> fx.Node | None:
         seen.add(current)
         if is_linear(current, module):
             return current
-        if current.op in ("call_function", "call_method") and not is_leaf_call(current):
+        if current.op in passable and not is_leaf_call(current):
             queue.extend(user for user in current.users if current in _node_inputs(user))
     return None
 

@@ -15,25 +15,7 @@ from torch import fx, nn
 
 from fusion.errors import RewriteRefused
 from fusion.fusers.stacked import StackedFuser, linear_inputs, unique_targets
-from fusion.graph import find_node, is_leaf_call, is_linear, returned_linear
-
-
-def _feeds_linear(node: fx.Node, module: nn.Module) -> bool:
-    """Does `node`'s value reach another linear through ops and non-linear children (norms),
-    without crossing an attention call?"""
-    queue, seen = list(node.users), set()
-    while queue:
-        current = queue.pop(0)
-        if current in seen:
-            continue
-        seen.add(current)
-        if is_linear(current, module):
-            return True
-        if current.op in ("call_function", "call_method", "call_module") and not is_leaf_call(
-            current
-        ):
-            queue.extend(current.users)
-    return False
+from fusion.graph import downstream_linear, find_node, is_leaf_call, returned_linear
 
 
 @dataclass
@@ -59,7 +41,9 @@ class MLAFuser(StackedFuser):
             for node in linear_inputs(graph, module).get(placeholders[0], [])
             if str(node.target) != output
         ]
-        if len(nodes) != 2 or not any(_feeds_linear(node, module) for node in nodes):
+        if len(nodes) != 2 or not any(
+            downstream_linear(n, module, through_children=True) for n in nodes
+        ):
             return None
         shards = unique_targets(nodes)
         if shards is None:

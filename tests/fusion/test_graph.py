@@ -347,3 +347,21 @@ def test_strip_reshapes_and_calls_child_on() -> None:
     view = next(n for n in graph.nodes if n.op == "call_method" and n.target == "view")
     assert G.call_arg(view, 1, "size") == -1
     assert G.call_arg(view, 5, "missing", "default") == "default"
+
+
+def test_downstream_linear_through_children_only_when_asked() -> None:
+    class DownNormUp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down = nn.Linear(4, 2)
+            self.norm = nn.LayerNorm(2)
+            self.up = nn.Linear(2, 4)
+
+        def forward(self, x):
+            return self.up(self.norm(self.down(x)))
+
+    module = DownNormUp()
+    graph = trace(module)
+    down = node(graph, "down")
+    assert G.downstream_linear(down, module) is None
+    assert G.downstream_linear(down, module, through_children=True) is node(graph, "up")
