@@ -24,16 +24,7 @@ from torch import nn
 from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
 from fusion.source import method_source
-
-METADATA_ATTRS = frozenset(
-    {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_leaf"}
-)
-"""Tensor attributes that are plain Python values sharing no storage with the tensor."""
-
-METADATA_METHODS = frozenset(
-    {"size", "dim", "numel", "stride", "element_size", "nelement", "is_contiguous", "get_device"}
-)
-"""Tensor methods returning Python numbers/tuples: reading through them never aliases."""
+from fusion.tensor_meta import METADATA_ATTRS, METADATA_METHODS
 
 PURE_NAMESPACES = frozenset({"torch", "F", "nn", "functional", "math", "operator"})
 """Roots of call chains (`torch.cat`, `F.silu`, `nn.functional.gelu`) whose functions return

@@ -14,18 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fusion.tensor_meta import METADATA_ATTRS, METADATA_METHODS
 from fusion.trace import LEAF_CALL
 
 DTYPE_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
 """Tensor methods that only change dtype (or device): `peel` looks through them."""
 
 _OP_NAMESPACES = (torch, F, operator)
-
-METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "layout", "is_cuda"})
-"""`x.<attr>` reads that carry no tensor values (`getattr` nodes)."""
-
-METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "get_device"})
-"""`x.<method>()` calls that carry no tensor values."""
 
 NEW_METHODS = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})
 """`x.new_*(...)`: the receiver gives only dtype and device, never values."""

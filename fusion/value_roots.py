@@ -25,6 +25,7 @@ from torch import nn
 from fusion import alias
 from fusion.callpath import has_hooks, own_call_path
 from fusion.pieces import VIEW_OPS
+from fusion.tensor_meta import METADATA_ATTRS, METADATA_METHODS
 from fusion.trace import CACHE_ARGUMENTS
 
 MAY_RETURN_INPUT = frozenset(
@@ -247,7 +248,7 @@ def roots(node: ast.AST | None, scope: Scope) -> set[str]:
     if isinstance(node, ast.Name):
         return {node.id}
     if isinstance(node, ast.Attribute):
-        if node.attr in alias.METADATA_ATTRS:
+        if node.attr in METADATA_ATTRS:
             return set()
         return roots(node.value, scope)  # `q.T`, `q.data`, `self.saved`
     if isinstance(node, (ast.Subscript, ast.Starred)):
@@ -288,7 +289,7 @@ CONTAINER_METHODS = frozenset(
 )
 """Methods of lists, dicts and sets: they add, remove or hand back elements, never write one."""
 
-NON_TENSOR_METHODS = alias.METADATA_METHODS | {"item", "tolist", "numpy", "__len__"}
+NON_TENSOR_METHODS = METADATA_METHODS | {"item", "tolist", "numpy", "__len__"}
 """Tensor methods whose result is a Python value (a number, a list), not a tensor."""
 
 
@@ -327,7 +328,7 @@ def call_roots(call: ast.Call, scope: Scope) -> set[str]:
     func = call.func
     every = set().union(*(roots(argument, scope) for argument in call_arguments(call)))
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-    if isinstance(func, ast.Attribute) and name in alias.METADATA_METHODS:
+    if isinstance(func, ast.Attribute) and name in METADATA_METHODS:
         return set()
     viewing = name in VIEW_OPS or name in MAY_RETURN_INPUT or alias.is_inplace_name(name)
     namespace = namespace_of(func, scope)

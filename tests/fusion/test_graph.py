@@ -365,3 +365,13 @@ def test_downstream_linear_through_children_only_when_asked() -> None:
     down = node(graph, "down")
     assert G.downstream_linear(down, module) is None
     assert G.downstream_linear(down, module, through_children=True) is node(graph, "up")
+
+
+
+def test_dataflow_and_alias_analysis_share_one_metadata_table() -> None:
+    # Two tables drifted once (graph.py lacked requires_grad/is_leaf/element_size): a read
+    # one analysis ignores must be one the other ignores too.
+    from fusion import alias, tensor_meta
+
+    assert G.METADATA_ATTRS is tensor_meta.METADATA_ATTRS is alias.METADATA_ATTRS
+    assert G.METADATA_METHODS is tensor_meta.METADATA_METHODS is alias.METADATA_METHODS
