@@ -157,7 +157,11 @@ def defined_elements(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.T
 
 
 def relative_error(
-    actual: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor | None = None
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    matching_nans: bool = False,
 ) -> float:
     """Max-normalised error of `actual` against `reference` over the defined elements.
 
@@ -168,11 +172,20 @@ def relative_error(
     divided by their largest |reference| (the absolute error when those are all zero); 0.0 when
     nothing is compared. Computed in float64 so the measure adds no rounding of its own.
     Raises ValueError on a shape mismatch: that is a structural difference, not an error size.
+
+    With `matching_nans` (comparing fused against unfused, whose output may itself hold NaN,
+    as the fuzzer does), NaN is a value like any other: positions NaN on both sides compare
+    equal and are left out, and a NaN on one side only is an infinite error.
     """
     if actual.shape != reference.shape:
         raise ValueError(f"shape {tuple(actual.shape)} != reference {tuple(reference.shape)}")
     a = defined_elements(actual, mask).to(torch.float64)
     r = defined_elements(reference, mask).to(device=a.device, dtype=torch.float64)
+    if matching_nans:
+        nan = torch.isnan(r)
+        if not torch.equal(torch.isnan(a), nan):
+            return math.inf
+        a, r = a[~nan], r[~nan]
     finite = torch.isfinite(r)
     if bool(torch.isnan(a).any()) or bool((torch.isinf(a) & finite).any()):
         return math.nan

@@ -30,3 +30,13 @@ def test_the_error_is_max_normalised_in_float64() -> None:
     reference = torch.tensor([1.0, -4.0], dtype=torch.float32)
     actual = torch.tensor([1.5, -4.0], dtype=torch.bfloat16)
     assert numerics.relative_error(actual, reference) == pytest.approx(0.125)
+
+
+def test_matching_nans_compares_nan_as_a_value() -> None:
+    reference = torch.tensor([1.0, float("nan"), 2.0])
+    same = torch.tensor([1.0, float("nan"), 2.5])
+    moved = torch.tensor([float("nan"), 1.0, 2.0])
+    assert numerics.relative_error(same, reference, matching_nans=True) == 0.25
+    assert numerics.relative_error(moved, reference, matching_nans=True) == math.inf
+    # Without it a NaN in the output is never an error size (the parity oracle's rule).
+    assert math.isnan(numerics.relative_error(same, reference))
