@@ -16,7 +16,8 @@ cores. `-m slow` runs the long suites (CI runs them in a step of their own), `-m
 or `tox -e conformance` the corpus conformance suite, `-m ""` everything. Naming paths
 (`pytest tests/fuzz`, as tox's fuzz and bench environments and scripts/gpu_check.sh do)
 selects everything in them. Whole modules owned elsewhere are marked slow here (SLOW_PATHS),
-single tests with `@pytest.mark.slow` where they are.
+single tests with `@pytest.mark.slow` where they are. A test marked `gpu` is skipped, with
+that reason, where torch sees no CUDA device: GPU tests need no skipif of their own.
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before the -m expression deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    cuda = torch.cuda.is_available()
     for item in items:
         path = os.path.relpath(str(item.path), REPO).replace(os.sep, "/")
         if any(path == p or (p.endswith("/") and path.startswith(p)) for p in SLOW_PATHS):
             item.add_marker(pytest.mark.slow)
+        if not cuda and item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_gpu)
 
 
 settings.register_profile(

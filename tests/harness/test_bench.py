@@ -94,7 +94,6 @@ def test_cli_refuses_cuda_without_a_gpu(capsys) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_timers_and_copy_bandwidth() -> None:
     """CUDA-event timing: positive per-round times; the event clock pairs start/end; the
     copy bandwidth is a positive number of bytes per second."""
