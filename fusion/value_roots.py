@@ -87,29 +87,12 @@ argument, or a view or element of it: a no-op cast or move (`x.cpu()` on a CPU t
 `x.bool()` on a bool one), dropout outside training, an einsum that only permutes, container
 accessors."""
 
-PURE_NAME_BUILTINS = frozenset(
-    {
-        "len",
-        "isinstance",
-        "issubclass",
-        "int",
-        "float",
-        "bool",
-        "str",
-        "range",
-        "hasattr",
-        "type",
-        "round",
-        "divmod",
-        "pow",
-        "any",
-        "all",
-        "print",
-        "repr",
-        "id",
-        "hash",
-        "callable",
-    }
+RESULT_MAY_HOLD_ARGUMENT = frozenset({"tuple", "min", "max", "abs", "sum", "zip", "enumerate"})
+"""Builtins in `alias.PURE_BUILTINS` (they write no argument) whose result may still hold
+one: `min(a, b)` is `a` or `b`, `tuple(xs)` holds the items."""
+
+PURE_NAME_BUILTINS = (alias.PURE_BUILTINS - RESULT_MAY_HOLD_ARGUMENT) | frozenset(
+    {"print", "repr", "id", "hash", "callable"}
 )
 """Builtins whose result holds no tensor storage and that neither write nor keep an argument."""
 
