@@ -13,6 +13,7 @@ import copy
 import functools
 import inspect
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,12 +175,27 @@ def config_from_dict(model_type: str, d: dict[str, Any]) -> Any:
     """
     from transformers import CONFIG_MAPPING
 
-    d = json.loads(json.dumps(d))  # detach from the caller and normalise to JSON types
+    d = _special_floats(json.loads(json.dumps(d)))  # detached, JSON types, inf/nan restored
     try:
         cls = CONFIG_MAPPING[model_type]
     except KeyError:
         cls = config_class(arch_for_config_type(model_type))
     return cls.from_dict(d)
+
+
+_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_floats(value: Any) -> Any:
+    """`value` with every `{"__float__": "Infinity"}` (how Transformers' JSON serialisation
+    spells inf, -inf and nan, which JSON lacks) turned back into the float it stands for."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _FLOAT_TAGS:
+            return _FLOAT_TAGS[value["__float__"]]
+        return {key: _special_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(item) for item in value]
+    return value
 
 
 def _construct(mcls: type, config: Any) -> nn.Module:

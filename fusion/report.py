@@ -36,8 +36,11 @@ class Skipped:
     reason: str
 
     def __str__(self) -> str:
-        who = self.fuser or "no fuser"
-        return f"{self.qualname} ({self.source_class}): {who} refused: {self.reason}"
+        # Without a fuser the record says why the module was left alone (e.g. already
+        # fused), not that some fuser refused it.
+        if self.fuser is None:
+            return f"{self.qualname} ({self.source_class}): skipped: {self.reason}"
+        return f"{self.qualname} ({self.source_class}): {self.fuser} refused: {self.reason}"
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -137,3 +138,15 @@ def test_known_broken_reason_is_quoted():
 def test_check_returns_finite_logits():
     out = corpus.check("llama", seed=0)
     assert torch.isfinite(out.logits).all()
+
+
+def test_config_from_dict_restores_transformers_special_float_tags():
+    # Transformers' JSON writes inf/nan as {"__float__": "Infinity"}; a bundle may hold them.
+    d = corpus.tiny_config("llama").to_dict()
+    d["custom"] = [{"__float__": "Infinity"}, {"__float__": "NaN"}, {"__float__": "not a tag"}]
+    d["other"] = {"low": {"__float__": "-Infinity"}}
+    again = corpus.config_from_dict(d["model_type"], d)
+    assert again.custom[0] == math.inf
+    assert math.isnan(again.custom[1])
+    assert again.other == {"low": -math.inf}
+    assert again.custom[2] == {"__float__": "not a tag"}
