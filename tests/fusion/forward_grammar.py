@@ -15,7 +15,9 @@ views and slices, fresh values (a linear's output, literals, copies), in-place m
 `out=`, `inplace=` (keyword and positional), trailing-underscore functions, item and
 attribute assignment, rebinding and `del`, walrus, loop targets, containers, bound methods,
 closures, shadowed builtins, `match` captures, `exec`/`eval`/`locals()`, operator and dunder
-spellings, and statements nested in `if`/`for`/`with` blocks.
+spellings, and statements nested in `if`/`for`/`with` blocks; and every write spelling of the
+table the fuzzer and the piece-write tests share (tests/write_spellings.py), so the three
+families test one grammar of hazards.
 
 The generator tracks every name's shape and contiguity so each program runs without error
 (shape-changing in-place ops are left out on purpose: they would make tracking unsound).
@@ -33,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
+
+from tests.write_spellings import spellings
 
 IN_FEATURES = 4
 """Width the projections read: `x` and every rebinding of it keep this last dimension."""
@@ -78,6 +82,10 @@ class OtherVar:
 
 
 Var = TensorVar | ContainerVar | CallableVar | SnapshotVar | OtherVar
+
+GRAMMAR_PROVIDES = frozenset({"operator", "wide", "contiguous", "no_grad"})
+"""What a generated forward offers a shared write spelling (`Spelling.needs`): NAMESPACE's
+`operator`, contiguous tensors IN_FEATURES wide, execution under no_grad (`run`)."""
 
 SHADOWABLE = ("abs", "min")
 """Builtin names a forward may rebind locally (never used otherwise by the grammar)."""
@@ -168,6 +176,7 @@ class Gen:
             self.s_attribute,
             self.s_with,
             self.s_star_unpack,
+            self.s_shared_write,
         ]
         if depth == 0:
             forms.append(self.s_nested)
@@ -175,6 +184,19 @@ class Gen:
             lines = self.pick(forms)()
             if lines:
                 return lines
+
+    def s_shared_write(self) -> list[str]:
+        """One write spelling of the table the fuzzer and the piece-write tests share
+        (tests/write_spellings.py), on a contiguous tensor at least 4 wide."""
+        names = [
+            n
+            for n in self.names(TensorVar)
+            if self.env[n].contiguous and self.env[n].projectable  # type: ignore[union-attr]
+        ]
+        if not names:
+            return []
+        spelling = self.pick(list(spellings(GRAMMAR_PROVIDES)))
+        return list(spelling.on(self.pick(names)))
 
     def s_metadata(self) -> list[str]:
         t, var = self.tensor_expr()

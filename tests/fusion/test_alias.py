@@ -29,6 +29,7 @@ from tests.fusion.forward_grammar import (
     unchanged,
 )
 from tests.fusion.hf_modules import build_module
+from tests.write_spellings import Spelling, spellings
 
 
 def program(pre: str = "", mid: str = "", post: str = "", args: str = "x") -> Program:
@@ -253,6 +254,25 @@ def test_writes_outside_the_region_do_not_count() -> None:
     prog = program(pre="x.add_(1.0)\nh = x.view(-1)", post="h.mul_(2.0)\nx = x + 1")
     assert not actually_changes(prog)
     assert judged_stable(prog)
+
+
+ALIAS_PROVIDES = frozenset({"operator", "wide", "contiguous", "no_grad"})
+"""What `program`'s forward offers a shared write spelling: NAMESPACE's `operator`, a
+contiguous 4 x 4 float64 input, run under no_grad (forward_grammar.run)."""
+
+DTYPE_DEPENDENT = {"float_cast_write"}
+"""`x.float()` is `x` itself only for a float32 `x`: here (float64) it writes a copy, yet the
+analysis, which cannot know the dtype, must still refuse it."""
+
+
+@pytest.mark.parametrize("spelling", spellings(ALIAS_PROVIDES), ids=lambda spelling: spelling.label)
+def test_every_shared_write_spelling_between_the_calls_is_refused(spelling: Spelling) -> None:
+    """The write table the fuzzer and the piece-write tests use (tests/write_spellings.py),
+    each spelling writing the input between the two projections."""
+    prog = program(mid="\n".join(spelling.on("x")))
+    if spelling.label not in DTYPE_DEPENDENT:
+        assert actually_changes(prog), "the spelling must really write x"
+    assert not judged_stable(prog)
 
 
 # Cases the analysis must refuse although they cannot be run as a changing program (the

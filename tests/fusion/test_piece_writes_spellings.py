@@ -39,8 +39,10 @@ from torch import nn
 
 import fusion
 from fusion import registry
+from tests.write_spellings import HELPERS, Spelling, by_label
 
-HEADER = '''\
+HEADER = (
+    '''\
 import operator
 
 import torch
@@ -53,18 +55,9 @@ def eager_attention_forward(module, query, key, value):
     return torch.cat([query.flatten(), key.flatten(), value.flatten()]) * 1.0, None
 
 
-def bump(t):
-    """Writes its argument, with no in-place spelling at the call site."""
-    t.mul_(0.5)
-    return t
-
-
-def rotate_in_place(t):
-    """Rotary embedding written in place: the first half is replaced."""
-    half = t.shape[-1] // 2
-    t[..., :half] = t[..., half : 2 * half] * 0.5
-    return t
 '''
+    + HELPERS
+)
 
 SPLITS = {
     # name: (init lines, projection lines, tail lines, projected names, fuser)
@@ -126,49 +119,12 @@ SPLITS = {
     ),
 }
 
-WRITES: dict[str, list[str]] = {
-    "augassign_mul": ["{p} *= 0.5"],
-    "augassign_add": ["{p} += 0.25"],
-    "augassign_slice": ["{p}[..., :2] -= 0.25"],
-    "inplace_method": ["{p}.mul_(0.5)"],
-    "clamp_": ["{p}.clamp_(min=-0.5, max=0.5)"],
-    "masked_fill_": ["{p}.masked_fill_({p} > 0.5, 0.5)"],
-    "out_keyword": ["torch.mul({p}, 0.5, out={p})"],
-    "inplace_keyword": ["F.relu({p}, inplace=True)"],
-    "inplace_positional": ["F.leaky_relu({p}, 0.1, True)"],
-    "torch_underscore": ["torch.relu_({p})"],
-    "unbound_method": ["torch.Tensor.mul_({p}, 0.5)"],
-    "dunder": ["{p}.__imul__(0.5)"],
-    "operator_function": ["operator.imul({p}, 0.5)"],
-    "item_assign": ["{p}[..., 0] = 0.0"],
-    "rotary_copy_": ["{p}[..., :2].copy_({p}[..., 2:4] * 0.5)"],
-    "rotary_setitem": ["_half = {p}.shape[-1] // 2", "{p}[..., :_half] = {p}[..., _half:] * 0.5"],
-    "derived_view_augassign": ["_v = {p}.unflatten(-1, (2, -1)).transpose(0, 1)", "_v *= 0.5"],
-    "derived_view_chain": ["{p}.view(-1, 2)[:, :1].mT.mul_(0.5)"],
-    "ternary_view": ["_v = {p}.unflatten(-1, (2, -1)) if self.flag is None else None", "_v *= 0.5"],
-    "boolop_view": ["_v = self.flag or {p}.transpose(0, 1)", "_v.mul_(0.5)"],
-    "walrus": ["(_w := {p}[..., :2]).add_(0.25)"],
-    "detach_write": ["{p}.detach().mul_(0.5)"],
-    "float_cast_write": ["{p}.float().mul_(0.5)"],
-    "list_container": ["_box = [{p}]", "_box[0].mul_(0.5)"],
-    "dict_container": ["_box = {{'h': {p}}}", "_box['h'] += 0.25"],
-    "set_container": ["_s = set()", "_s.add({p})", "for _t in _s:", "    _t.mul_(0.5)"],
-    "tuple_unpack": ["_t, _u = {p}, None", "_t.mul_(0.5)"],
-    "for_loop": ["for _t in ({p},):", "    _t.mul_(0.5)"],
-    "comprehension": ["[_t.mul_(0.5) for _t in [{p}]]"],
-    "bound_method": ["_f = {p}.mul_", "_f(0.5)"],
-    "lambda": ["(lambda: {p}.mul_(0.5))()"],
-    "nested_def": ["def _g():", "    {p}.mul_(0.5)", "_g()"],
-    "helper": ["bump({p})"],
-    "helper_rotary": ["{p} = rotate_in_place({p})"],
-    "self_attribute": ["self._saved = {p}", "self._saved.mul_(0.5)"],
-    "branch_not_traced": ["if self.flag is not None:", "    {p}.mul_(0.5)"],
-    "helper_branch_not_traced": ["if self.flag is not None:", "    bump({p})"],
-    "exec": ["exec('{p}.mul_(0.5)')"],
-}
-"""In-place writes to `{p}`, a projection's output (`self.flag` is None in the traced
-instance and set in the checked one, so a write under `if self.flag is not None` is on a
-path the trace did not take)."""
+WRITES: dict[str, Spelling] = by_label()
+"""Every in-place write spelling of the shared table (tests/write_spellings.py), written to
+a projection's output (`self.flag` is None in the traced instance and set in the checked
+one, so a write under `if self.flag is not None` is on a path the trace did not take). A
+piece stands for the projection's output, which is contiguous and at least 4 wide here, so
+every spelling applies."""
 
 UNTRACED = {"branch_not_traced", "helper_branch_not_traced"}
 FLAG_READING = {"ternary_view", "boolop_view"}
@@ -188,7 +144,7 @@ def _source(
             f"{names[target]} = {call}.unflatten(-1, (2, -1)).transpose(0, 1)"
             f" if self.{attr} is not None else None"
         )
-    writes = [line.format(p=names[target]) for line in WRITES[write]]
+    writes = list(WRITES[write].on(names[target]))
     if untraced:
         # Only the source shows the write: the traced instance has no flag.
         writes = ["if self.flag is not None:", *(f"    {line}" for line in writes)]
@@ -295,7 +251,7 @@ def test_written_piece_behaves_like_the_projection_output(
 
 
 @pytest.mark.parametrize(
-    "write", ["augassign_mul", "inplace_method", "item_assign", "rotary_copy_", "walrus"]
+    "write", ["augassign_mul", "inplace_method", "item_assign", "rotary_copy_", "walrus_write"]
 )
 @pytest.mark.parametrize("split", ["qkv", "mla"])
 def test_chained_guarded_projection_written(load, split: str, write: str) -> None:
@@ -359,7 +315,13 @@ def test_the_shrunk_fuzzer_example(load) -> None:
     _check(module, fused)
 
 
-GLU_WRITES = ["augassign_mul", "inplace_method", "item_assign", "rotary_copy_", "helper"]
+GLU_WRITES = [
+    "augassign_mul",
+    "inplace_method",
+    "item_assign",
+    "rotary_copy_",
+    "helper_discarded",
+]
 
 
 @pytest.mark.parametrize("inplace_act", [False, True], ids=["act", "act_inplace"])
@@ -371,7 +333,7 @@ def test_glu_product_written(load, write: str, inplace_act: bool) -> None:
     act = "nn.SiLU(inplace=True)" if inplace_act else "nn.SiLU()"
     body = [
         "h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)",
-        *(line.format(p="h") for line in WRITES[write]),
+        *WRITES[write].on("h"),
         "return self.down_proj(h)",
     ]
     text = (

@@ -33,6 +33,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from tests.write_spellings import spellings
+
 SHAPES = ("attention", "glu_mlp", "rmsnorm", "moe", "decoder_layer")
 """Kinds of generated module, one tally row each."""
 
@@ -312,77 +314,47 @@ INPUT_BENIGN = _stmts(
 )
 """Statements that read the projection input without changing it."""
 
+INPUT_PROVIDES = frozenset({"operator", "bump", "wide", "contiguous", "no_grad"})
+"""What a generated module offers a write to the projection input (`Spelling.needs`): the
+`operator` import, the `bump` snippet, an input at least 8 wide and even, contiguous, that
+does not require grad. No `self.flag` and no `rotate_in_place` snippet."""
+
+OUTPUT_PROVIDES = frozenset({"operator", "bump"})
+"""A projection output may be a reshaped, transposed view as narrow as 2 that requires
+grad: only the spellings that need nothing of its shape."""
+
 INPUT_HAZARDS = _stmts(
     [
-        ("inplace_method", ["{x}.mul_(0.5)"]),
-        ("inplace_add", ["{x}.add_(0.25)"]),
-        ("inplace_clamp", ["{x}.clamp_(min=-0.5)"]),
-        ("inplace_copy", ["{x}.copy_({x} * 0.5)"]),
-        ("inplace_sigmoid", ["{x}.sigmoid_()"]),
-        ("inplace_masked_fill", ["{x}.masked_fill_({x} > 0.5, 0.5)"]),
-        ("augassign_mul", ["{x} *= 0.5"]),
-        ("augassign_add", ["{x} += 0.25"]),
-        ("out_keyword", ["torch.mul({x}, 0.5, out={x})"]),
-        ("inplace_keyword", ["F.relu({x}, inplace=True)"]),
-        ("inplace_keyword_assigned", ["_z_r = F.hardtanh({x}, -0.5, 0.5, inplace=True)"]),
-        ("inplace_positional", ["F.leaky_relu({x}, 0.1, True)"]),
-        ("underscore_function", ["torch.relu_({x})"]),
-        ("functional_underscore", ["F.relu_({x})"]),
-        ("item_assign", ["{x}[..., 0] = 0.0"]),
-        ("item_assign_row", ["{x}[0] = {x}[0] * 0.5"]),
-        ("view_write", ["_z_v = {x}.view(-1)", "_z_v.mul_(0.5)"]),
-        ("slice_write", ["_z_s = {x}[..., :1]", "_z_s.zero_()"]),
-        ("chained_slice_write", ["{x}[..., :1].zero_()"]),
-        ("view_item_write", ["{x}.view(-1)[0] = 1.0"]),
-        ("container_write", ["_z_box = [{x}]", "_z_box[0].mul_(0.5)"]),
-        ("dict_write", ["_z_d = {{'h': {x}}}", "_z_d['h'].add_(0.25)"]),
+        (spelling.label, spelling.template("x"), tuple(spelling.needs & {"bump"}))
+        for spelling in spellings(INPUT_PROVIDES)
+    ]
+    + [
         ("rebind", ["{x} = {x} * 0.5"]),
         ("rebind_flip", ["{x} = {x}.flip(-1)"]),
         ("rebind_tuple", ["{x}, _z_u = {x} + 0.25, None"]),
-        ("walrus", ["_z_w = ({x} := {x} * 0.5)"]),
-        ("loop_inplace", ["for _ in range(2):", "    {x}.mul_(0.5)"]),
+        ("walrus_rebind", ["_z_w = ({x} := {x} * 0.5)"]),
         ("loop_rebind", ["for _ in range(1):", "    {x} = {x} + 0.25"]),
-        ("conditional_write", ["if {x}.shape[0] > 0:", "    {x}.mul_(0.5)"]),
-        ("helper_discarded", ["bump({x})"], ["bump"]),
-        ("helper_assigned", ["_z_h = bump({x})"], ["bump"]),
-        ("self_attribute_write", ["self._z_saved = {x}", "self._z_saved.mul_(0.5)"]),
-        ("setattr_write", ["setattr(self, '_z_saved', {x})", "self._z_saved.mul_(0.5)"]),
-        ("data_write", ["{x}.data.mul_(0.5)"]),
-        ("dunder", ["{x}.__imul__(0.5)"]),
-        ("operator_function", ["operator.imul({x}, 0.5)"]),
-        ("unbound_method", ["torch.Tensor.mul_({x}, 0.5)"]),
-        ("bound_method", ["_z_f = {x}.mul_", "_z_f(0.5)"]),
-        ("lambda_write", ["_z_l = lambda: {x}.mul_(0.5)", "_z_l()"]),
-        ("nested_def_write", ["def _z_g():", "    {x}.mul_(0.5)", "_z_g()"]),
-        ("exec_write", ["exec('{x}.mul_(0.5)')"]),
     ],
     hazard=True,
 )
-"""Statements that change the projection input's value (or rebind it)."""
+"""Statements that change the projection input's value: every write spelling of the shared
+table (tests/write_spellings.py) this module can host, and the rebinding forms."""
 
 OUTPUT_ANY = _stmts(
     [
-        ("out_inplace", ["{p}.mul_(0.5)"]),
-        ("out_augassign", ["{p} *= 0.5"]),
-        ("out_item_assign", ["{p}[..., 0] = 0.0"]),
+        (f"out_{spelling.label}", spelling.template("p"), tuple(spelling.needs & {"bump"}))
+        for spelling in spellings(OUTPUT_PROVIDES)
+    ]
+    + [
         ("out_contiguity_probe", ["if not {p}.is_contiguous():", "    {p} = {p} * 0.5"]),
         ("out_rebind", ["{p} = {p} * 0.5"]),
         ("out_inplace_view_op", ["{p}.unsqueeze_(0)", "{p}.squeeze_(0)"]),
-        ("out_clamp", ["{p}.clamp_(min=-0.5, max=0.5)"]),
-        ("out_masked_fill", ["{p}.masked_fill_({p} > 0.5, 0.5)"]),
-        ("out_augassign_add", ["{p} += 0.25"]),
-        ("out_slice_copy", ["{p}[..., :1].copy_({p}[..., -1:] * 0.5)"]),
-        ("out_half_assign", ["_z_half = {p}.shape[-1] // 2", "{p}[..., :_z_half] = 0.5"]),
-        ("out_view_write", ["_z_ov = {p}.unsqueeze(0).transpose(0, 1)", "_z_ov *= 0.5"]),
-        ("out_cast_write", ["{p}.float().mul_(0.5)"]),
-        ("out_guarded_write", ["if {p} is not None:", "    {p}.mul_(0.5)"]),
-        ("out_container_write", ["_z_ob = [{p}]", "_z_ob[0].add_(0.25)"]),
-        ("out_helper_write", ["bump({p})"], ["bump"]),
     ],
     hazard=False,
 )
-"""Statements on a projection's output (reshaped or not): harmless to the function, but a
-split piece of a merged GEMM must behave like the projection's own output."""
+"""Statements on a projection's output (reshaped or not): every write spelling of the shared
+table it can host, and probes. Harmless to the function, but a split piece of a merged GEMM
+must behave like the projection's own output."""
 
 OUTPUT_RAW = _stmts(
     [
