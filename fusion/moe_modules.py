@@ -245,6 +245,9 @@ class FusedMoE(nn.Module):
     (`router_name`, ...), so state dicts keep their keys. The router module itself is not
     called: its weight (and nothing else) is read.
 
+    `returns_logits`: the block returned `(output, router logits)` (Transformers 4); the
+    fused block returns the same pair, the logits being the router child's own output.
+
     `training_sensitive`: the original forward behaves differently in training mode (e.g.
     Mixtral's router jitter), which the fused computation does not reproduce. In training
     mode such a block runs `eager`, the original block itself, whose children are this
@@ -277,6 +280,7 @@ class FusedMoE(nn.Module):
         shared_gate_name: str | None = None,
         shared_gate: nn.Module | None = None,
         training_sensitive: bool = False,
+        returns_logits: bool = False,
         eager: nn.Module | None = None,
         backend: str = "auto",
     ) -> None:
@@ -292,6 +296,7 @@ class FusedMoE(nn.Module):
         self.shared_name = shared_name
         self.shared_gate_name = shared_gate_name
         self.training_sensitive = training_sensitive
+        self.returns_logits = returns_logits
         self.backend = backend
         self.fused_with = experts_implementation(experts)
         setattr(self, router_name, router)
@@ -312,7 +317,11 @@ class FusedMoE(nn.Module):
         """
         router = getattr(self, self.router_name)
         if self.router_is_linear:
-            return route(self.spec, x, None, logits=router(x))
+            # The router child is called on the input as the original calls it (cast
+            # included); a weight cast cannot be applied to a child, and never matches.
+            in_dtype = _resolve(self.spec.input_cast, x, None)
+            logits = router(x if in_dtype is None else x.to(in_dtype))
+            return route(self.spec, x, None, logits=logits)
         if _hooked(router):
             logits, weights, ids = router(x)
             return logits, weights, ids
@@ -330,7 +339,7 @@ class FusedMoE(nn.Module):
             return self.eager(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, weights, ids = self.route(x)
+        logits, weights, ids = self.route(x)
         experts = getattr(self, self.experts_name)
         if experts_implementation(experts) != self.fused_with:
             out = experts(x, ids, weights)  # the implementation chosen after fusing
@@ -349,6 +358,8 @@ class FusedMoE(nn.Module):
             if self.shared_gate_name is not None:
                 shared = torch.sigmoid(getattr(self, self.shared_gate_name)(x)) * shared
             out = out + shared
+        if self.returns_logits:  # (output, router logits), as the Transformers 4 block
+            return out.reshape(shape), logits
         return out.reshape(shape)
 
     def extra_repr(self) -> str:

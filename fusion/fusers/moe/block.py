@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from fusion.errors import RewriteRefused
 from fusion.fusers.moe.experts import modulelist_experts, packed_experts_activation
+from fusion.fusers.moe.logits_return import returns_router_logits
 from fusion.fusers.moe.router import read_routing, router_program
 from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
 from fusion.moe_modules import RouteSpec
@@ -36,6 +37,8 @@ class MoEMatch:
     shared_name: str | None = None
     shared_gate_name: str | None = None
     training_sensitive: bool = False
+    returns_logits: bool = False
+    """The block returns `(output, router logits)` (Transformers 4; `logits_return`)."""
 
 
 def _other_state(module: nn.Module, accounted: set[str]) -> None:
@@ -172,15 +175,21 @@ def match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> M
     x = first_input(graph)
     if x is None or not _looks_routed(graph, module):
         return None
-    if output_value(graph) is not None and isinstance(output_value(graph), (tuple, list)):
-        raise RewriteRefused("the block returns a tuple")
-    if returns_tuple(type(module)):
-        raise RewriteRefused("the block returns a tuple")
     names, activation = modulelist_experts(module.get_submodule(experts_name))
     routing = read_routing(graph, module, x)
     if routing.linear.op != "call_module":
         raise RewriteRefused("the Transformers 4 router is not a linear child")
+    if routing.spec.weight_cast is not None:
+        # FusedMoE calls the router child (its hooks fire), which casts nothing.
+        raise RewriteRefused("the Transformers 4 router casts its weight")
     router_name = str(routing.linear.target)
+    if reads_training(type(module)):
+        # FusedMoE would hold repacked copies of the experts: it cannot hand training to the
+        # original block (its experts would be stale), and training it must not raise.
+        raise RewriteRefused("the block changes in training mode and its experts would be repacked")
+    returns_logits = returns_router_logits(type(module), router_name)
+    if not returns_logits and returns_tuple(type(module)):
+        raise RewriteRefused("the block returns a tuple")
     shared_name, shared_gate_name = _modulelist_shared(graph, module, x)
     _other_state(module, {experts_name, router_name, shared_name, shared_gate_name} - {None})
     return MoEMatch(
@@ -194,6 +203,7 @@ def match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> M
         shared_name=shared_name,
         shared_gate_name=shared_gate_name,
         training_sensitive=reads_training(type(module)),
+        returns_logits=returns_logits,
     )
 
 

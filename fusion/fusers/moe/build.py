@@ -36,6 +36,7 @@ def build_fused(
         if found.shared_gate_name
         else None,
         training_sensitive=found.training_sensitive,
+        returns_logits=found.returns_logits,
         # The original can run in training mode only when the fused block shares everything
         # it holds: its children (packed experts are not repacked), and no state of its own,
         # which block matching (`_other_state`) already refused for every match.

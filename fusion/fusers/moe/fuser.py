@@ -1,5 +1,7 @@
 """`MoEFuser`: `match_block` (match + numeric self-check), per-instance signatures, validate,
-fuse."""
+fuse. A block refused as a whole may still have its experts fused alone
+(`fusion.fusers.moe.experts_only`): the match is then an `ExpertsMatch`, the block keeps its
+forward and only its experts child is replaced by a `FusedExperts`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import fx, nn
 
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
+from fusion.experts_modules import FusedExperts
 from fusion.fusers.base import Fuser, per_signature
 from fusion.fusers.moe.block import MoEMatch, match_modulelist, match_packed
 from fusion.fusers.moe.build import build_fused
@@ -19,32 +22,83 @@ from fusion.fusers.moe.experts import (
     modulelist_experts,
     packed_experts_activation,
 )
+from fusion.fusers.moe.experts_only import (
+    ExpertsMatch,
+    build_fused_experts,
+    check_interface,
+    expert_layout,
+    instance_hazard,
+    match_experts_only,
+)
 from fusion.fusers.moe.selfcheck import check_numerically
 from fusion.signature import plain_attributes
 from fusion.trace import trace
 
+Match = MoEMatch | ExpertsMatch
+
 
 def _signature(module: nn.Module, names: tuple[str | None, ...]) -> tuple:
     """Plain attributes of the block and the named children that could change what a trace
-    shows (top-k, flags, scaling factors); objects count by identity."""
+    shows (top-k, flags, scaling factors; objects count by identity), and the shapes and
+    dtypes of the children's parameters (a gating program holds the experts' width)."""
     owners = (module, *(module.get_submodule(n) for n in names if n))
-    return tuple(plain_attributes(owner, keep_private=PACKED_FLAGS) for owner in owners)
+    return tuple(
+        (
+            plain_attributes(owner, keep_private=PACKED_FLAGS),
+            tuple((n, tuple(p.shape), p.dtype) for n, p in owner.named_parameters()),
+        )
+        for owner in owners
+    )
 
 
-def match_block(graph: fx.Graph | None, module: nn.Module) -> MoEMatch | None:
-    """The match for `module` (None when it is not an MoE block at all), numerically checked."""
-    located = experts_child(module)
-    if graph is None or located is None:
-        return None
-    experts_name, style = located
+def _whole_block(
+    graph: fx.Graph | None, module: nn.Module, name: str, style: str
+) -> MoEMatch | None:
+    if graph is None:
+        raise RewriteRefused("the block does not trace")
     if style == "packed":
-        found = match_packed(graph, module, experts_name)
+        found = match_packed(graph, module, name)
     else:
-        found = match_modulelist(graph, module, experts_name)
+        found = match_modulelist(graph, module, name)
         if found is None:
             return None
     check_numerically(module, found)
     return found
+
+
+def match_block(graph: fx.Graph | None, module: nn.Module) -> Match | None:
+    """The match for `module` (None when it is not an MoE block at all), numerically checked:
+    the whole block, else (Transformers 5 experts) the experts alone; a refusal names both
+    reasons."""
+    located = experts_child(module)
+    if located is None:
+        return None
+    experts_name, style = located
+    if style != "packed":
+        return _whole_block(graph, module, experts_name, style)
+    try:
+        return _whole_block(graph, module, experts_name, style)
+    except RewriteRefused as whole:
+        try:
+            return match_experts_only(module, experts_name, str(whole))
+        except RewriteRefused as alone:
+            raise RewriteRefused(f"{alone}; the block as a whole: {whole}") from alone
+
+
+def _block_instance_problem(module: nn.Module) -> str | None:
+    """Why this instance cannot be fused as a whole block (None when it can): hooks on the
+    block would stop firing, and the routing and experts are recomputed from weights,
+    bypassing every linear's call path, so a linear that computes anything else around
+    `forward` (per class or per instance, which one traced instance cannot show) refuses."""
+    hooks = has_hooks(module)
+    if hooks:
+        return f"block has {hooks}"
+    for name, child in module.named_modules():
+        if isinstance(child, nn.Linear):
+            own = own_call_path(child)
+            if own or "forward" in child.__dict__ or type(child).forward is not nn.Linear.forward:
+                return f"{name} is a linear with its own {own or 'forward'}"
+    return None
 
 
 @dataclass
@@ -54,13 +108,21 @@ class MoEFuser(Fuser):
     name: ClassVar[str] = "moe"
     redefines_forward: ClassVar[bool] = True
 
-    class_match: MoEMatch | None = None
+    class_match: Match | None = None
     signature: tuple = ()
-    by_signature: dict[tuple, MoEMatch | str] = field(default_factory=dict, repr=False)
+    by_signature: dict[tuple, Match | str] = field(default_factory=dict, repr=False)
+    alone_by_signature: dict[tuple, Match | str] = field(default_factory=dict, repr=False)
+    last_match: Match | None = field(default=None, repr=False)
+    """The match of the instance validated last: what `describe` reports (instances of one
+    class may take different matches, e.g. one fused whole and one experts alone)."""
 
     @classmethod
     def candidate(cls, module: nn.Module) -> bool:
-        return experts_child(module) is not None
+        located = experts_child(module)
+        # A block whose experts were fused alone is done: its FusedExperts is reported.
+        return located is not None and not isinstance(
+            module.get_submodule(located[0]), FusedExperts
+        )
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> MoEFuser | None:
@@ -73,10 +135,12 @@ class MoEFuser(Fuser):
         return fuser
 
     @staticmethod
-    def _names(found: MoEMatch) -> tuple[str | None, ...]:
+    def _names(found: Match) -> tuple[str | None, ...]:
+        if isinstance(found, ExpertsMatch):
+            return (found.experts_name,)
         return (found.router_name, found.experts_name)
 
-    def _match_for(self, module: nn.Module) -> MoEMatch:
+    def _match_for(self, module: nn.Module) -> Match:
         assert self.class_match is not None
         try:
             signature = _signature(module, self._names(self.class_match))
@@ -89,33 +153,49 @@ class MoEFuser(Fuser):
             "not an MoE block",
         )
 
-    def validate(self, module: nn.Module) -> None:
-        # Instance checks first: `_match_for` caches what it derives per instance signature,
-        # and must never derive (and cache) from an instance these checks refuse.
-        hooks = has_hooks(module)
-        if hooks:
-            raise RewriteRefused(f"block has {hooks}")
-        # The routing and the experts are recomputed from weights, bypassing every linear's
-        # call path: a linear that computes anything else around `forward` (per class or per
-        # instance, which one traced instance cannot show) must refuse the whole block.
-        for name, child in module.named_modules():
-            if isinstance(child, nn.Linear):
-                own = own_call_path(child)
-                if (
-                    own
-                    or "forward" in child.__dict__
-                    or type(child).forward is not nn.Linear.forward
-                ):
-                    raise RewriteRefused(f"{name} is a linear with its own {own or 'forward'}")
+    def _alone_for(self, module: nn.Module, experts_name: str, reason: str) -> ExpertsMatch:
+        """The experts-only match of an instance the whole-block fusion refuses for `reason`
+        (its own hooks, a linear with its own call path), derived once per signature."""
+        signature = ("alone", _signature(module, (experts_name,)))
+        return per_signature(
+            self.alone_by_signature,
+            signature,
+            lambda: match_experts_only(module, experts_name, reason),
+            "not an MoE block",
+        )
+
+    def instance_match(self, module: nn.Module) -> Match:
+        """The match this instance takes (validated), or RewriteRefused.
+
+        Instance checks come first: `_match_for` caches what it derives per instance
+        signature, and must never derive (and cache) from an instance these checks refuse.
+        Hooks on the experts (or inside them) refuse both kinds of fusion (a replaced module's
+        hooks would stop firing); hooks on the block or a linear with its own call path refuse
+        the whole-block fusion only (experts fused alone leave the block's forward, hooks and
+        children to run as they are)."""
         located = experts_child(module)
-        if located is not None:
-            experts = module.get_submodule(located[0])
-            for name, child in [(located[0], experts), *experts.named_modules(prefix=located[0])]:
-                hooks = has_hooks(child)
-                if hooks:
-                    raise RewriteRefused(f"{name} has {hooks}")
-        found = self._match_for(module)
-        experts = module.get_submodule(found.experts_name)
+        if located is None:
+            raise RewriteRefused("the block has no experts child")
+        experts_name = located[0]
+        experts = module.get_submodule(experts_name)
+        hazard = instance_hazard(experts, experts_name)
+        if hazard is not None:
+            raise RewriteRefused(hazard)
+        problem = _block_instance_problem(module)
+        if problem is None:
+            found = self._match_for(module)
+        elif located[1] != "packed":
+            raise RewriteRefused(problem)
+        else:
+            try:
+                found = self._alone_for(module, experts_name, problem)
+            except RewriteRefused as exc:
+                raise RewriteRefused(f"{problem} (experts alone: {exc})") from exc
+        if isinstance(found, ExpertsMatch):
+            check_interface(experts)
+            expert_layout(experts)
+            self.last_match = found
+            return found
         if found.style == "packed":
             activation = packed_experts_activation(experts)
             router = module.get_submodule(found.router_name)
@@ -128,12 +208,20 @@ class MoEFuser(Fuser):
             _, activation = modulelist_experts(experts)
         if activation != found.activation:
             raise RewriteRefused(f"activation {activation}, matched {found.activation}")
+        self.last_match = found
+        return found
+
+    def validate(self, module: nn.Module) -> None:
+        self.instance_match(module)
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
         from fusion.checkpoint import register_packed_experts_layout
 
-        self.validate(module)
-        found = self._match_for(module)
+        found = self.instance_match(module)
+        if isinstance(found, ExpertsMatch):
+            experts = module.get_submodule(found.experts_name)
+            setattr(module, found.experts_name, build_fused_experts(experts, found, backend))
+            return module
         fused, packed = build_fused(module, found, backend)
         if packed is not None:
             register_packed_experts_layout(fused, found.experts_name)
@@ -141,12 +229,19 @@ class MoEFuser(Fuser):
 
     def dropped_children(self, module: nn.Module) -> tuple[str, ...]:
         """A Transformers 4 `ModuleList` of experts is repacked: its MLPs leave the model."""
+        located = experts_child(module)
+        if located is not None and isinstance(module.get_submodule(located[0]), FusedExperts):
+            return ()  # called after `fuse`: experts fused alone, the block stays
         found = self._match_for(module)
+        if isinstance(found, ExpertsMatch):
+            return ()
         return (found.experts_name,) if found.style == "modulelist" else ()
 
     def describe(self) -> str:
-        assert self.class_match is not None
-        m = self.class_match
+        m = self.last_match or self.class_match
+        assert m is not None
+        if isinstance(m, ExpertsMatch):
+            return m.describe()
         shared = ""
         if m.shared_name:
             shared = f" + {m.shared_name}" + (

@@ -213,7 +213,7 @@ def _selection(
     if gather is None:
         return None
     scores = gather.args[0]
-    if call_arg(gather, 1, "dim") not in (-1, 1) or gather.args[2] is not ids:
+    if call_arg(gather, 1, "dim") not in (-1, 1) or call_arg(gather, 2, "index") is not ids:
         raise RewriteRefused("routing weights are gathered in an unexpected way")
     choice = final.args[0]
     groups = None

@@ -57,6 +57,8 @@ def check_numerically(module: nn.Module, found: MoEMatch) -> None:
         raise RewriteRefused(f"numeric check failed to run: {type(exc).__name__}: {exc}") from exc
     finally:
         module.train(was_training)
+    if found.returns_logits:
+        expected, actual = _logits_checked(expected, actual)
     if not torch.is_tensor(expected) or expected.shape != actual.shape:
         raise RewriteRefused("the block's output is not one tensor of the fused block's shape")
     if expected.dtype != actual.dtype:
@@ -66,3 +68,14 @@ def check_numerically(module: nn.Module, found: MoEMatch) -> None:
         raise RewriteRefused(
             f"fused block differs from the original by {error:.2e} (max-normalised)"
         )
+
+
+def _logits_checked(expected: object, actual: object) -> tuple[object, object]:
+    """The outputs of blocks returning `(output, router logits)`, after requiring the
+    logits bit for bit (dtype included)."""
+    if not (isinstance(expected, tuple) and len(expected) == 2 and torch.is_tensor(expected[1])):
+        raise RewriteRefused("the block does not return (output, router logits)")
+    assert isinstance(actual, tuple)
+    if expected[1].dtype != actual[1].dtype or not torch.equal(expected[1], actual[1]):
+        raise RewriteRefused("the router logits returned differ from the router's")
+    return expected[0], actual[0]

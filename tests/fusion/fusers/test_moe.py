@@ -19,6 +19,7 @@ from torch import nn
 
 import fusion
 from fusion.checkpoint import unfused_state_dict
+from fusion.experts_modules import FusedExperts
 from fusion.kernels import torch_ref
 from fusion.moe_modules import FusedMoE, PackedExperts
 from tests.fusion.fusers.helpers import reasons
@@ -165,12 +166,14 @@ def test_whole_model_parity_against_float64(model_type: str, dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
-def test_refused_real_blocks_say_why(model_type: str) -> None:
+def test_blocks_refused_as_a_whole_say_why_and_fuse_their_experts_alone(model_type: str) -> None:
     model = tiny_moe(model_type)
     report = fusion.plan(model)
-    assert "moe" not in report.counts()
-    moe_reasons = [r.reason for r in report.skipped if r.fuser == "moe"]
-    assert moe_reasons and all(REFUSED[model_type][1] in r for r in moe_reasons), moe_reasons
+    applied = [r for r in report.applied if r.fuser == "moe"]
+    assert len(applied) == len(moe_blocks(model)) == 2, str(report)
+    for record in applied:
+        assert "-> FusedExperts (experts alone; the block:" in record.description
+        assert REFUSED[model_type][1] in record.description
 
 
 def test_output_router_logits_still_recorded() -> None:
@@ -321,15 +324,16 @@ class SparseMoeV4Jitter(SparseMoeV4):
         return super().forward(hidden_states)
 
 
-def test_training_mode_raises_for_repacked_experts_that_read_training() -> None:
-    """A Transformers 4 block's experts are repacked, so the original cannot run: training
-    mode raises instead of silently dropping the jitter."""
-    fused = nn.Sequential(randomized(SparseMoeV4Jitter())).eval()
-    assert fusion.fuse(fused).counts() == {"moe": 1}
-    assert fused[0].training_sensitive and fused[0].eager is None
-    fused.train()
-    with pytest.raises(RuntimeError, match="eval mode only"):
-        fused(torch.randn(1, 3, HIDDEN))
+def test_transformers4_block_that_reads_training_is_refused() -> None:
+    """A Transformers 4 block's experts would be repacked, so the original could not run in
+    training mode (its experts stale) and FusedMoE does not reproduce the jitter: refused, so
+    the model still trains as it did."""
+    model = nn.Sequential(randomized(SparseMoeV4Jitter())).eval()
+    report = fusion.fuse(model)
+    assert "moe" not in report.counts()
+    assert "changes in training mode and its experts would be repacked" in reasons(report)
+    model.train()
+    assert model(torch.randn(1, 3, HIDDEN)).shape == (1, 3, HIDDEN)
 
 
 def test_transformers4_checkpoint_round_trip_bit_identical() -> None:
@@ -560,18 +564,27 @@ def test_correction_bias_for_the_choice_only_is_reproduced_exactly() -> None:
     ],
 )
 def test_router_refusals(forward, state, reason: str) -> None:
+    """The block is refused as a whole (its router is not reproduced), so it keeps its own
+    forward and router; only its experts are fused alone, and the report says why."""
     block = with_router(qwen3_block(), forward, **state)
-    report = fusion.plan(nn.Sequential(block))
-    assert "moe" not in report.counts()
-    assert reason in reasons(report)
+    holder = nn.Sequential(block)
+    fused = copy.deepcopy(holder)
+    report = fusion.fuse(fused)
+    [record] = [r for r in report.applied if r.fuser == "moe"]
+    assert "experts alone" in record.description and reason in record.description
+    assert type(fused[0]) is type(block) and isinstance(fused[0].experts, FusedExperts)
+    x = torch.randn(2, 7, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert relative_error(holder(x), fused(x)) <= 1e-5
 
 
-def test_unused_stateful_child_is_refused() -> None:
+def test_unused_stateful_child_refuses_the_whole_block() -> None:
     block = qwen3_block()
     block.extra = nn.Linear(HIDDEN, HIDDEN)  # never run by the block, nor by a FusedMoE
     report = fusion.plan(nn.Sequential(block))
-    assert "moe" not in report.counts()
-    assert "child extra holds state" in reasons(report)
+    [record] = [r for r in report.applied if r.fuser == "moe"]
+    assert "child extra holds state" in record.description
+    assert "experts alone" in record.description
 
 
 def test_instances_with_different_top_k_get_their_own_routing() -> None:
