@@ -44,7 +44,11 @@ def recover_forward(cls: type) -> tuple[ast.FunctionDef, Callable]:
     if code is None:
         raise RewriteRefused(f"{cls.__name__}.forward is not a Python function")
     if code.co_freevars:
-        raise RewriteRefused(f"{cls.__name__}.forward is a closure over {code.co_freevars}")
+        # `super()` makes `__class__` one; a recompiled function could not rebind them.
+        raise RewriteRefused(
+            f"the forward is a closure (super() or an enclosing scope): "
+            f"{cls.__name__}.forward over {code.co_freevars}"
+        )
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError) as exc:

@@ -129,13 +129,47 @@ def _resolve_attr(root: nn.Module, target: str) -> Any:
     return object.__getattribute__(module, leaf)
 
 
-class LeafTracer(fx.Tracer):
-    """An fx tracer for which every submodule is a leaf and every op also runs on meta."""
+MAX_BRANCH_DECISIONS = 64
+"""Most branches a deciding trace (`trace(..., decide_branches=True)`) takes before it ends:
+a `while` on a value it cannot know would otherwise never stop."""
 
-    def __init__(self, varkw: str | None = None, input_name: str | None = None) -> None:
+
+class LeafTracer(fx.Tracer):
+    """An fx tracer for which every submodule is a leaf and every op also runs on meta.
+
+    With `decide_branches`, a branch on a traced value (`if x.size(1) == 1`, `assert
+    list(x.size()) == [...]`) follows its meta value where that is a Python bool, a flag
+    argument's default (`if output_attentions:`), and otherwise the true side, instead of
+    ending the trace (`to_bool`)."""
+
+    def __init__(
+        self,
+        varkw: str | None = None,
+        input_name: str | None = None,
+        *,
+        decide_branches: bool = False,
+    ) -> None:
         super().__init__()
         self.varkw = varkw
         self.input_name = input_name
+        self.decide_branches = decide_branches
+        self.decisions = 0
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """The branch a deciding trace takes (see the class docstring); without
+        `decide_branches`, fx's refusal (the trace ends there)."""
+        if not self.decide_branches:
+            return super().to_bool(obj)
+        self.decisions += 1
+        if self.decisions > MAX_BRANCH_DECISIONS:
+            raise fx.proxy.TraceError(f"more than {MAX_BRANCH_DECISIONS} branches decided")
+        value = getattr(obj, "meta", UNKNOWN)
+        if isinstance(value, (bool, int)):  # a shape comparison on meta: plain Python
+            return bool(value)
+        node = obj.node
+        if node.op == "placeholder" and node.args:  # a flag argument: its default
+            return bool(node.args[0])
+        return True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
@@ -314,7 +348,9 @@ def _preserved_state(module: nn.Module) -> Iterator[None]:
             current.update(state)
 
 
-def trace(module: nn.Module) -> fx.Graph | None:
+def trace(
+    module: nn.Module, *, decide_branches: bool = False, none_defaults: bool = False
+) -> fx.Graph | None:
     """The fx graph of `module.forward`: complete, partial, or None if nothing was recorded.
 
     Never raises, and leaves `module` as it was. The KV-cache argument (any spelling in
@@ -323,9 +359,19 @@ def trace(module: nn.Module) -> fx.Graph | None:
     failure the reason is logged at debug level and the partial graph is returned: matching
     on it is safe because every fuser still checks the source it rewrites, and refuses what
     the graph does not show.
+
+    With `decide_branches` the trace goes on through branches on traced values, taking one
+    side (`LeafTracer.to_bool`): the graph is then one path of several, valid only for a
+    fuser whose rewrite is proven on the source for every path (the projection stackers),
+    never for one that reads the function off the graph (RMSNorm, MoE routing). With
+    `none_defaults` every argument after the input that defaults to None is a concrete None
+    too (`if conv_mask is not None:` then skips the branch a caller that passes nothing
+    skips), for the same fusers only.
     """
     parameters = forward_parameters(module)
     concrete = {name: None for name in CACHE_ARGUMENTS if name in parameters}
+    if none_defaults:
+        concrete.update((p.name, None) for p in list(parameters.values())[2:] if p.default is None)
     varkw = next(
         (p.name for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
     )
@@ -334,7 +380,11 @@ def trace(module: nn.Module) -> fx.Graph | None:
         for p in list(parameters.values())[1:]
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    tracer = LeafTracer(varkw=varkw, input_name=positional[0] if positional else None)
+    tracer = LeafTracer(
+        varkw=varkw,
+        input_name=positional[0] if positional else None,
+        decide_branches=decide_branches,
+    )
     forward = inspect.unwrap(type(module).forward)
     try:
         with contextlib.ExitStack() as stack:

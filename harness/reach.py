@@ -71,15 +71,18 @@ def reach(results: Sequence[ArchResult]) -> dict[str, Reach]:
     return table
 
 
-def format_reach(table: dict[str, Reach], *, top: int = 3) -> str:
-    """One line per family: reached / candidate classes, the share, the main refusals."""
-    lines = ["reach (module classes fused / candidates):"]
+def format_reach(table: dict[str, Reach], *, top: int = 8) -> str:
+    """One line per family (reached / candidate classes, the share), then its refusal
+    categories one per line, most classes first: at most `top`, and a count of the rest,
+    so a regression in reach shows in the summary without reading the results file."""
+    lines = ["reach (module classes fused / candidates; refusals of the rest, in classes):"]
     for family, r in table.items():
         if not r.candidates:
             continue
-        main = "; ".join(f"{n} {category}" for category, n in r.refusals.most_common(top))
-        lines.append(
-            f"  {family:<9} {len(r.reached):>4}/{len(r.candidates):<4} {r.share:4.0%}"
-            + (f"  refused: {main}" if main else "")
-        )
+        lines.append(f"  {family:<9} {len(r.reached):>4}/{len(r.candidates):<4} {r.share:4.0%}")
+        ranked = r.refusals.most_common()
+        lines.extend(f"    {n:>4}  {category}" for category, n in ranked[:top])
+        if len(ranked) > top:
+            rest = sum(n for _, n in ranked[top:])
+            lines.append(f"    {rest:>4}  ({len(ranked) - top} more categories)")
     return "\n".join(lines)

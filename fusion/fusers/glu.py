@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fusion import bound, source
-from fusion.callpath import has_hooks
+from fusion import alias, bound, source
+from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.fusers.stacked import check_stackable, install_merged
@@ -56,31 +56,100 @@ def activation_kind(act: nn.Module) -> str:
             and inner.keywords == {"approximate": "tanh"}
         ):
             return "gelu_tanh"
+    traced = _traced_kind(act)
+    if traced is not None:
+        return traced
     raise RewriteRefused(f"activation {kind.__name__} is not one ActAndMul reproduces exactly")
 
 
-def _glu_nodes(graph: fx.Graph, module: nn.Module) -> tuple[str, str, str] | None:
-    """(gate, up, act) names of the first `act(gate(x)) * up(x)` product in `graph`."""
+def functional_kind(node: object) -> str | None:
+    """`silu`, `gelu` or `gelu_tanh` when `node` is one call of `F.silu` (not in place) or
+    `F.gelu` (exact or tanh-approximated) on a single tensor; else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and len(node.args) == 1):
+        return None
+    kwargs = dict(node.kwargs)
+    if node.target is F.silu and kwargs in ({}, {"inplace": False}):
+        return "silu"
+    if node.target is F.gelu:
+        approximate = kwargs.pop("approximate", "none")
+        if not kwargs and approximate in ("none", "tanh"):
+            return "gelu" if approximate == "none" else "gelu_tanh"
+    return None
+
+
+def _traced_kind(act: nn.Module) -> str | None:
+    """The kind of an activation module of any class whose forward, traced on this
+    instance, is exactly one `functional_kind` call on its input (e.g. a GELU-tanh class
+    calling `F.gelu(x, approximate="tanh")` itself); None for anything else, including a
+    module with children or a call path of its own (the trace would not be all it runs)."""
+    if own_call_path(act) or "forward" in act.__dict__ or any(True for _ in act.children()):
+        return None
+    try:
+        graph = fx.symbolic_trace(act).graph
+    except Exception:  # untraceable: not provably one call
+        return None
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    ops = [n for n in nodes if n.op not in ("placeholder", "output")]
+    if len(inputs) != 1 or len(ops) != 1 or nodes[-1].args != (ops[0],):
+        return None
+    if ops[0].args[:1] != (inputs[0],):
+        return None
+    return functional_kind(ops[0])
+
+
+def _glu_nodes(graph: fx.Graph, module: nn.Module) -> tuple[str, str, str, str] | None:
+    """(gate, up, act, kind) of the first `act(gate(x)) * up(x)` product in `graph`: `act`
+    names the activation child and `kind` is ""; for an activation called as a function
+    (`F.silu(gate(x)) * up(x)`), `act` is "" and `kind` its `functional_kind`."""
     for node in graph.nodes:
         if not is_fn(node, operator.mul) or len(node.args) != 2:
             continue
         for act_node, up_node in (node.args, node.args[::-1]):
             if not (
                 isinstance(act_node, fx.Node)
-                and act_node.op == "call_module"
-                and not is_linear(act_node, module)
                 and is_linear(up_node, module)
                 and len(act_node.args) == 1
                 and is_linear(act_node.args[0], module)
             ):
                 continue
+            kind = functional_kind(act_node) or ""
+            if not kind and (act_node.op != "call_module" or is_linear(act_node, module)):
+                continue
             gate_node = act_node.args[0]
             if gate_node.args != up_node.args or gate_node.kwargs or up_node.kwargs:
                 continue
-            if submodule(act_node, module) is None or len(gate_node.args) != 1:
+            if len(gate_node.args) != 1 or not (kind or submodule(act_node, module) is not None):
                 continue
-            return str(gate_node.target), str(up_node.target), str(act_node.target)
+            act = "" if kind else str(act_node.target)
+            return str(gate_node.target), str(up_node.target), act, kind
     return None
+
+
+def _is_function_call(
+    node: ast.AST, kind: str, gate_call: ast.Call, fn: Any, local: set[str]
+) -> bool:
+    """Is `node` the call `F.<silu|gelu>(<gate_call>[, approximate=...])` of activation
+    `kind`, its callee resolving in the forward's globals to that very function (a name the
+    forward binds itself, in `local`, or a module-level `F` that is something else, does
+    not)?"""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and node.args[0] is gate_call):
+        return False
+    path: list[str] = []
+    func = node.func
+    while isinstance(func, ast.Attribute):
+        path.insert(0, func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name) or func.id in local:
+        return False
+    target: object = fn.__globals__.get(func.id)
+    for attr in path:
+        target = getattr(target, attr, None)
+    expected = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": F.gelu}[kind]
+    keywords = {k.arg: getattr(k.value, "value", k) for k in node.keywords}
+    allowed = {"silu": ({}, {"inplace": False}), "gelu": ({}, {"approximate": "none"})}
+    allowed["gelu_tanh"] = ({"approximate": "tanh"},)
+    return target is expected and keywords in allowed[kind]
 
 
 def _is_self_call(node: ast.AST, name: str) -> bool:
@@ -95,8 +164,11 @@ def _is_self_call(node: ast.AST, name: str) -> bool:
     )
 
 
-def rewrite_glu(module: nn.Module, gate: str, up: str, act: str) -> tuple[Any, str, str]:
-    """Rewrite the product `self.<act>(self.<gate>(X)) * self.<up>(X)` (either order) into
+def rewrite_glu(
+    module: nn.Module, gate: str, up: str, act: str, kind: str = ""
+) -> tuple[Any, str, str]:
+    """Rewrite the product `self.<act>(self.<gate>(X)) * self.<up>(X)` (either order; with
+    `kind`, `F.<activation>(self.<gate>(X)) * self.<up>(X)`) into
     `self.act_and_mul(self.gate_up_proj(X))`; returns (forward, original, rewritten).
 
     Refuses unless the product is one expression of that exact shape with the same plain
@@ -104,6 +176,7 @@ def rewrite_glu(module: nn.Module, gate: str, up: str, act: str) -> tuple[Any, s
     activation on a fresh GEMM output, which cannot change the input.
     """
     funcdef, fn = source.recover_forward(type(module))
+    local = alias.local_names(funcdef)
     original = source.unparse(funcdef)
     gate_call, gate_refs = source.self_call_and_refs(funcdef, gate)
     up_call, up_refs = source.self_call_and_refs(funcdef, up)
@@ -121,7 +194,12 @@ def rewrite_glu(module: nn.Module, gate: str, up: str, act: str) -> tuple[Any, s
             if isinstance(node, ast.BinOp)
             and isinstance(node.op, ast.Mult)
             and any(
-                _is_self_call(a, act) and a.args[0] is gate_call and b is up_call
+                (
+                    _is_function_call(a, kind, gate_call, fn, local)
+                    if kind
+                    else _is_self_call(a, act) and a.args[0] is gate_call
+                )
+                and b is up_call
                 for a, b in ((node.left, node.right), (node.right, node.left))
             )
         ),
@@ -155,6 +233,8 @@ class GLUFuser(Fuser):
     gate: str = ""
     up: str = ""
     act: str = ""
+    kind: str = ""
+    """The activation's kind when it is called as a function (`F.silu(...)`), else ""."""
     forward_fn: Any = field(default=None, repr=False)
 
     @classmethod
@@ -168,10 +248,10 @@ class GLUFuser(Fuser):
         names = _glu_nodes(graph, module)
         if names is None:
             return None
-        gate, up, act = names
-        fuser = cls(source_class=type(module).__name__, gate=gate, up=up, act=act)
+        gate, up, act, kind = names
+        fuser = cls(source_class=type(module).__name__, gate=gate, up=up, act=act, kind=kind)
         fuser.forward_fn, fuser.original_source, fuser.rewritten_source = rewrite_glu(
-            module, gate, up, act
+            module, gate, up, act, kind
         )
         return fuser
 
@@ -182,11 +262,15 @@ class GLUFuser(Fuser):
         gate, up = getattr(module, self.gate), getattr(module, self.up)
         if gate.out_features != up.out_features:
             raise RewriteRefused(f"gate width {gate.out_features} != up width {up.out_features}")
-        activation_kind(getattr(module, self.act))
+        self.activation(module)
+
+    def activation(self, module: nn.Module) -> str:
+        """The `ActAndMul` kind for this instance: the functional call's, or its child's."""
+        return self.kind or activation_kind(getattr(module, self.act))
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
         self.validate(module)
-        kind = activation_kind(getattr(module, self.act))
+        kind = self.activation(module)
         linears = check_stackable(module, (self.gate, self.up), "gate_up_proj")
         install_merged(
             module, "gate_up_proj", MergedLinear.from_linears(linears), (self.gate, self.up)
@@ -196,4 +280,5 @@ class GLUFuser(Fuser):
         return module
 
     def describe(self) -> str:
-        return f"{self.gate} + {self.up} -> gate_up_proj, {self.act}(*) * -> act_and_mul"
+        act = self.act or self.kind
+        return f"{self.gate} + {self.up} -> gate_up_proj, {act}(*) * -> act_and_mul"

@@ -14,7 +14,7 @@ from typing import ClassVar
 from torch import fx, nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.stacked import StackedFuser, linear_inputs, unique_targets
+from fusion.fusers.stacked import StackedFuser, linear_inputs, projection_graph, unique_targets
 from fusion.graph import downstream_linear, find_node, is_leaf_call, returned_linear
 
 
@@ -30,6 +30,7 @@ class MLAFuser(StackedFuser):
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> MLAFuser | None:
+        graph, decided = projection_graph(graph, module)
         if graph is None or find_node(graph, is_leaf_call) is None:
             return None
         output = returned_linear(graph, module)
@@ -51,5 +52,5 @@ class MLAFuser(StackedFuser):
         fuser = cls(
             source_class=type(module).__name__, shards=shards, merged_name="fused_qkv_a_proj"
         )
-        fuser.prepare(module, graph)
+        fuser.prepare(module, graph, decided)
         return fuser

@@ -8,7 +8,13 @@ from typing import ClassVar
 from torch import fx, nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.stacked import StackedFuser, linear_inputs, unique_targets, width
+from fusion.fusers.stacked import (
+    StackedFuser,
+    linear_inputs,
+    projection_graph,
+    unique_targets,
+    width,
+)
 from fusion.graph import find_node, is_leaf_call, is_linear, output_value, returned_linear
 
 
@@ -29,35 +35,50 @@ class QKVFuser(StackedFuser):
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> QKVFuser | None:
-        if graph is None or find_node(graph, is_leaf_call) is None:
-            if (
-                graph is not None
-                and type(module).forward is not nn.Module.forward  # containers: no forward
-                and output_value(graph) is None
-                and not any(is_linear(node, module) for node in graph.nodes)
-            ):
-                # The trace stopped before the first projection (e.g. Transformers 4's
-                # `if output_attentions: return super().forward(...)`): no verdict is
-                # possible, and that is worth saying rather than passing over in silence.
+        stops_early = _stops_before_projections(graph, module)
+        graph, decided = projection_graph(graph, module)
+        triple = None if graph is None else _triple(graph, module)
+        if triple is None:
+            if stops_early:
+                # The plain trace stopped before the first projection (a branch on a traced
+                # value, an op fx cannot follow), and the trace deciding its branches shows
+                # no q/k/v either (or none that can be told from the path it took, e.g. into
+                # `super().forward(...)`): no verdict is possible, and that is worth saying.
                 raise RewriteRefused("the forward does not trace as far as its projections")
             return None
-        output = returned_linear(graph, module)
-        groups = [
-            [node for node in nodes if str(node.target) != output]
-            for nodes in linear_inputs(graph, module).values()
-        ]
-        triples = [nodes for nodes in groups if len(nodes) == 3]
-        if not triples:
-            if any(len(nodes) > 3 for nodes in groups):
-                raise RewriteRefused("more than three linears read the attention input")
-            return None
-        if len(triples) > 1:
-            raise RewriteRefused("several groups of three linears: q/k/v ambiguous")
-        targets = unique_targets(triples[0])
+        targets = unique_targets(triple)
         if targets is None:
             raise RewriteRefused("a projection is called more than once")
         q = max(targets, key=lambda name: (width(module, name), -targets.index(name)))
         k, v = (name for name in targets if name != q)
         fuser = cls(source_class=type(module).__name__, shards=(q, k, v), merged_name="qkv_proj")
-        fuser.prepare(module, graph)
+        fuser.prepare(module, graph, decided)
         return fuser
+
+
+def _stops_before_projections(graph: fx.Graph | None, module: nn.Module) -> bool:
+    """Did the trace of a module with a forward of its own end before any linear call?"""
+    return (
+        graph is not None
+        and type(module).forward is not nn.Module.forward  # containers: no forward
+        and output_value(graph) is None
+        and not any(is_linear(node, module) for node in graph.nodes)
+    )
+
+
+def _triple(graph: fx.Graph, module: nn.Module) -> list[fx.Node] | None:
+    """The three linear calls reading one value in a graph that calls attention (the output
+    projection excluded), None when there is no such group; refuses when several are."""
+    if find_node(graph, is_leaf_call) is None:
+        return None
+    output = returned_linear(graph, module)
+    groups = [
+        [node for node in nodes if str(node.target) != output]
+        for nodes in linear_inputs(graph, module).values()
+    ]
+    triples = [nodes for nodes in groups if len(nodes) == 3]
+    if len(triples) > 1:
+        raise RewriteRefused("several groups of three linears: q/k/v ambiguous")
+    # No triple: four or more projections of one input (gated attention: q/k/v plus a gate)
+    # are the sibling fuser's, which merges all of them into one GEMM with the same proofs.
+    return triples[0] if triples else None

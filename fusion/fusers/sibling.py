@@ -1,37 +1,23 @@
-"""Sibling merge: >= 2 linears reading one input, assigned side by side -> one GEMM.
+"""Sibling merge: >= 2 linears reading one input -> one GEMM.
 
-The fallback for projections no specific fuser claims (e.g. four gated-attention
-projections). It only accepts the simplest layout: every statement from the first call to
-the last is a plain `name = self.<projection>(input)` assignment, so nothing can happen
-between the calls at all.
+The fallback for projections no specific fuser claims: gated attention (q/k/v plus a gate
+or another projection of the same input), linear-attention input projections, a GLU whose
+activation `ActAndMul` does not reproduce, a cross-attention's k/v pair. Whatever code sits
+between the calls, the merge is exactly as safe as the q/k/v one: `rewrite_stacked` proves
+each projection called once on one side-effect-free input expression that nothing between
+the first and the last call can change (alias analysis), and refuses otherwise.
 """
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from typing import ClassVar
 
 from torch import fx, nn
 
-from fusion import source
 from fusion.errors import RewriteRefused
-from fusion.fusers.stacked import StackedFuser, linear_inputs, unique_targets
+from fusion.fusers.stacked import StackedFuser, linear_inputs, projection_graph, unique_targets
 from fusion.graph import returned_linear
-
-
-def _plain_assignments(module: nn.Module, shards: tuple[str, ...]) -> None:
-    funcdef, _ = source.recover_forward(type(module))
-    calls = [source.self_call_and_refs(funcdef, name)[0] for name in shards]
-    block, indices = source.dominating_block(funcdef, calls)
-    for stmt in block[min(indices) : max(indices) + 1]:
-        if not (
-            isinstance(stmt, ast.Assign)
-            and len(stmt.targets) == 1
-            and isinstance(stmt.targets[0], ast.Name)
-            and any(stmt.value is call for call in calls)
-        ):
-            raise RewriteRefused("statements between sibling projections are not plain assignments")
 
 
 @dataclass
@@ -46,6 +32,7 @@ class SiblingFuser(StackedFuser):
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> SiblingFuser | None:
+        graph, decided = projection_graph(graph, module)
         if graph is None:
             return None
         output = returned_linear(graph, module)
@@ -61,11 +48,10 @@ class SiblingFuser(StackedFuser):
         shards = unique_targets(groups[0])
         if shards is None:
             raise RewriteRefused("a projection is called more than once")
-        _plain_assignments(module, shards)
         fuser = cls(
             source_class=type(module).__name__,
             shards=shards,
             merged_name="_".join(shards) + "_merged",
         )
-        fuser.prepare(module, graph)
+        fuser.prepare(module, graph, decided)
         return fuser

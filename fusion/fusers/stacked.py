@@ -20,14 +20,16 @@ from typing import Any
 from torch import fx, nn
 
 from fusion import bound, source
-from fusion.alias import check_input_stable
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
+from fusion.fusers.pure_calls import check_input_stable_reading_calls, self_call_writes_nothing
+from fusion.graph import linear_calls, output_value
 from fusion.modules import MergedLinear
 from fusion.params import common_state
 from fusion.piece_writes import written_pieces
-from fusion.pieces import FRESH, OK, piece_verdicts
+from fusion.pieces import CONTIGUOUS, FRESH, OK, piece_verdicts
+from fusion.trace import trace
 
 
 def check_plain_linear(module: nn.Module, name: str) -> nn.Linear:
@@ -116,7 +118,7 @@ def rewrite_stacked(
     merged_name: str,
     contiguous: tuple[bool, ...] = (),
     fresh: tuple[bool, ...] = (),
-) -> tuple[Any, str, str]:
+) -> StackedRewrite:
     """Rewrite `type(module).forward` so the `shards` projections become one merged call.
 
     Split pieces flagged in `contiguous` become `.contiguous()`; those flagged in `fresh`,
@@ -125,10 +127,11 @@ def rewrite_stacked(
     children the forward calls, and presumes a write where it cannot), or that it asks
     for their layout or returns, become copies of their own (`make_fresh`).
 
-    Returns (compiled forward, original source, rewritten source). Refuses unless: each shard
-    is called exactly once as `self.<shard>(input)` with the same side-effect-free input,
-    every other reference to a shard is an existence guard (folded), the input is stable from
-    the first call to the last (alias analysis), and, when calls sit inside branches, one
+    Returns the `StackedRewrite`. Refuses unless: each shard is called exactly once as
+    `self.<shard>(input)` with the same side-effect-free input, every other reference to a
+    shard is an existence guard (folded), the input is stable from the first call to the
+    last (alias analysis, reading the calls between whose callees provably write nothing:
+    `pure_calls.check_input_stable_reading_calls`), and, when calls sit inside branches, one
     call is reached unconditionally from the hoisting point, so the hoisted GEMM never runs on
     a path where its input was not a valid projection input.
     """
@@ -147,7 +150,13 @@ def rewrite_stacked(
         raise RewriteRefused("projection input expression has calls or side effects")
     block, indices = source.dominating_block(funcdef, calls)
     start = min(indices)
-    check_input_stable(funcdef, module, calls[0].args[0], block[start : max(indices) + 1])
+    relied = check_input_stable_reading_calls(
+        funcdef,
+        module,
+        getattr(fn, "__globals__", {}),
+        calls[0].args[0],
+        block[start : max(indices) + 1],
+    )
     anchors = [
         index
         for call, index in zip(calls, indices)
@@ -171,7 +180,19 @@ def rewrite_stacked(
     flags = list(fresh) + [False] * (len(temps) - len(fresh))
     make_fresh(funcdef, [t for t, f, w in zip(temps, flags, written) if f or w])
     compiled = source.compile_forward(funcdef, fn)
-    return compiled, original, source.unparse(funcdef)
+    return StackedRewrite(compiled, original, source.unparse(funcdef), relied)
+
+
+@dataclass(frozen=True)
+class StackedRewrite:
+    """What `rewrite_stacked` returns: the compiled forward, the original and rewritten
+    sources, and the `self.<name>` calls proven to write nothing that the input-stability
+    proof relied on (`fusion.fusers.pure_calls`; proven again per instance)."""
+
+    forward: Any
+    original: str
+    rewritten: str
+    relied: tuple[str, ...] = ()
 
 
 def make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
@@ -217,14 +238,17 @@ class StackedFuser(Fuser):
     shards: tuple[str, ...] = ()
     merged_name: str = ""
     forward_fn: Any = field(default=None, repr=False)
+    relied: tuple[str, ...] = ()
 
-    def prepare(self, module: nn.Module, graph: fx.Graph) -> None:
+    def prepare(self, module: nn.Module, graph: fx.Graph, decided: bool = False) -> None:
         """Rewrite and compile the class's forward (once per class, by `match`).
 
         Refuses a shard that is an `nn.Linear` subclass with its own forward up front (child
         types are part of the cache key, so this holds for every instance sharing the match),
         and makes contiguous (or fresh) the split pieces whose uses need it
-        (`fusion.pieces`, `fusion.piece_writes`)."""
+        (`fusion.pieces`, `fusion.piece_writes`). On a `decided` graph (one path of several,
+        `projection_graph`) every piece is made contiguous: uses on the other paths were
+        never replayed (writes and layout questions on them are still read from source)."""
         for name in self.shards:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear) and type(child).forward is not nn.Linear.forward:
@@ -241,19 +265,28 @@ class StackedFuser(Fuser):
                 raise RewriteRefused(f"{name} has {hooks}")
         by_target = {str(n.target): n for n in graph.nodes if n.op == "call_module"}
         nodes = [by_target[name] for name in self.shards]
-        verdicts = piece_verdicts(graph, module, nodes)
-        self.forward_fn, self.original_source, self.rewritten_source = rewrite_stacked(
+        verdicts = (CONTIGUOUS,) * len(nodes) if decided else piece_verdicts(graph, module, nodes)
+        rewrite = rewrite_stacked(
             module,
             self.shards,
             self.merged_name,
             contiguous=tuple(v != OK for v in verdicts),
             fresh=tuple(v == FRESH for v in verdicts),
         )
+        self.forward_fn, self.relied = rewrite.forward, rewrite.relied
+        self.original_source, self.rewritten_source = rewrite.original, rewrite.rewritten
 
     def validate(self, module: nn.Module) -> None:
+        """Per instance: the shards stack (`check_stackable`), and every call the class's
+        input-stability proof read as writing nothing still does on this instance (its
+        children's own children, methods and attributes may differ from the first's)."""
         check_stackable(module, self.shards, self.merged_name)
+        for name in self.relied:
+            if not self_call_writes_nothing(module, name):
+                raise RewriteRefused(f"self.{name} may write the projection input on this instance")
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
+        self.validate(module)
         linears = check_stackable(module, self.shards, self.merged_name)
         merged = MergedLinear.from_linears(linears)
         install_merged(module, self.merged_name, merged, self.shards)
@@ -275,6 +308,35 @@ def install_merged(
         delattr(module, name)
     setattr(module, merged_name, merged)
     register_unfused_layout(module, merged_name)
+
+
+def projection_graph(graph: fx.Graph | None, module: nn.Module) -> tuple[fx.Graph | None, bool]:
+    """The graph a projection stacker matches on, and whether branches were decided in it.
+
+    `graph` itself when the trace reached the return. When a branch on a traced value ended
+    it (`if x.size(1) == 1`, an `assert` on a shape, a dtype test), a retrace that decides
+    such branches (`fusion.trace.trace(..., decide_branches=True)`; if that still shows no
+    linear call, one with optional arguments None), with True: that graph is one path of
+    several. Sound for the stackers because the graph only proposes which
+    linears read one value; `rewrite_stacked` proves the merge on the source, for every
+    path (one call per shard, one pure input expression, unchanged from the first call to
+    the last, a call reached unconditionally), and `prepare` replays no piece on it.
+    """
+    if graph is not None and output_value(graph) is not None:
+        return graph, False
+    decided = trace(module, decide_branches=True)
+    if decided is None or not linear_calls(decided, module):
+        # Still no projection: an optional argument left a proxy may have sent it down a
+        # branch that ends it (`if mask is not None: x = x * mask`, then a shape splat).
+        # Only then: with optional arguments None the path may differ in what matters
+        # (a cross-attention's k/v would read the input), so a graph that shows
+        # projections is never traded for it.
+        defaults = trace(module, decide_branches=True, none_defaults=True)
+        if defaults is not None and linear_calls(defaults, module):
+            decided = defaults
+    if decided is None:
+        return graph, False
+    return decided, True
 
 
 def linear_inputs(graph: fx.Graph, module: nn.Module) -> dict[fx.Node, list[fx.Node]]:

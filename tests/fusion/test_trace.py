@@ -533,3 +533,102 @@ def test_reference_weight() -> None:
     assert reference_weight(Pair()) is not None and reference_weight(Pair()).shape == (8, 8)
     assert reference_weight(nn.LayerNorm(6)).shape == (6,)
     assert reference_weight(nn.ReLU()) is None
+
+
+# -- deciding branches ------------------------------------------------------------------------
+
+
+class _ShapeBranch(nn.Module):
+    """A branch on the input's sequence length (8 on the stand-in), then a projection."""
+
+    def __init__(self, wanted: int) -> None:
+        super().__init__()
+        self.wanted = wanted
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.size(1) == self.wanted:
+            return self.a(x)
+        return self.b(x)
+
+
+class _UnknownBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, mask, flag=False):
+        if flag:
+            x = self.b(x)
+        if mask.dtype == torch.bool:  # `mask` has no meta value: unknown
+            return self.a(x)
+        return self.b(x)
+
+
+class _EndlessLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        while mask.any():  # unknown every time: only the decision budget ends it
+            x = self.a(x)
+        return x
+
+
+def _called(graph: fx.Graph | None) -> list[str]:
+    assert graph is not None
+    return [str(n.target) for n in graph.nodes if n.op == "call_module"]
+
+
+@pytest.mark.parametrize(("wanted", "child"), [(8, "a"), (3, "b")])
+def test_decided_branch_follows_the_meta_value(wanted: int, child: str) -> None:
+    module = _ShapeBranch(wanted)
+    plain = trace(module)
+    assert plain is not None and G.output_value(plain) is None  # fx stops at the branch
+    decided = trace(module, decide_branches=True)
+    assert decided is not None and G.output_value(decided) is not None
+    assert _called(decided) == [child]
+
+
+def test_decided_branch_takes_a_flags_default_and_else_the_true_side() -> None:
+    decided = trace(_UnknownBranch(), decide_branches=True)
+    assert _called(decided) == ["a"]  # `flag` defaults to False; the dtype test is unknown
+
+
+def test_deciding_a_loop_on_an_unknown_value_ends() -> None:
+    from fusion.trace import MAX_BRANCH_DECISIONS
+
+    decided = trace(_EndlessLoop(), decide_branches=True)
+    assert decided is not None and G.output_value(decided) is None  # partial, not endless
+    assert len(_called(decided)) == MAX_BRANCH_DECISIONS
+
+
+def test_deciding_trace_leaves_the_module_alone() -> None:
+    module = _ShapeBranch(8)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trace(module, decide_branches=True)
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    assert set(module.__dict__) == set(_ShapeBranch(8).__dict__)
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, scale=None):
+        if mask is not None:  # a proxy is never None: the branch is taken unless concrete
+            x = x * mask
+        return self.a(x.view(*x.shape[:-1], 2, 2).flatten(-2))
+
+
+def test_none_defaults_make_optional_arguments_concrete() -> None:
+    module = _OptionalMask()
+    decided = trace(module, decide_branches=True)
+    assert decided is not None and G.output_value(decided) is None  # `mask` has no shape
+    defaults = trace(module, decide_branches=True, none_defaults=True)
+    assert defaults is not None and G.output_value(defaults) is not None
+    assert not any(n.target == "mask" and n.users for n in defaults.nodes)

@@ -46,3 +46,18 @@ def test_reach_counts_classes_once_per_family():
     text = reach.format_reach(table)
     assert "attention    1/2     50%" in text and "moe          0/1      0%" in text
     assert "rmsnorm" not in text  # no candidate: no line
+    lines = text.splitlines()
+    moe = lines.index("  moe          0/1      0%")
+    assert lines[moe + 1] == "       1  the block returns a tuple"  # every category, in classes
+
+
+def test_format_reach_lists_every_category_up_to_top_then_the_rest():
+    table = {"attention": reach.Reach("attention", {"A", "B", "C", "D"}, {"A"})}
+    table["attention"].refusals.update({"first": 2, "second": 1, "third": 1})
+    lines = reach.format_reach(table, top=2).splitlines()
+    assert lines[1:] == [
+        "  attention    1/4     25%",
+        "       2  first",
+        "       1  second",
+        "       1  (1 more categories)",
+    ]

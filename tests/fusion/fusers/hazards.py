@@ -284,3 +284,121 @@ class MLPInplaceBetween(MLP):
         x.mul_(2.0)
         up = self.up_proj(x)
         return self.down_proj(self.act_fn(gate) * up)
+
+
+# -- gated attention: four projections of one input, code between the calls ----------------
+
+
+class GatedAttention(Attention):
+    """q/k/v plus an output gate reading the input, with a norm, views and arithmetic between
+    the calls: the sibling fuser merges all four (safe baseline)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g_proj = nn.Linear(32, 16, bias=False)
+        self.q_norm = nn.LayerNorm(32)
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape[:-1]
+        q = self.q_norm(self.q_proj(hidden_states)).view(*shape, -1)
+        k = self.k_proj(hidden_states)
+        gate = torch.sigmoid(self.g_proj(hidden_states).float())
+        v = self.v_proj(hidden_states) * 1.5
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class GatedInplaceBetween(GatedAttention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        hidden_states.mul_(2.0)
+        gate = torch.sigmoid(self.g_proj(hidden_states))
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class GatedViewWrite(GatedAttention):
+    def forward(self, hidden_states):
+        rows = hidden_states.view(-1, hidden_states.shape[-1])
+        q = self.q_proj(hidden_states)
+        rows[0] = 0.0
+        k = self.k_proj(hidden_states)
+        gate = torch.sigmoid(self.g_proj(hidden_states))
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class GatedHelperWrite(GatedAttention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        gate = torch.sigmoid(self.g_proj(hidden_states))
+        bump(hidden_states)
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class GatedAugmented(GatedAttention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        alias = hidden_states
+        alias += 1.0
+        k = self.k_proj(hidden_states)
+        gate = torch.sigmoid(self.g_proj(hidden_states))
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class GatedWeightEscapes(GatedAttention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        gate = torch.sigmoid(self.g_proj(hidden_states)) * self.g_proj.weight.mean()
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class GatedProjectionPassedOn(GatedAttention):
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        gate = torch.sigmoid(self.g_proj(hidden_states))
+        v = self.v_proj(hidden_states) + 0 * helper(self.g_proj, hidden_states).sum()
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class GatedChildWrites(GatedAttention):
+    """A child between the calls writes its input in place (`nn.ReLU(inplace=True)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, hidden_states):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        gate = torch.sigmoid(self.g_proj(self.act(hidden_states)))
+        v = self.v_proj(hidden_states)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out * gate)
+
+
+class CrossAttentionPair(Attention):
+    """Whisper-style: k/v read `key_value_states` when given, else the input; q always the
+    input. Only the k/v pair shares one input expression."""
+
+    def forward(self, hidden_states, key_value_states=None):
+        q = self.q_proj(hidden_states) * 0.5
+        current = key_value_states if key_value_states is not None else hidden_states
+        if key_value_states is None or q.shape[0] > 0:
+            k = self.k_proj(current).transpose(-1, -2).contiguous().transpose(-1, -2)
+            v = self.v_proj(current).view(*current.shape[:-1], -1)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)

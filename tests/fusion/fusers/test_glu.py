@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -100,3 +101,111 @@ def test_act_and_mul_matches_reference() -> None:
     for kind, fn in [("silu", torch.nn.functional.silu), ("gelu", torch.nn.functional.gelu)]:
         expected = fn(x[:, :5]) * x[:, 5:]
         assert torch.equal(ActAndMul(kind)(x), expected)
+
+
+# -- activations called as functions, and activation classes read by tracing ------------------
+
+
+class FunctionalSiLU(hazards.MLP):
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FunctionalGeluTanh(hazards.MLP):
+    def forward(self, x):
+        return self.down_proj(self.up_proj(x) * F.gelu(self.gate_proj(x), approximate="tanh"))
+
+
+class FunctionalInplace(hazards.MLP):
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True) * self.up_proj(x))
+
+
+class FunctionalShadowed(hazards.MLP):
+    def forward(self, x):
+        F = torch.nn.functional  # a local `F`: the global is not what is called
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FunctionalApproximateFromAttribute(hazards.MLP):
+    approximate = "tanh"
+
+    def forward(self, x):
+        gate = F.gelu(self.gate_proj(x), approximate=self.approximate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class GeluTanhCallingFunctional(nn.Module):
+    """Older Transformers' `PytorchGELUTanh`: calls `F.gelu(..., approximate="tanh")`."""
+
+    def forward(self, input):
+        return F.gelu(input, approximate="tanh")
+
+
+class SiluTimesOne(nn.Module):
+    def forward(self, input):
+        return F.silu(input) * 1.0
+
+
+class CalledSilu(nn.Module):
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) * 2.0
+
+    def forward(self, input):
+        return F.silu(input)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kind"), [(FunctionalSiLU, "silu"), (FunctionalGeluTanh, "gelu_tanh")]
+)
+def test_functional_activation_fused(cls: type[nn.Module], kind: str) -> None:
+    module = cls()
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"glu": 1}, str(report)
+    assert fused.act_and_mul.activation == kind
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+@pytest.mark.parametrize(
+    "cls", [FunctionalInplace, FunctionalShadowed, FunctionalApproximateFromAttribute]
+)
+def test_functional_activation_hazards_not_glu_fused(cls: type[nn.Module]) -> None:
+    module = cls()
+    fused, report = fuse_copy(module)
+    assert "glu" not in report.counts(), str(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+def test_activation_class_read_by_tracing() -> None:
+    assert activation_kind(GeluTanhCallingFunctional()) == "gelu_tanh"
+    module = hazards.MLP(act=GeluTanhCallingFunctional())
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"glu": 1}, str(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+@pytest.mark.parametrize("act", [SiluTimesOne(), CalledSilu()])
+def test_activation_class_that_is_not_one_call_refused(act: nn.Module) -> None:
+    with pytest.raises(RewriteRefused, match="not one ActAndMul reproduces exactly"):
+        activation_kind(act)
+    module = hazards.MLP(act=act)
+    fused, report = fuse_copy(module)
+    assert "glu" not in report.counts()
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+def test_functional_glu_of_a_corpus_model_with_parity() -> None:
+    import copy
+
+    import corpus
+    import fusion
+
+    model = corpus.build("lfm2", seed=0, dtype=torch.float32, device="cpu").eval()
+    fused = copy.deepcopy(model)
+    report = fusion.fuse(fused)
+    applied = [r for r in report.applied if r.source_class == "Lfm2MLP"]
+    assert applied and all(r.fuser == "glu" for r in applied), str(report)
+    assert "silu(*)" in applied[0].description
+    inputs = corpus.make_inputs(model, seed=0)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(**inputs).logits, model(**inputs).logits)

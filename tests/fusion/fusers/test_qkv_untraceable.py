@@ -1,9 +1,11 @@
-"""QKV fuser on an attention forward whose trace stops before its first projection.
+"""QKV fuser on an attention forward whose plain trace stops before its first projection.
 
 Transformers 4's SDPA attention classes start with `if output_attentions: return
-super().forward(...)`: control flow on an argument, which fx cannot trace, so the partial graph
-holds no projection. Nothing can be fused (fail-closed), and the plan now says so with a
-reason instead of giving no verdict; a container without a forward stays without one.
+super().forward(...)`: control flow on an argument, which fx cannot trace. The projection
+fusers then retrace deciding such branches (the flag's default here), reach the projections,
+and refuse on the source: `super()` makes the forward a closure that cannot be recompiled.
+Where even the deciding trace stops before any projection, nothing can be fused (fail-closed)
+and the plan says so with a reason; a container without a forward stays without one.
 """
 
 from __future__ import annotations
@@ -56,14 +58,56 @@ class SdpaAttention(EagerAttention):
         return self.o_proj(out.transpose(1, 2).reshape(hidden_states.shape))
 
 
-def test_a_trace_that_stops_before_the_projections_is_refused_with_a_reason() -> None:
+class FlagBranch(EagerAttention):
+    """A branch on a flag argument before the projections, without `super()`."""
+
+    def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False):
+        if output_attentions:
+            hidden_states = hidden_states * 1.0
+        q = self._heads(self.q_proj(hidden_states))
+        k = self._heads(self.k_proj(hidden_states))
+        v = self._heads(self.v_proj(hidden_states))
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(hidden_states.shape))
+
+
+class UnknownSplat(EagerAttention):
+    """A `*`-splat of a shape no meta value answers, before any projection."""
+
+    def forward(self, hidden_states: torch.Tensor, other: torch.Tensor):
+        shape = (*other.shape[:-1], HEADS, -1)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(hidden_states.shape))
+
+
+def test_the_super_branch_is_traced_past_and_refused_on_the_source() -> None:
     module = SdpaAttention().eval()
     report = fusion.plan(module)
     assert not report.applied
-    assert "the forward does not trace as far as its projections" in reasons(report)
+    assert "the forward is a closure (super() or an enclosing scope)" in reasons(report)
     fused, _ = fuse_copy(module)
     assert outputs_match(module, fused, 2, 5, HIDDEN)
     assert set(dict(fused.named_children())) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_a_flag_branch_is_traced_past_and_fused_on_both_paths() -> None:
+    module = FlagBranch().eval()
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"qkv": 1}, str(report)
+    x = torch.randn(2, 5, HIDDEN)
+    with torch.no_grad():
+        for flag in (False, True):
+            assert torch.allclose(module(x, flag), fused(x, flag), atol=1e-6)
+
+
+def test_a_trace_that_stops_before_the_projections_is_refused_with_a_reason() -> None:
+    module = UnknownSplat().eval()
+    report = fusion.plan(module)
+    assert not report.applied
+    assert "the forward does not trace as far as its projections" in reasons(report)
 
 
 def test_the_traceable_parent_still_fuses() -> None:

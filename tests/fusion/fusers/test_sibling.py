@@ -1,9 +1,18 @@
-"""Sibling merge: the fallback for plainly assigned projections."""
+"""Sibling merge: the fallback for projections of one input no specific fuser claims
+(gated attention's four projections, a cross-attention's k/v pair, a GLU whose activation
+`ActAndMul` does not reproduce), with whatever code sits between the calls."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
+import torch
 from torch import nn
 
+import corpus
+import fusion
+from fusion.modules import MergedLinear
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import fuse_copy, outputs_match, reasons
 
@@ -38,6 +47,16 @@ class Interleaved(FourWay):
         return self.out(_cat(a, b, c))
 
 
+class InterleavedWrite(FourWay):
+    def forward(self, x):
+        a = self.a(x)
+        a = a * 2
+        x[..., 0] = a[..., 0]
+        b = self.b(x)
+        c = self.c(x)
+        return self.out(_cat(a, b, c))
+
+
 def test_plain_assignments_merged() -> None:
     module = FourWay()
     fused, report = fuse_copy(module)
@@ -46,14 +65,107 @@ def test_plain_assignments_merged() -> None:
     assert outputs_match(module, fused, 3, 16)
 
 
-def test_other_statement_between_refused() -> None:
+def test_statement_between_that_cannot_change_the_input_merged() -> None:
     module = Interleaved()
     fused, report = fuse_copy(module)
+    assert report.counts() == {"sibling": 1}, str(report)
+    assert outputs_match(module, fused, 3, 16)
+
+
+def test_statement_between_that_writes_the_input_refused() -> None:
+    module = InterleavedWrite()
+    fused, report = fuse_copy(module)
     assert not report.applied
-    assert "not plain assignments" in reasons(report)
+    assert "may change between the projection calls" in reasons(report)
     assert outputs_match(module, fused, 3, 16)
 
 
 def test_qkv_preferred_over_sibling() -> None:
     _, report = fuse_copy(hazards.Attention())
     assert report.counts() == {"qkv": 1}
+
+
+def test_gated_attention_merges_all_four_projections() -> None:
+    module = hazards.GatedAttention()
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"sibling": 1}, str(report)
+    merged = fused.q_proj_k_proj_g_proj_v_proj_merged
+    assert isinstance(merged, MergedLinear)
+    assert merged.output_sizes == [32, 16, 16, 16]
+    assert not any(hasattr(fused, name) for name in ("q_proj", "k_proj", "v_proj", "g_proj"))
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+@pytest.mark.parametrize(
+    ("cls", "reason"),
+    [
+        (hazards.GatedInplaceBetween, "may change between the projection calls"),
+        (hazards.GatedViewWrite, "may change between the projection calls"),
+        (hazards.GatedHelperWrite, "may change between the projection calls"),
+        (hazards.GatedAugmented, "may change between the projection calls"),
+        (hazards.GatedChildWrites, "may change between the projection calls"),
+        (hazards.GatedWeightEscapes, "referenced beyond its call"),
+        (hazards.GatedProjectionPassedOn, "called more than once"),
+    ],
+)
+def test_gated_hazards_refused_with_reason(cls: type[nn.Module], reason: str) -> None:
+    module = cls()
+    fused, report = fuse_copy(module)
+    assert not report.applied, str(report)
+    assert reason in reasons(report), str(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+@pytest.mark.parametrize("hook", ["forward", "forward_pre"])
+def test_gated_hooked_projection_refused(hook: str) -> None:
+    module = hazards.GatedAttention()
+    calls: list[int] = []
+    if hook == "forward":
+        module.g_proj.register_forward_hook(lambda *args: calls.append(1))
+    else:
+        module.g_proj.register_forward_pre_hook(lambda *args: calls.append(1))
+    report = fusion.fuse(module)
+    assert not report.applied
+    assert "hooks" in reasons(report)
+    module(torch.randn(1, 3, 32))
+    assert calls == [1]
+
+
+def test_gated_linear_subclass_refused() -> None:
+    module = hazards.GatedAttention()
+    module.g_proj = hazards.LinearWithForward(32, 16, bias=False)
+    fused, report = fuse_copy(module)
+    assert not report.applied
+    assert "with its own forward" in reasons(report)
+    assert outputs_match(module, fused, 2, 5, 32)
+
+
+def test_cross_attention_pair_merged_on_both_paths() -> None:
+    module = hazards.CrossAttentionPair()
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"sibling": 1}, str(report)
+    assert fused.k_proj_v_proj_merged.output_sizes == [16, 16]
+    x = torch.randn(2, 5, 32)
+    memory = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        assert torch.allclose(module(x), fused(x), atol=1e-6)
+        assert torch.allclose(module(x, memory), fused(x, memory), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("arch", "cls"),
+    [
+        ("whisper", "WhisperAttention"),  # cross-attention k/v pair, code between
+        ("laguna", "LagunaAttention"),  # gated attention: q/k/v + g
+        ("qwen3_5_text", "Qwen3_5GatedDeltaNet"),  # four linear-attention input projections
+        ("doge", "DogeAttention"),  # norms of the model's own class between the calls
+    ],
+)
+def test_corpus_architectures_fused_with_parity(arch: str, cls: str) -> None:
+    model = corpus.build(arch, seed=0, dtype=torch.float32, device="cpu").eval()
+    fused = copy.deepcopy(model)
+    report = fusion.fuse(fused)
+    assert any(r.fuser == "sibling" and r.source_class == cls for r in report.applied), str(report)
+    inputs = corpus.make_inputs(model, seed=0)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(**inputs).logits, model(**inputs).logits)

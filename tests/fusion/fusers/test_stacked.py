@@ -8,8 +8,16 @@ import torch
 from torch import nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.stacked import check_plain_linear, check_stackable, unique_targets
+from fusion.fusers.stacked import (
+    check_plain_linear,
+    check_stackable,
+    projection_graph,
+    unique_targets,
+)
+from fusion.graph import output_value
+from fusion.trace import trace
 from tests.fusion.fusers import hazards
+from tests.fusion.fusers.helpers import fuse_copy
 
 
 class LoggingLinear(nn.Linear):
@@ -58,3 +66,61 @@ def test_unique_targets() -> None:
 
     assert unique_targets([Node("q"), Node("k")]) == ("q", "k")
     assert unique_targets([Node("q"), Node("q")]) is None
+
+
+class MaskedProjections(nn.Module):
+    """An optional mask scales the input before a `*`-splat of its shape: left a proxy, the
+    mask has no meta value, so only a trace with optional arguments None gets past it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 4, bias=False)
+        self.out = nn.Linear(12, 8, bias=False)
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            x = x * mask
+        shape = (*x.shape[:-1], 2, -1)
+        first = self.a(x).view(shape)
+        second = self.b(x).view(shape)
+        return self.out(torch.cat([first, second], dim=-1).flatten(-2))
+
+
+class ShapeAssert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        assert list(x.size())[-1] == 8
+        return self.a(x) * self.b(x)
+
+
+def test_projection_graph_keeps_a_complete_trace() -> None:
+    module = hazards.Attention()
+    graph = trace(module)
+    assert projection_graph(graph, module) == (graph, False)
+
+
+@pytest.mark.parametrize("cls", [MaskedProjections, ShapeAssert])
+def test_projection_graph_decides_branches_until_the_projections(cls: type[nn.Module]) -> None:
+    module = cls()
+    plain = trace(module)
+    assert plain is not None and output_value(plain) is None
+    graph, decided = projection_graph(plain, module)
+    assert decided and graph is not None and output_value(graph) is not None
+    called = [str(n.target) for n in graph.nodes if n.op == "call_module"]
+    assert called[:2] == ["a", "b"]
+
+
+def test_a_decided_graph_merges_on_every_path_with_contiguous_pieces() -> None:
+    module = MaskedProjections()
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"sibling": 1}, str(report)
+    assert "_fused_a_b_merged_0.contiguous()" in report.applied[0].rewritten_source
+    x, mask = torch.randn(2, 5, 8), torch.rand(2, 5, 1)
+    with torch.no_grad():
+        assert torch.allclose(module(x), fused(x), atol=1e-6)
+        assert torch.allclose(module(x, mask), fused(x, mask), atol=1e-6)
