@@ -202,13 +202,22 @@ def alias_reads(node: ast.AST, module: nn.Module | None = None) -> set[str]:
     return names
 
 
-def is_opaque(node: ast.AST) -> bool:
-    """Does `node` name something that reaches locals by name (`locals`, `exec`, a frame)?"""
+def is_opaque(node: ast.AST, shadowed: Iterable[str] | None = None) -> bool:
+    """Does `node` name something that reaches locals by name (`locals`, `exec`, a frame)?
+
+    Given `shadowed` (the namespace names the forward rebinds), an attribute of an
+    unshadowed torch/math/operator namespace is not opaque: `torch.stack` is not
+    `inspect.stack`. Without it every `*.stack` counts, as it must where a local `torch`
+    could be anything."""
     if isinstance(node, ast.Name):
         return node.id in OPAQUE_BUILTINS
-    return isinstance(node, ast.Attribute) and (
-        node.attr in OPAQUE_BUILTINS or node.attr in FRAME_ATTRS
-    )
+    if not isinstance(node, ast.Attribute):
+        return False
+    if shadowed is not None:
+        root = namespace_root(node)
+        if root is not None and root not in set(shadowed):
+            return False
+    return node.attr in OPAQUE_BUILTINS or node.attr in FRAME_ATTRS
 
 
 def store_names(target: ast.AST) -> set[str]:
@@ -555,7 +564,7 @@ def _effects(
     through: set[str] = set()
     for stmt in region:
         for node in ast.walk(stmt):
-            if is_opaque(node) or isinstance(node, (ast.Global, ast.Nonlocal)):
+            if is_opaque(node, shadowed) or isinstance(node, (ast.Global, ast.Nonlocal)):
                 through.add(EVERYTHING)
             if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
                 rebound.add(node.id)

@@ -623,3 +623,10 @@ def test_grammar_is_not_vacuous() -> None:
 def test_namespace_matches_the_grammar() -> None:
     # Generated programs reach for these globals; a rename would silently break them all.
     assert set(NAMESPACE) == {"torch", "F", "nn", "operator", "contextlib"}
+
+
+def test_torch_stack_is_not_inspect_stack() -> None:
+    # `stack` is a frame attribute (`inspect.stack()`), but not on an unshadowed `torch`.
+    assert judged_stable(program(mid="y = torch.stack([x, x])"))
+    shadowing = program(pre="torch = __import__('inspect')", mid="y = torch.stack()")
+    assert not judged_stable(shadowing)
