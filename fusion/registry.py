@@ -17,6 +17,7 @@ from fusion.fusers.glu import GLUFuser
 from fusion.fusers.mla import MLAFuser
 from fusion.fusers.moe import MoEFuser
 from fusion.fusers.qkv import QKVFuser
+from fusion.fusers.residual_norm import ResidualNormFuser
 from fusion.fusers.rmsnorm import RMSNormFuser
 from fusion.fusers.sibling import SiblingFuser
 from fusion.trace import trace
@@ -30,9 +31,12 @@ FUSERS: tuple[type[Fuser], ...] = (
     SiblingFuser,
     RMSNormFuser,
     MoEFuser,
+    ResidualNormFuser,
 )
 """Every fuser, highest priority first. Only the first one that validates for an instance
-may redefine its forward; others that leave the forward alone may still apply."""
+may redefine its forward; others that leave the forward alone may still apply.
+`ResidualNormFuser` comes last: it rewrites decoder layers, which no other fuser takes
+today, and should never cost a module another fuser's (larger) rewrite."""
 
 
 @dataclass(frozen=True)

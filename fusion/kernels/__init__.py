@@ -51,6 +51,23 @@ class Kernels(Protocol):
         weight's dtype, or before it; `offset` added to the weight). Returns a new tensor."""
         ...
 
+    def add_rms_norm(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add and RMSNorm of the sum in one call: `(s, rms_norm(s, ...))` with
+        `s = a + b` exactly as PyTorch adds (`torch_ref.add_rms_norm`). The norm reads the
+        rounded sum, so the pair equals the two ops run apart. Returns two new tensors."""
+        ...
+
     def moe_experts(
         self,
         hidden: torch.Tensor,

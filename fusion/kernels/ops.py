@@ -10,9 +10,15 @@ counts) can break the graph. A compiled fused model therefore traces fullgraph w
 unfused twin does, and at run time the operator dispatches to the same backend eager mode
 would use.
 
-Autograd: the operators have no derivative formula. While autograd records (training), the
-functions call the backend's Python implementation, which autograd differentiates (the
-reference kernels are plain torch code), compiled or not.
+Autograd: every operator has a derivative (`register_autograd`, formulas in
+`fusion.kernels.autograd`: the reference's derivative, checked by gradcheck), so a compiled
+fused model that trains keeps each kernel one operator. Eager calls that record a gradient
+call the backend's Python code, which autograd differentiates directly.
+
+Recompiles: the backend name, activation and variant flags are constants of the module that
+calls an operator (Dynamo guards on them once), and `kernels.get` is a dict lookup after
+`fusion.fuse` resolved `auto` ahead, so repeated calls of a compiled fused model with the same
+shapes never recompile (tested with `torch._dynamo.config.error_on_recompile`).
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ import torch
 from torch import Tensor
 
 from fusion import kernels
-from fusion.kernels import torch_ref
+from fusion.kernels import autograd, torch_ref
 
 
 def _use_operator(*tensors: Tensor | None) -> bool:
-    """Trace through the operator: Dynamo is tracing and no input records a gradient."""
-    return torch.compiler.is_compiling() and not torch_ref.records_grad(
-        *(t for t in tensors if t is not None)
-    )
+    """Call the registered operator (rather than the backend's Python code): only while
+    Dynamo traces. The operators are differentiable, so this holds when training too.
+    `tensors` (the call's inputs) are accepted for the call sites' symmetry and unused."""
+    return torch.compiler.is_compiling()
 
 
 def _rms(
@@ -95,6 +101,73 @@ def rms_norm(
     return _rms(kernels.get(backend, x.device).rms_norm, x, weight, eps, *flags)
 
 
+def _add_rms(
+    kernel: Callable[..., tuple[Tensor, Tensor]],
+    a: Tensor,
+    b: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    flags: tuple[float, bool, bool, bool],
+) -> tuple[Tensor, Tensor]:
+    """`kernel` (a `Kernels.add_rms_norm`) called with the variant `flags` (offset, upcast,
+    weight_after_cast, cast_to_weight) as keywords."""
+    offset, upcast, weight_after_cast, cast_to_weight = flags
+    return kernel(
+        a,
+        b,
+        weight,
+        eps,
+        offset=offset,
+        upcast=upcast,
+        weight_after_cast=weight_after_cast,
+        cast_to_weight=cast_to_weight,
+    )
+
+
+@torch.library.custom_op("fusion::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    a: Tensor,
+    b: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    offset: float,
+    upcast: bool,
+    weight_after_cast: bool,
+    cast_to_weight: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    return _add_rms(kernels.get(backend, a.device).add_rms_norm, a, b, weight, eps, flags)
+
+
+@_add_rms_norm_op.register_fake
+def _add_rms_norm_fake(
+    a, b, weight, eps, offset, upcast, weight_after_cast, cast_to_weight, backend
+):
+    # The reference on fake tensors: the sum's promotion and broadcast, the variant's dtype.
+    flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    return _add_rms(torch_ref.add_rms_norm, a, b, weight, eps, flags)
+
+
+def add_rms_norm(
+    backend: str,
+    a: Tensor,
+    b: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    upcast: bool = True,
+    weight_after_cast: bool = True,
+    cast_to_weight: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))`, two new tensors."""
+    flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    if _use_operator(a, b, weight):
+        return torch.ops.fusion.add_rms_norm(a, b, weight, eps, *flags, backend)
+    return _add_rms(kernels.get(backend, a.device).add_rms_norm, a, b, weight, eps, flags)
+
+
 @torch.library.custom_op("fusion::act_and_mul", mutates_args=())
 def _act_and_mul_op(x: Tensor, activation: str, backend: str) -> Tensor:
     return kernels.get(backend, x.device).act_and_mul(x, activation)
@@ -149,3 +222,72 @@ def moe_experts(
     return kernels.get(backend, hidden.device).moe_experts(
         hidden, gate_up, down, topk_ids, topk_weights, activation
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd of the operators (formulas in `fusion.kernels.autograd`). `setup_context` keeps
+# the inputs; each backward returns one gradient per operator argument (None for the
+# non-tensor ones and the integer expert ids).
+
+
+def _rms_norm_setup(ctx, inputs, output) -> None:
+    x, weight, *rest = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args = tuple(rest[:5])  # eps, offset, upcast, weight_after_cast, cast_to_weight
+
+
+def _rms_norm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    d_x, d_weight = autograd.rms_norm_backward(grad, x, weight, *ctx.args)
+    return d_x, d_weight, None, None, None, None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def _act_and_mul_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+    ctx.activation = inputs[1]
+
+
+def _act_and_mul_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return autograd.act_and_mul_backward(grad, x, ctx.activation), None, None
+
+
+_act_and_mul_op.register_autograd(_act_and_mul_backward, setup_context=_act_and_mul_setup)
+
+
+def _moe_setup(ctx, inputs, output) -> None:
+    hidden, gate_up, down, topk_ids, topk_weights, activation, _backend = inputs
+    ctx.save_for_backward(hidden, gate_up, down, topk_ids, topk_weights)
+    ctx.activation = activation
+
+
+def _moe_backward(ctx, grad):
+    hidden, gate_up, down, topk_ids, topk_weights = ctx.saved_tensors
+    grads = torch.ops.fusion.moe_experts_backward(
+        grad, hidden, gate_up, down, topk_ids, topk_weights, ctx.activation
+    )
+    d_hidden, d_gate_up, d_down, d_weights = grads
+    return d_hidden, d_gate_up, d_down, None, d_weights, None, None
+
+
+_moe_experts_op.register_autograd(_moe_backward, setup_context=_moe_setup)
+
+
+def _add_rms_norm_setup(ctx, inputs, output) -> None:
+    a, b, weight, *rest = inputs
+    ctx.save_for_backward(a, b, weight)
+    ctx.eps, ctx.flags = rest[0], tuple(rest[1:5])
+
+
+def _add_rms_norm_backward(ctx, grad_sum, grad_norm):
+    a, b, weight = ctx.saved_tensors
+    d_a, d_b, d_weight = autograd.add_rms_norm_backward(
+        grad_sum, grad_norm, a, b, weight, ctx.eps, ctx.flags
+    )
+    return d_a, d_b, d_weight, None, None, None, None, None, None
+
+
+_add_rms_norm_op.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)

@@ -68,6 +68,36 @@ def rms_norm(
     return (h * scale).to(dtype)
 
 
+def add_rms_norm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    upcast: bool = True,
+    weight_after_cast: bool = True,
+    cast_to_weight: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(s, rms_norm(s, ...))` with `s = a + b`: a decoder layer's residual add and the norm
+    that reads the sum, as one call. Returns two new tensors (neither aliases `a` or `b`).
+
+    `s` is PyTorch's own `a + b` (its dtype promotion, broadcasting and rounding), and the
+    norm reads that rounded `s`, never a wider intermediate: so the pair is bit for bit what
+    `s = a + b; n = FusedRMSNorm(...)(s)` gives, in every variant `rms_norm` defines.
+    """
+    total = a + b
+    return total, rms_norm(
+        total,
+        weight,
+        eps,
+        offset=offset,
+        upcast=upcast,
+        weight_after_cast=weight_after_cast,
+        cast_to_weight=cast_to_weight,
+    )
+
+
 def moe_experts(
     hidden: torch.Tensor,
     gate_up: torch.Tensor,
@@ -247,6 +277,31 @@ class TorchKernels:
                 return torch.rms_norm(x, (x.shape[-1],), scale, eps)
         return rms_norm(
             x,
+            weight,
+            eps,
+            offset=offset,
+            upcast=upcast,
+            weight_after_cast=weight_after_cast,
+            cast_to_weight=cast_to_weight,
+        )
+
+    def add_rms_norm(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rms_norm`: PyTorch's `a + b`, then this backend's own `rms_norm` of the sum
+        (so the norm is bit for bit what `FusedRMSNorm` computes on the same backend)."""
+        total = a + b
+        return total, self.rms_norm(
+            total,
             weight,
             eps,
             offset=offset,

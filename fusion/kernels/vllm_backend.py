@@ -130,6 +130,33 @@ class VllmKernels:
         op(out, x_in, weight.contiguous(), float(eps))
         return out
 
+    def add_rms_norm(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`torch_ref.add_rms_norm` through the next backend. vLLM's `fused_add_rms_norm`
+        is not used: it writes both inputs in place, and it takes the variance of the float32
+        sum before rounding it to the input dtype, while the unfused layer normalises the
+        rounded sum (a different function in bfloat16/float16)."""
+        return self._fallback(a.device).add_rms_norm(
+            a,
+            b,
+            weight,
+            eps,
+            offset=offset,
+            upcast=upcast,
+            weight_after_cast=weight_after_cast,
+            cast_to_weight=cast_to_weight,
+        )
+
     def moe_experts(
         self,
         hidden: torch.Tensor,

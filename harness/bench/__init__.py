@@ -56,25 +56,30 @@ from harness.bench.cli import DTYPES, add_parser, main, run_from_args
 from harness.bench.table import (
     Row,
     compiled_ratios,
+    cpu_info,
     format_table,
     machine_info,
     rows_from_medians,
     run_case,
 )
 from harness.bench.timers import (
+    CLOCKS,
     MALLOC_ENV,
     CudaEventClock,
     copy_bandwidth,
     default_device,
     default_dtype,
     flush_cache,
+    iqr,
     malloc_env_set,
     measure,
     time_cpu,
+    time_cpu_interleaved,
     time_cuda,
 )
 
 __all__ = [
+    "CLOCKS",
     "COMPILED",
     "DENSE_SHAPES",
     "DTYPES",
@@ -95,12 +100,14 @@ __all__ = [
     "add_parser",
     "compiled_ratios",
     "copy_bandwidth",
+    "cpu_info",
     "default_device",
     "default_dtype",
     "end_to_end_cases",
     "flush_cache",
     "format_table",
     "fused_backends",
+    "iqr",
     "kernel_cases",
     "machine_info",
     "main",
@@ -113,5 +120,6 @@ __all__ = [
     "run_case",
     "run_from_args",
     "time_cpu",
+    "time_cpu_interleaved",
     "time_cuda",
 ]

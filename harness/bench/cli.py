@@ -78,6 +78,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", type=str, default=None, metavar="FILE", help="write rows here")
     parser.add_argument(
+        "--clock",
+        choices=["wall", "process"],
+        default="wall",
+        help="CPU clock: wall (elapsed) or process (this process's CPU time: steadier on a "
+        "machine shared with other work; counts every thread's time)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -149,16 +156,19 @@ def _run_and_print(
     gpu = torch.device(device).type == "cuda"
     copy_bw = copy_bandwidth(device) if gpu else None
     info = machine_info(device)
+    info["clock"] = args.clock
     print(
         f"bench: {len(cases)} cases on {info.get('gpu', 'cpu')} ({device}, {args.dtype or dtype}); "
-        f"torch {info['torch']}, transformers {info['transformers']}, triton {info['triton']}"
+        f"torch {info['torch']}, transformers {info['transformers']}, triton {info['triton']}; "
+        f"{info['cpu_model'] or 'cpu'} [{' '.join(info['cpu_flags'])}], ATen "
+        f"{info['aten_cpu_capability']}, {info['threads']} threads, {args.clock} clock"
         + (f"; copy bandwidth {copy_bw / 1e9:.0f} GB/s" if copy_bw else ""),
         file=sys.stderr,
     )
     rows: list[Row] = []
     for i, case in enumerate(cases, 1):
         print(f"bench: [{i}/{len(cases)}] {case.id}", file=sys.stderr)
-        rows.extend(run_case(case, args.budget, copy_bw))
+        rows.extend(run_case(case, args.budget, copy_bw, args.clock))
         if gpu:
             torch.cuda.empty_cache()
     print(format_table(rows, bandwidth=gpu))

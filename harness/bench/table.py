@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from harness.bench.cases import UNFUSED, Case, Unavailable
-from harness.bench.timers import malloc_env_set, measure
+from harness.bench.timers import iqr, malloc_env_set, measure, time_cpu_interleaved
 
 
 @dataclass
@@ -32,14 +32,23 @@ class Row:
     bandwidth_gbs: float | None = None
     copy_fraction: float | None = None
     note: str = ""
+    unfused_iqr_ms: float | None = None
+    fused_iqr_ms: float | None = None
+    """Interquartile ranges of the per-round times (ms): the spread behind each median."""
 
 
 def rows_from_medians(
-    case: Case, medians: dict[str, float], copy_bw: float | None, notes: dict[str, str]
+    case: Case,
+    medians: dict[str, float],
+    copy_bw: float | None,
+    notes: dict[str, str],
+    iqrs: dict[str, float] | None = None,
 ) -> list[Row]:
-    """Table rows of `case`: each non-baseline variant against the unfused median (seconds).
-    Bandwidth (GB/s and fraction of `copy_bw`) for memory-bound kernels when `copy_bw` is given."""
+    """Table rows of `case`: each non-baseline variant against the unfused median (seconds;
+    `iqrs` the interquartile ranges, seconds, when known). Bandwidth (GB/s and fraction of
+    `copy_bw`) for memory-bound kernels when `copy_bw` is given."""
     base = medians.get(UNFUSED)
+    spread = iqrs or {}
     rows = []
     for variant in case.variants[1:]:
         t = medians.get(variant)
@@ -58,28 +67,44 @@ def rows_from_medians(
                 bandwidth_gbs=bw / 1e9 if bw else None,
                 copy_fraction=bw / copy_bw if (bw and copy_bw) else None,
                 note=notes.get(variant, notes.get(UNFUSED, "")),
+                unfused_iqr_ms=_ms(spread.get(UNFUSED)),
+                fused_iqr_ms=_ms(spread.get(variant)),
             )
         )
     return rows
 
 
-def run_case(case: Case, budget_s: float, copy_bw: float | None = None) -> list[Row]:
-    """Time every variant of `case` (same tensors, one after the other) and return its rows.
-    A variant that cannot run here is reported with its reason instead of a time."""
-    medians: dict[str, float] = {}
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def run_case(
+    case: Case, budget_s: float, copy_bw: float | None = None, clock: str = "wall"
+) -> list[Row]:
+    """Time every variant of `case` (same tensors) and return its rows. On CPU the variants
+    take turns round by round (`time_cpu_interleaved`, read with `clock`), on GPU one after
+    the other with CUDA events. A variant that cannot run here is reported with its reason
+    instead of a time."""
     notes: dict[str, str] = {}
     try:
         fns = case.build()
     except Exception as exc:  # a case that cannot be built is reported, not fatal
         return rows_from_medians(case, {}, None, {UNFUSED: f"cannot build: {exc}"})
+    runnable = {}
     for variant in case.variants:
         fn = fns.get(variant)
         if fn is None or isinstance(fn, Unavailable):
             notes[variant] = fn.reason if isinstance(fn, Unavailable) else "not available"
             continue
-        medians[variant] = statistics.median(measure(fn, case.device, budget_s))
-    del fns
-    return rows_from_medians(case, medians, copy_bw, notes)
+        runnable[variant] = fn
+    if torch.device(case.device).type == "cpu":
+        times = time_cpu_interleaved(runnable, budget_s=budget_s, clock=clock)
+    else:
+        times = {variant: measure(fn, case.device, budget_s) for variant, fn in runnable.items()}
+    del fns, runnable
+    medians = {variant: statistics.median(t) for variant, t in times.items()}
+    spreads = {variant: iqr(t) for variant, t in times.items()}
+    return rows_from_medians(case, medians, copy_bw, notes, spreads)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -87,9 +112,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(rows: Sequence[Row], *, bandwidth: bool = False) -> str:
-    """The speedup table: kernel, variant, shape, tokens, dtype, unfused ms, fused ms, speedup
-    (and achieved GB/s with the fraction of copy bandwidth when `bandwidth`)."""
-    header = ["kernel", "variant", "shape", "tokens", "dtype", "unfused ms", "fused ms", "speedup"]
+    """The speedup table: kernel, variant, shape, tokens, dtype, unfused and fused medians
+    with their interquartile ranges (ms), speedup (unfused / fused median), and achieved GB/s
+    with the fraction of copy bandwidth when `bandwidth`."""
+    header = ["kernel", "variant", "shape", "tokens", "dtype", "unfused ms", "IQR", "fused ms"]
+    header += ["IQR", "speedup"]
     if bandwidth:
         header += ["GB/s", "% copy BW"]
     table = [header]
@@ -102,7 +129,9 @@ def format_table(rows: Sequence[Row], *, bandwidth: bool = False) -> str:
             str(r.tokens),
             r.dtype,
             _fmt(r.unfused_ms, ".4f"),
+            _fmt(r.unfused_iqr_ms, ".4f"),
             _fmt(r.fused_ms, ".4f"),
+            _fmt(r.fused_iqr_ms, ".4f"),
             _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
         ]
         if bandwidth:
@@ -135,6 +164,7 @@ def machine_info(device: str) -> dict[str, Any]:
         "malloc_env": malloc_env_set(),
         "threads": torch.get_num_threads(),
     }
+    info.update(cpu_info())
     for module in ("transformers", "triton", "vllm"):
         try:
             info[module] = __import__(module).__version__
@@ -147,6 +177,36 @@ def machine_info(device: str) -> dict[str, Any]:
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["cuda"] = torch.version.cuda
     return info
+
+
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
+"""The x86 feature flags that decide which CPU kernels run (reported with every figure)."""
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU the numbers were measured on: model name, the `VECTOR_FLAGS` it has (from
+    /proc/cpuinfo; empty elsewhere) and the vector ISA ATen dispatches to (which
+    `ATEN_CPU_CAPABILITY` can lower, e.g. to emulate an AVX2-only machine)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: the model and flags are simply unknown
+        pass
+    try:
+        capability = str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        capability = "unknown"
+    return {
+        "cpu_model": model,
+        "cpu_flags": [f for f in VECTOR_FLAGS if f in flags],
+        "aten_cpu_capability": capability,
+    }
 
 
 def compiled_ratios(rows: Sequence[Row]) -> list[str]:

@@ -115,6 +115,60 @@ def time_cpu(
     return times
 
 
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    "process": time.process_time,
+}
+"""CPU clocks a benchmark can read: `wall` (elapsed time, what a user waits) and `process`
+(CPU time of this process, all its threads: on a machine shared with other work it does not
+count the time the process waited for a core, so it is the steadier measure of work;
+with several threads it also counts time spent spinning at OpenMP barriers)."""
+
+
+def time_cpu_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    budget_s: float = 0.5,
+    clock: str = "wall",
+    warmup_calls: int = 2,
+    min_rounds: int = 5,
+    max_rounds: int = 1000,
+) -> dict[str, list[float]]:
+    """Seconds per call of each of `fns`, one value per round, the variants taking turns
+    round by round (A, B, C, A, B, C, ...): a change in the machine's load during the run
+    (other work on a shared machine) then falls on every variant alike, so their ratio
+    stays fair. Each variant's calls per round are sized to at least a millisecond; the
+    number of rounds fits `budget_s` per variant. `clock` names one of `CLOCKS`."""
+    now = CLOCKS[clock]
+    calls: dict[str, int] = {}
+    per_call: dict[str, float] = {}
+    for name, fn in fns.items():
+        for _ in range(warmup_calls):
+            fn()
+        t0 = time.perf_counter()
+        fn()
+        per_call[name] = max(time.perf_counter() - t0, 1e-7)
+        calls[name] = max(1, math.ceil(1e-3 / per_call[name]))
+    slowest = max(per_call[n] * calls[n] for n in fns) if fns else 1.0
+    rounds = int(min(max_rounds, max(min_rounds, budget_s / slowest)))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = now()
+            for _ in range(calls[name]):
+                fn()
+            times[name].append((now() - t0) / calls[name])
+    return times
+
+
+def iqr(values: list[float]) -> float:
+    """Interquartile range (75th minus 25th percentile) of `values`; 0.0 for fewer than 2."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q3 - q1
+
+
 def measure(fn: Callable[[], Any], device: torch.device | str, budget_s: float) -> list[float]:
     """Per-round seconds per call of `fn`: `time_cuda` on a GPU, else `time_cpu`."""
     device = torch.device(device)

@@ -143,6 +143,9 @@ _BUILT = _Built()
 _MEDIANS: dict[str, tuple[bench.Case, dict[str, float], dict[str, str]]] = {}
 """case id -> (case, variant -> median seconds, variant -> note), filled as benchmarks run."""
 
+_IQRS: dict[str, dict[str, float]] = {}
+"""case id -> variant -> interquartile range of the rounds (seconds), for the summary table."""
+
 _COPY_BW: dict[str, float] = {}
 
 
@@ -233,6 +236,7 @@ def bench_run(request: pytest.FixtureRequest) -> Callable[[Any, bench.Case, str]
         stats = getattr(benchmark, "stats", None)
         if stats is not None and getattr(stats, "stats", None) is not None:
             entry[1][variant] = stats.stats.median
+            _IQRS.setdefault(case.id, {})[variant] = stats.stats.iqr
 
     return run
 
@@ -259,7 +263,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     rows = []
     for case, medians, notes in _MEDIANS.values():
         if medians:
-            rows.extend(bench.rows_from_medians(case, medians, copy_bw, notes))
+            iqrs = _IQRS.get(case.id, {})
+            rows.extend(bench.rows_from_medians(case, medians, copy_bw, notes, iqrs))
     if not rows:
         return
     terminalreporter.write_sep("-", "fused vs unfused (medians; speedup = unfused / fused)")

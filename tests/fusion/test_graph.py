@@ -367,7 +367,6 @@ def test_downstream_linear_through_children_only_when_asked() -> None:
     assert G.downstream_linear(down, module, through_children=True) is node(graph, "up")
 
 
-
 def test_dataflow_and_alias_analysis_share_one_metadata_table() -> None:
     # Two tables drifted once (graph.py lacked requires_grad/is_leaf/element_size): a read
     # one analysis ignores must be one the other ignores too.

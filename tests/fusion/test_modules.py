@@ -62,3 +62,117 @@ def test_fused_rms_norm_refuses_unproven_dtypes() -> None:
     assert norm(torch.randn(2, 8)).shape == (2, 8)
     with pytest.raises(TypeError, match="proven equal"):
         norm(torch.randn(2, 8, dtype=torch.float64))
+
+
+def _merged(out_sizes: tuple[int, ...], k: int, bias: bool, seed: int = 0) -> MergedLinear:
+    torch.manual_seed(seed)
+    linears = {f"p{i}": nn.Linear(k, n, bias=bias) for i, n in enumerate(out_sizes)}
+    return MergedLinear.from_linears(linears)
+
+
+@pytest.mark.parametrize(("sizes", "k"), [((64, 32), 48), ((512, 128, 128), 256), ((768,), 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_product_is_linear_and_no_less_accurate(sizes, k, bias, monkeypatch) -> None:
+    """One row (decode): what MergedLinear returns equals `F.linear` up to rounding, and its
+    error against float64 stays within MKL's (plus a rounding-noise margin), over seeds.
+    The size threshold (a speed rule) is lowered so these small weights take the path."""
+    import torch.nn.functional as F
+
+    from fusion.kernels import onednn_backend
+
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+
+    merged = _merged(sizes, k, bias)
+    worst = 0.0
+    with torch.no_grad():
+        for seed in range(4):
+            x = torch.randn(1, 1, k, generator=torch.Generator().manual_seed(seed))
+            b = None if merged.bias is None else merged.bias.double()
+            ref = F.linear(x.double(), merged.weight.double(), b)
+            got, mkl = merged(x), F.linear(x, merged.weight, merged.bias)
+            assert got.shape == mkl.shape == (1, 1, sum(sizes)) and got.dtype == torch.float32
+            scale = ref.abs().max().item()
+            err_got = (got.double() - ref).abs().max().item() / scale
+            err_mkl = (mkl.double() - ref).abs().max().item() / scale
+            # a rounding-noise floor of two float32 ulps: tiny reductions err ~1 ulp either way
+            worst = max(worst, err_got / max(err_mkl, 2 * torch.finfo(torch.float32).eps))
+            torch.testing.assert_close(got, mkl, rtol=1e-5, atol=1e-6 * scale)
+    assert worst <= 1.5
+
+
+def test_one_row_product_is_taken_only_where_it_applies(monkeypatch) -> None:
+    """The oneDNN one-row product runs for one float32 row without gradient (on an AVX-512
+    machine); several rows, bfloat16 and recorded gradients keep `F.linear`."""
+    from fusion.kernels import onednn_backend
+
+    with torch.no_grad():  # below the size threshold (a speed rule): never taken
+        assert not onednn_backend.row_linear_applies(torch.zeros(24), torch.zeros(48, 24), None)
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    calls = []
+    real = onednn_backend.row_linear
+    monkeypatch.setattr(onednn_backend, "row_linear", lambda *a: calls.append(1) or real(*a))
+    merged = _merged((32, 16), 24, bias=True)
+    with torch.no_grad():
+        expected_one = int(onednn_backend.row_linear_applies(torch.zeros(24), merged.weight, None))
+        merged(torch.randn(1, 24))
+        assert len(calls) == expected_one
+        merged(torch.randn(2, 24))
+        merged.to(torch.bfloat16)(torch.randn(1, 24, dtype=torch.bfloat16))
+    assert len(calls) == expected_one
+    merged.float()(torch.randn(1, 24)).sum().backward()  # records a gradient
+    assert len(calls) == expected_one
+    assert merged.weight.grad is not None
+    if onednn_backend.cpu_capability() in onednn_backend.ROW_CAPABILITIES:
+        assert expected_one == 1  # an AVX-512 machine takes it
+
+
+def test_one_row_product_sees_every_weight_write(monkeypatch) -> None:
+    """No copy of the weight is kept: writes through `.data`, `copy_`, `set_` and numpy
+    after a first forward all show in the next one-row forward."""
+    from fusion.kernels import onednn_backend
+
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    merged = _merged((16, 8), 12, bias=False)
+    x = torch.randn(1, 12)
+    with torch.no_grad():
+        merged(x)
+        new = torch.randn_like(merged.weight)
+        for write in (
+            lambda w: w.data.copy_(new),
+            lambda w: w.data.mul_(2.0),
+            lambda w: w.set_(new.clone()),
+            lambda w: w.detach().numpy().__setitem__((slice(None), 0), 3.0),
+        ):
+            write(merged.weight)
+            torch.testing.assert_close(merged(x), x @ merged.weight.t(), rtol=1e-5, atol=1e-6)
+
+
+def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
+    """Several float32 rows on a CPU without gradient: one GEMM per shard on row views of
+    the stacked weight, equal to the stacked product up to rounding and seeing weight
+    writes; with a gradient recorded, or one shard only, the stacked GEMM."""
+    import torch.nn.functional as F
+
+    merged = _merged((24, 8, 8), 16, bias=True)
+    x = torch.randn(3, 5, 16)
+    seen: list[tuple[int, ...]] = []
+    real_linear = F.linear
+
+    def spy(inp, weight, bias=None):
+        seen.append(tuple(weight.shape))
+        return real_linear(inp, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)
+    with torch.no_grad():
+        got = merged(x)
+        assert seen == [(24, 16), (8, 16), (8, 16)]
+        want = x @ merged.weight.t() + merged.bias
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        merged.weight.data[24:32].mul_(-1.0)  # a write through .data: seen next call
+        torch.testing.assert_close(merged(x), x @ merged.weight.t() + merged.bias)
+        seen.clear()
+        _merged((40,), 16, bias=False)(x)
+    assert seen == [(40, 16)]
+    seen.clear()
+    merged(x).sum().backward()
+    assert seen == [(40, 16)] and merged.weight.grad is not None

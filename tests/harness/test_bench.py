@@ -126,3 +126,32 @@ def test_end_to_end_cases_and_compiled_ratios() -> None:
         "  model_llama s T16 float32: compiled 1.200 ms, fused+compiled 1.000 ms, 1.20x"
     ]
     assert bench.compiled_ratios([row("fused", 1.5)]) == []
+
+
+def test_interleaved_cpu_timer_takes_turns_and_reads_either_clock() -> None:
+    """Variants alternate round by round (so load changes fall on all alike); each gets one
+    time per round on the wall clock and on the process clock; IQR is the quartile spread."""
+    order: list[str] = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    for clock in bench.CLOCKS:
+        order.clear()
+        times = bench.time_cpu_interleaved(
+            fns, budget_s=0.001, clock=clock, warmup_calls=0, min_rounds=3, max_rounds=3
+        )
+        assert set(times) == {"a", "b"} and all(len(t) == 3 for t in times.values())
+        assert all(v >= 0 for t in times.values() for v in t)
+        timed = order[2:]  # after one sizing call each
+        first_b = timed.index("b")
+        assert "a" in timed[first_b:]  # a ran again after b: the turns interleave
+    assert bench.iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == 2.0
+    assert bench.iqr([7.0]) == 0.0
+
+
+def test_table_shows_medians_with_their_spread_and_the_cpu() -> None:
+    row = bench.Row("model_llama", "fused", "s", 16, "float32", "cpu", 2.0, 1.0, 2.0)
+    row.unfused_iqr_ms, row.fused_iqr_ms = 0.25, 0.125
+    table = bench.format_table([row])
+    assert "IQR" in table.splitlines()[0] and "0.2500" in table and "0.1250" in table
+    info = bench.cpu_info()
+    assert set(info) == {"cpu_model", "cpu_flags", "aten_cpu_capability"}
+    assert set(info["cpu_flags"]) <= set(bench.table.VECTOR_FLAGS)

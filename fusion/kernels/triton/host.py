@@ -13,6 +13,7 @@ from fusion.kernels.triton.jit import (
     INTERPRETED,
     MAX_SINGLE_PASS,
     act_and_mul_kernel,
+    add_rms_norm_kernel,
     moe_down_kernel,
     moe_up_kernel,
     rms_norm_kernel,
@@ -51,22 +52,36 @@ def _moe_block_m(rows_per_expert: float) -> int:
     return 32 if rows_per_expert <= 32 else 64
 
 
-def _expert_blocks(
-    counts: torch.Tensor, per_expert: torch.Tensor, n_blocks: int, block_m: int
-) -> torch.Tensor:
-    """`[n_blocks, 3]` int32 (expert, first row, end row) covering each expert's slice of
-    the expert-sorted rows in blocks of at most `block_m` rows (`per_expert` blocks for an
-    expert with `counts` rows; none for an expert without rows). Computed on the device,
-    without a host synchronisation (`n_blocks` is already known)."""
-    counts, per_expert = counts.to(torch.int64), per_expert.to(torch.int64)
-    experts = torch.arange(counts.numel(), device=counts.device)
-    expert_of_block = torch.repeat_interleave(experts, per_expert, output_size=n_blocks)
-    first_block = torch.cumsum(per_expert, 0) - per_expert
+def _max_blocks(rows_total: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the expert blocks of `rows_total` routed rows, known on the host
+    without reading the routing: an expert with `c > 0` rows takes `ceil(c / block_m) <=
+    c // block_m + 1` blocks, so all take at most `rows_total // block_m` plus one per
+    expert that has rows (at most `min(num_experts, rows_total)` of them)."""
+    return rows_total // block_m + min(num_experts, rows_total)
+
+
+def _expert_blocks(counts: torch.Tensor, max_blocks: int, block_m: int) -> torch.Tensor:
+    """`[max_blocks, 3]` int32 (expert, first row, end row) covering each expert's slice of
+    the expert-sorted rows in blocks of at most `block_m` rows (`ceil(count / block_m)`
+    blocks per expert, none for an expert without rows), then empty blocks `(0, 0, 0)` up
+    to `max_blocks` (`_max_blocks`): a kernel program on an empty block masks every row, so
+    it loads nothing it uses and stores nothing. Computed on the device without a host
+    synchronisation (no `.item()`/`.tolist()`: the launch grid is `max_blocks`, known from
+    shapes alone), so a CUDA graph can capture it."""
+    counts = counts.to(torch.int64)
+    per_expert = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(per_expert, 0)
+    first_block = block_end - per_expert
     first_row = torch.cumsum(counts, 0) - counts
-    index = torch.arange(n_blocks, device=counts.device) - first_block[expert_of_block]
-    start = first_row[expert_of_block] + index * block_m
-    end = torch.minimum(start + block_m, (first_row + counts)[expert_of_block])
-    return torch.stack([expert_of_block, start, end], dim=1).to(torch.int32).contiguous()
+    block = torch.arange(max_blocks, device=counts.device)
+    # The expert of block b: the first expert whose blocks end after b (clamped for the
+    # padding blocks past the last one, which are emptied below).
+    expert = torch.searchsorted(block_end, block, right=True).clamp(max=counts.numel() - 1)
+    start = first_row[expert] + (block - first_block[expert]) * block_m
+    end = torch.minimum(start + block_m, (first_row + counts)[expert])
+    used = block < block_end[-1]
+    table = torch.stack([expert, start, end], dim=1) * used.unsqueeze(1)
+    return table.to(torch.int32).contiguous()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +153,100 @@ def _launch_rms_norm(
     return out
 
 
+def _add_covered(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether the add + RMSNorm kernel computes exactly `a + b` and its norm: plain
+    contiguous tensors of one supported dtype, shape and device (no promotion, broadcasting
+    or strided layout for the kernel to imitate), not empty, and a weight matching the last
+    dimension. Everything else goes to the reference."""
+    return (
+        type(a) is torch.Tensor
+        and type(b) is torch.Tensor
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.device == b.device
+        and tl_dtype(a.dtype) is not None
+        and a.dim() > 0
+        and a.numel() > 0
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and (
+            weight is None
+            or (
+                tl_dtype(weight.dtype) is not None
+                and weight.dim() == 1
+                and weight.shape[0] == a.shape[-1]
+                and weight.device == a.device
+            )
+        )
+    )
+
+
+def _launch_add_rms_norm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    offset: float,
+    upcast: bool,
+    weight_after_cast: bool,
+    cast_to_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the add + RMSNorm kernel on inputs `_add_covered` accepted; returns the new
+    (sum, normalised) pair, both contiguous, as `a + b` and the norm of it would be."""
+    n_cols = a.shape[-1]
+    compute = torch.float32 if upcast else a.dtype
+    w_dtype = weight.dtype if weight is not None else a.dtype
+    cast_dtype = w_dtype if cast_to_weight else a.dtype
+    if weight is not None and weight_after_cast:
+        prod_dtype = out_dtype = torch.promote_types(w_dtype, cast_dtype)
+    else:
+        prod_dtype, out_dtype = torch.promote_types(w_dtype, compute), a.dtype
+    total = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    out = torch.empty(a.shape, dtype=out_dtype, device=a.device)
+    a2, b2 = a.view(-1, n_cols), b.view(-1, n_cols)
+    total2, out2 = total.view(-1, n_cols), out.view(-1, n_cols)
+    w = weight.contiguous() if weight is not None else a2  # dummy pointer when weightless
+    block_n = triton.next_power_of_2(n_cols)
+    single = block_n <= MAX_SINGLE_PASS
+    if not single:
+        block_n = 4096
+    block_m = max(1, min(64, 4096 // block_n)) if single else 1
+    n_rows = a2.shape[0]
+    with _launch_context():
+        add_rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
+            a2,
+            b2,
+            w,
+            total2,
+            out2,
+            n_rows,
+            n_cols,
+            a2.stride(0),
+            b2.stride(0),
+            total2.stride(0),
+            out2.stride(0),
+            float(eps),
+            float(offset),
+            SUM_DT=tl_dtype(a.dtype),
+            ADD_ACC=_acc(a.dtype),
+            OUT_DT=tl_dtype(out_dtype),
+            ACC=_acc(compute),
+            RND=tl_dtype(compute),
+            HAS_WEIGHT=weight is not None,
+            HAS_OFFSET=bool(offset),
+            WEIGHT_AFTER_CAST=bool(weight_after_cast),
+            CAST_DT=tl_dtype(cast_dtype),
+            PROD_DT=tl_dtype(prod_dtype),
+            PROD_ACC=_acc(prod_dtype),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            SINGLE_PASS=single,
+            num_warps=_num_warps(block_m * block_n),
+        )
+    return total, out
+
+
 def _moe_covered(
     hidden: torch.Tensor,
     gate_up: torch.Tensor,
@@ -191,16 +300,18 @@ def _launch_moe(
     flat_ids = topk_ids.reshape(-1)
     rows_total = flat_ids.numel()
     block_m = _moe_block_m(rows_total / num_experts)
+    # Ids outside [0, E) make the reference raise; here a device-side assertion raises
+    # instead (asynchronously on a GPU: no host synchronisation, so CUDA graphs capture it).
     low, high = torch.aminmax(flat_ids)
-    counts = torch.bincount(flat_ids.clamp(min=0), minlength=num_experts)[:num_experts]
-    per_expert = (counts + block_m - 1) // block_m
-    low, high, n_blocks = torch.stack([low.long(), high.long(), per_expert.sum()]).tolist()
-    if low < 0 or high >= num_experts:  # the reference raises for these
-        return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+    torch._assert_async(
+        (low >= 0) & (high < num_experts), "moe_experts: expert ids out of range [0, E)"
+    )
+    counts = torch.bincount(flat_ids.clamp(min=0, max=num_experts - 1), minlength=num_experts)
     order = torch.argsort(flat_ids, stable=True)
     token_of_row = order // top_k
     route = topk_weights.reshape(-1).index_select(0, order).contiguous()
-    blocks = _expert_blocks(counts, per_expert, n_blocks, block_m)
+    n_blocks = _max_blocks(rows_total, num_experts, block_m)
+    blocks = _expert_blocks(counts, n_blocks, block_m)
     activated = hidden.new_empty(rows_total, inter)
     weighted = hidden.new_empty(rows_total, hidden_size)
     prod_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
@@ -373,6 +484,36 @@ class TritonKernels:
             weight_after_cast=weight_after_cast,
             cast_to_weight=cast_to_weight,
         )
+
+    def add_rms_norm(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        upcast: bool = True,
+        weight_after_cast: bool = True,
+        cast_to_weight: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`torch_ref.add_rms_norm` in one kernel: reads `a` and `b` once, writes the sum
+        and the normalised value (a row longer than 16384 reads them twice).
+
+        Returns new contiguous tensors: the sum in `a`'s dtype and the norm in the
+        reference's dtype; never writes `a`, `b` or `weight`. Inputs the kernel does not
+        imitate exactly (mixed dtypes, broadcasting, strided layouts, tensor subclasses,
+        empty or unsupported tensors, see `_add_covered`) go to the reference.
+        """
+        flags = {
+            "offset": offset,
+            "upcast": upcast,
+            "weight_after_cast": weight_after_cast,
+            "cast_to_weight": cast_to_weight,
+        }
+        if not _add_covered(a, b, weight):
+            return torch_ref.add_rms_norm(a, b, weight, eps, **flags)
+        return _launch_add_rms_norm(a, b, weight, eps, **flags)
 
     def moe_experts(
         self,

@@ -356,3 +356,89 @@ if triton is not None:
             _to(value, XDT),
             mask=row_mask[:, None] & col_mask[None, :],
         )
+
+    @triton.jit
+    def add_rms_norm_kernel(
+        a_ptr,
+        b_ptr,
+        w_ptr,
+        sum_ptr,
+        out_ptr,
+        n_rows,
+        n_cols,
+        a_row_stride,
+        b_row_stride,
+        sum_row_stride,
+        out_row_stride,
+        eps,
+        offset,
+        SUM_DT: tl.constexpr,
+        ADD_ACC: tl.constexpr,
+        OUT_DT: tl.constexpr,
+        ACC: tl.constexpr,
+        RND: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
+        WEIGHT_AFTER_CAST: tl.constexpr,
+        CAST_DT: tl.constexpr,
+        PROD_DT: tl.constexpr,
+        PROD_ACC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SINGLE_PASS: tl.constexpr,
+    ):
+        """`s = a + b` stored, then the RMSNorm of `s` (as `rms_norm_kernel`) for BLOCK_M rows.
+
+        The sum is formed in ADD_ACC (fp32, fp64 for fp64) and rounded once to SUM_DT, as
+        PyTorch's add does; the norm reads that rounded `s`, so the pair is the two ops run
+        apart. A single-pass row reads `a` and `b` once and keeps `s` in registers; a longer
+        row recomputes `s` (the same bits) in its second pass instead of reading it back.
+        """
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        a_rows = a_ptr + rows64[:, None] * a_row_stride
+        b_rows = b_ptr + rows64[:, None] * b_row_stride
+        sum_rows = sum_ptr + rows64[:, None] * sum_row_stride
+        out_rows = out_ptr + rows64[:, None] * out_row_stride
+        cols = tl.arange(0, BLOCK_N)
+        if SINGLE_PASS:
+            mask = row_mask[:, None] & (cols[None, :] < n_cols)
+            s = _add_rows(a_rows, b_rows, cols, mask, SUM_DT, ADD_ACC)
+            tl.store(sum_rows + cols[None, :], s, mask=mask)
+            h = s.to(ACC)
+            total = tl.sum(_rnd(h * h, RND), axis=1)
+        else:
+            total = tl.zeros([BLOCK_M], dtype=ACC)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                mask = row_mask[:, None] & (c[None, :] < n_cols)
+                s = _add_rows(a_rows, b_rows, c, mask, SUM_DT, ADD_ACC)
+                tl.store(sum_rows + c[None, :], s, mask=mask)
+                h = s.to(ACC)
+                total += tl.sum(_rnd(h * h, RND), axis=1)
+        mean = _rnd(total / n_cols, RND)
+        inv = _rnd(1.0 / tl.sqrt(_rnd(mean + eps, RND)), RND)
+        if SINGLE_PASS:
+            _rms_norm_store(
+                h, inv, w_ptr, out_rows, cols, mask, n_cols, offset,
+                OUT_DT, RND, HAS_WEIGHT, HAS_OFFSET, WEIGHT_AFTER_CAST, CAST_DT, PROD_DT, PROD_ACC,
+            )  # fmt: skip
+        else:
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                mask = row_mask[:, None] & (c[None, :] < n_cols)
+                h = _add_rows(a_rows, b_rows, c, mask, SUM_DT, ADD_ACC).to(ACC)
+                _rms_norm_store(
+                    h, inv, w_ptr, out_rows, c, mask, n_cols, offset,
+                    OUT_DT, RND, HAS_WEIGHT, HAS_OFFSET, WEIGHT_AFTER_CAST, CAST_DT, PROD_DT, PROD_ACC,
+                )  # fmt: skip
+
+    @triton.jit
+    def _add_rows(a_rows, b_rows, cols, mask, SUM_DT: tl.constexpr, ADD_ACC: tl.constexpr):
+        """`a + b` over one block, formed in ADD_ACC and rounded once to SUM_DT (masked
+        lanes are 0, which adds nothing to the sum of squares)."""
+        a = tl.load(a_rows + cols[None, :], mask=mask, other=0.0).to(ADD_ACC)
+        b = tl.load(b_rows + cols[None, :], mask=mask, other=0.0).to(ADD_ACC)
+        return _to(a + b, SUM_DT)

@@ -18,7 +18,13 @@ def test_deepseek_v3_mla(q_lora_rank: int | None, shards: tuple[str, str]) -> No
     model = tiny_model("deepseek_v3", q_lora_rank=q_lora_rank)
     fused, report = fuse_copy(model)
     norms = 9 if q_lora_rank else 7  # 4 per layer with q-LoRA (q_a_layernorm), 3 without; final
-    assert report.counts() == {"mla": 2, "glu": 2, "rmsnorm": norms, "moe": 1}, str(report)
+    assert report.counts() == {
+        "mla": 2,
+        "glu": 2,
+        "rmsnorm": norms,
+        "moe": 1,
+        "residual_norm": 2,
+    }, str(report)
     attn = fused.model.layers[0].self_attn
     assert attn.fused_qkv_a_proj.shard_names == shards
     record = next(r for r in report.applied if r.fuser == "mla")

@@ -376,7 +376,7 @@ def test_qwen3_qk_norms_inside_a_rewritten_attention() -> None:
     model = tiny_model("qwen3")
     fused = copy.deepcopy(model)
     report = fusion.fuse(fused)
-    assert report.counts() == {"qkv": 2, "glu": 2, "rmsnorm": 9}, str(report)
+    assert report.counts() == {"qkv": 2, "glu": 2, "rmsnorm": 9, "residual_norm": 2}, str(report)
     attn = fused.model.layers[0].self_attn
     assert isinstance(attn.q_norm, FusedRMSNorm) and isinstance(attn.k_norm, FusedRMSNorm)
     assert "forward" in attn.__dict__  # the QKV rewrite

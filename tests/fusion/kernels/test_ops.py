@@ -78,3 +78,49 @@ def test_fused_models_compile_fullgraph(model_type: str) -> None:
         got, want = compiled(ids).logits, fused(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_compiled_fused_models_do_not_recompile(model_type: str) -> None:
+    """Per-call backend dispatch (`kernels.get(self.backend, device)`) costs no recompile:
+    one frame compiled, and a second call on new token values (same shapes) runs with
+    `error_on_recompile` set, dense and MoE."""
+    from torch._dynamo.testing import CompileCounter
+
+    fused = tiny_model(model_type, seed=3)
+    fusion.fuse(fused)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(fused, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        first = compiled(token_ids(seed=0)).logits
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            second = compiled(token_ids(seed=1)).logits
+            torch.testing.assert_close(second, fused(token_ids(seed=1)).logits)
+    assert counter.frame_count == 1
+    assert not torch.equal(first, second)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_compiled_training_step_uses_the_operators(model_type: str) -> None:
+    """With gradients, a fused model compiles fullgraph through AOT autograd (the operators'
+    registered derivatives) and gives the eager fused model's loss and gradients."""
+    fused = tiny_model(model_type, seed=4)
+    fusion.fuse(fused)
+    twin = copy.deepcopy(fused)
+    ids = token_ids(seed=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    compiled(ids, labels=ids).loss.backward()
+    fused(ids, labels=ids).loss.backward()
+    grads = dict(twin.named_parameters())
+    checked = 0
+    for name, param in fused.named_parameters():
+        if param.grad is None:
+            assert grads[name].grad is None, name
+            continue
+        torch.testing.assert_close(grads[name].grad, param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        checked += 1
+    assert checked > 10
+    torch._dynamo.reset()
