@@ -8,6 +8,7 @@ while `torch.compile` traces), so a backend can be swapped without refusing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -213,19 +214,23 @@ class FusedRMSNorm(nn.Module):
                 f"FusedRMSNorm was proven equal to the module it replaced only for "
                 f"(input, weight) dtypes {sorted(map(str, self.verified))}, not {pair}"
             )
-        eps = self.eps
-        if eps is None:
-            eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
-        return ops.rms_norm(
-            self.backend,
-            x,
-            weight,
-            eps,
-            offset=self.offset,
-            upcast=self.upcast,
-            weight_after_cast=self.weight_after_cast,
-            cast_to_weight=self.cast_to_weight,
-        )
+        return ops.rms_norm(self.backend, x, weight, self._eps_for(x.dtype), **self._variant())
+
+    def _eps_for(self, dtype: torch.dtype) -> float:
+        """The eps the replaced module used: its own, or (None) the float32-or-wider finfo
+        eps of the input dtype, as `torch.nn.RMSNorm` does."""
+        if self.eps is not None:
+            return self.eps
+        return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+    def _variant(self) -> dict[str, Any]:
+        """The proven variant's keyword arguments for the rms_norm kernels."""
+        return {
+            "offset": self.offset,
+            "upcast": self.upcast,
+            "weight_after_cast": self.weight_after_cast,
+            "cast_to_weight": self.cast_to_weight,
+        }
 
     def extra_repr(self) -> str:
         width = tuple(self.weight.shape) if self.has_weight else "any width"
@@ -259,17 +264,6 @@ class FusedRMSNorm(nn.Module):
         ):
             total = a + b
             return total, self(total)
-        eps = self.eps
-        if eps is None:
-            eps = torch.finfo(torch.promote_types(a.dtype, torch.float32)).eps
         return ops.add_rms_norm(
-            self.backend,
-            a,
-            b,
-            weight,
-            eps,
-            offset=self.offset,
-            upcast=self.upcast,
-            weight_after_cast=self.weight_after_cast,
-            cast_to_weight=self.cast_to_weight,
+            self.backend, a, b, weight, self._eps_for(a.dtype), **self._variant()
         )
