@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import io
 import pickle
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import fusion
-from fusion.bound import BoundForward, _rebuild
+from fusion.bound import BoundForward, _rebuild, rewrap
+from fusion.errors import RewriteRefused
 from tests.fusion.tiny_models import tiny_model, token_ids
 
 
@@ -97,3 +99,79 @@ def test_torch_compile_fused_model(model_type: str) -> None:
     compiled = torch.compile(fused, fullgraph=True, backend="eager")
     ids = token_ids()
     torch.testing.assert_close(_logits(compiled, ids), _logits(unfused, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_checkpointing_survives_the_layer_rewrite() -> None:
+    # Transformers wraps every decoder layer's forward in a checkpointing wrapper; the
+    # residual-norm rewrite of the layer must run inside it, not instead of it.
+    unfused, fused = _fused()
+    assert any(isinstance(m.forward, BoundForward) for m in fused.model.layers)
+    ids = token_ids(seed=1)
+    grads = []
+    for model in (unfused, fused):
+        model.gradient_checkpointing_enable()
+        model.train()
+        calls = []
+        for layer in model.model.layers:
+            inner = layer._gradient_checkpointing_func
+
+            def spy(*args, _inner=inner, _calls=calls, **kwargs):
+                _calls.append(1)
+                return _inner(*args, **kwargs)
+
+            layer._gradient_checkpointing_func = spy
+        model(ids).logits.float().pow(2).mean().backward()
+        assert len(calls) == len(model.model.layers)
+        grads.append(model.model.embed_tokens.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def _renames(old: str, new: str):
+    def decorator(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorator
+
+
+def test_rewrap_runs_each_wrapper_around_the_replacement() -> None:
+    def original(self, x, scale=1.0):
+        return ("original", x, scale)
+
+    wrapped = _renames("s", "factor")(_renames("factor", "scale")(original))
+
+    def replacement(self, x, scale=1.0):
+        return ("replacement", x, scale)
+
+    rebuilt = rewrap(wrapped, replacement)
+    assert rebuilt(None, 2, s=3.0) == ("replacement", 2, 3.0)
+    assert wrapped(None, 2, s=3.0) == ("original", 2, 3.0)  # the class's own is untouched
+    assert inspect.unwrap(rebuilt) is replacement
+    assert rewrap(original, replacement) is replacement
+
+
+def test_rewrap_refuses_a_wrapper_it_cannot_rebuild() -> None:
+    class Wrapper:
+        def __init__(self, fn):
+            self.__wrapped__ = fn
+
+        def __call__(self, *args, **kwargs):
+            return self.__wrapped__(*args, **kwargs)
+
+    def original(self, x):
+        return x
+
+    with pytest.raises(RewriteRefused, match="not a plain function"):
+        rewrap(Wrapper(original), original)
+
+    def by_default(self, x, _fn=original):
+        return _fn(self, x)
+
+    by_default.__wrapped__ = original  # reaches the wrapped function through a default
+    with pytest.raises(RewriteRefused, match="exactly one closure cell"):
+        rewrap(by_default, original)
