@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from fusion import registry
+from fusion import placement, registry
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.report import Applied, FusionReport, Skipped
@@ -64,7 +64,11 @@ def run(
 
     Each instance takes at most one forward-redefining fuser: the highest-priority candidate
     that validates. A candidate whose `fuse` raises is rolled back and the next one tried.
-    Returns the report; never raises for a model it cannot fuse.
+    A module whose weights another engine places (tensor-parallel DTensors, accelerate
+    hooks: `placement.placement_refusal`) is refused whole. After fusing, the model's
+    tensor-parallel plans lose the blocks fusion changed (`placement.prune_model_plans`), so
+    they stay valid for the fused model. Returns the report; never raises for a model it
+    cannot fuse.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusion expects an nn.Module, got {type(model).__name__}")
@@ -88,6 +92,13 @@ def run(
                 report.skipped.append(Skipped(qualname, None, cls_name, already))
             continue
         found = registry.candidates(module, chosen_fusers)
+        if any(c.fuser is not None for c in found):
+            placed = placement.placement_refusal(module)
+            if placed is not None:  # sharded or dispatched elsewhere: refuse every fuser
+                report.skipped.extend(
+                    Skipped(qualname, c.fuser_name, cls_name, placed) for c in found
+                )
+                continue
         redefined = False
         for candidate in found:
             if candidate.redefines_forward and redefined:
@@ -118,6 +129,9 @@ def run(
                 replaced.append(f"{qualname}." if qualname else "")
             prefix = f"{qualname}." if qualname else ""
             replaced.extend(f"{prefix}{child}." for child in fuser.dropped_children(module))
+    if not dry_run and report.applied:
+        # The model's tensor-parallel plans must stay true of the fused model (placement).
+        placement.prune_model_plans(model, [record.qualname for record in report.applied])
     return report
 
 

@@ -134,9 +134,14 @@ def _patched(backend: str) -> Iterator[None]:
         PreTrainedModel.from_pretrained = classmethod(original_from_pretrained)
 
 
+_CONFIG: dict[str, pytest.Config] = {}
+"""The session's config, for `pytest_runtest_logreport` (which is not handed one)."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     state: dict[str, Any] = {"outcomes": {}, "patch": None}
     config.stash[_KEY] = state
+    _CONFIG["config"] = config
     if config.getoption("--fusion"):
         patch = _patched(config.getoption("--fusion-backend"))
         patch.__enter__()
@@ -150,7 +155,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if state["patch"] is not None:
         state["patch"].__exit__(None, None, None)
     path = config.getoption("--fusion-outcomes")
-    if path is not None:
+    if path is not None and not hasattr(config, "workerinput"):  # xdist: the controller writes
         lines = [json.dumps({"test": k, **v}, sort_keys=True) for k, v in state["outcomes"].items()]
         Path(path).write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
 
@@ -166,22 +171,43 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Attach this test's fusions and, on failure, its cause to the report: reports (not
+    this process's state) reach the xdist controller, which writes the outcomes file."""
     report = yield
     records = list(_records())
     if records:
         report.user_properties.append(("fusion", records))
-    state = item.config.stash.get(_KEY, None)
-    if state is None:
-        return report
+    if report.failed:
+        report.user_properties.append(("fusion_cause", cause_of(call)))
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Fold one report (a phase, or a subtest's) into its test's outcome. Runs where the
+    outcomes are written: in the only process, or in the xdist controller."""
+    config = _CONFIG.get("config")
+    state = config.stash.get(_KEY, None) if config is not None else None
+    if state is None or hasattr(config, "workerinput"):
+        return
     entry = state["outcomes"].setdefault(
-        item.nodeid, {"outcome": "passed", "cause": None, "fusions": []}
+        report.nodeid, {"outcome": "passed", "cause": None, "fusions": []}
     )
-    entry["fusions"] = records
+    props = dict(report.user_properties)
+    if "fusion" in props and not entry["fusions"]:
+        entry["fusions"] = props["fusion"]
     if report.failed and entry["outcome"] != "failed":
-        entry["outcome"], entry["cause"] = "failed", cause_of(call)
+        crash = getattr(report.longrepr, "reprcrash", None)
+        fallback = fold(crash.message) if crash is not None else "unknown"
+        entry["outcome"], entry["cause"] = "failed", props.get("fusion_cause", fallback)
     elif report.skipped and report.when in ("setup", "call") and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
-    return report
+
+
+def fold(message: str) -> str:
+    """The first line of `message`, numbers and addresses folded, at most 200 characters."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    first = re.sub(r"0x[0-9a-fA-F]+", "0x_", first)
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", first)[:200]
 
 
 def cause_of(call: pytest.CallInfo) -> str:
@@ -190,10 +216,7 @@ def cause_of(call: pytest.CallInfo) -> str:
     excinfo = call.excinfo
     if excinfo is None:
         return "unknown"
-    first = str(excinfo.value).strip().splitlines()[0] if str(excinfo.value).strip() else ""
-    first = re.sub(r"0x[0-9a-fA-F]+", "0x_", first)
-    first = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", first)
-    return f"{excinfo.type.__name__}: {first[:200]}"
+    return f"{excinfo.type.__name__}: {fold(str(excinfo.value))}"
 
 
 def compare(base: dict[str, dict], fused: dict[str, dict]) -> dict[str, list[str]]:

@@ -27,7 +27,12 @@ def test_plan_leaves_model_untouched() -> None:
     model = tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     report = fusion.plan(model)
-    assert report.dry_run and report.counts() == {"qkv": 2, "glu": 2, "rmsnorm": 5}
+    assert report.dry_run and report.counts() == {
+        "qkv": 2,
+        "glu": 2,
+        "rmsnorm": 5,
+        "residual_norm": 2,
+    }
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -37,7 +42,7 @@ def test_plan_leaves_model_untouched() -> None:
 def test_report_str_summarises() -> None:
     report = fusion.fuse(tiny_model("llama"))
     text = str(report)
-    assert text.splitlines()[0] == "FusionReport: 9 applied, 0 skipped"
+    assert text.splitlines()[0] == "FusionReport: 11 applied, 0 skipped"
     assert "  glu: 2" in text and "  qkv: 2" in text and "  rmsnorm: 5" in text
     assert (
         "model.layers.0.self_attn: q_proj + k_proj + v_proj -> qkv_proj (LlamaAttention) [qkv]"
@@ -149,3 +154,14 @@ def test_a_merge_that_would_untie_weights_is_refused() -> None:
     twice = nn.ModuleDict({"a": shared, "b": shared})
     assert fusion.fuse(twice).counts() == {"qkv": 1}
     assert twice["a"] is twice["b"] and hasattr(twice["b"], "qkv_proj")
+
+
+def test_fuse_prunes_the_parallel_plans_and_plan_does_not() -> None:
+    """The tensor-parallel plan keeps only blocks fusion left alone (fusion.placement)."""
+    model = tiny_model("llama")
+    before = dict(model.tp_plan)
+    fusion.plan(model)
+    assert model.tp_plan == before
+    fusion.fuse(model)
+    assert "model.embed_tokens" in model.tp_plan
+    assert not any(".self_attn." in key or ".mlp." in key for key in model.tp_plan)

@@ -124,3 +124,15 @@ def test_compare_groups_by_cause():
         "e": {"outcome": "failed", "cause": "new test"},
     }
     assert pytest_fusion.compare(base, fused) == {"KeyError: x": ["a", "b"], "TypeError: y": ["d"]}
+
+
+def test_outcomes_under_xdist_are_written_by_the_controller(tmp_path):
+    """Before: every xdist process wrote the file, the controller last and empty."""
+    fused_file = tmp_path / "fused.jsonl"
+    fused = _run(tmp_path, fused_file, "--fusion", "--fusion-backend", "torch", "-n", "2")
+    assert fused.returncode == 1, fused.stdout + fused.stderr
+    got = _outcomes(fused_file)
+    assert got["test_builds_one_model"]["outcome"] == "passed"
+    assert got["test_builds_one_model"]["fusions"][0]["applied"]["qkv"] == 1
+    failed = got["test_inspects_a_projection"]
+    assert failed["outcome"] == "failed" and failed["cause"].startswith("AttributeError: ")
