@@ -91,14 +91,17 @@ def run(
             if not inner:  # a fused module's own parts (its PackedExperts) are not news
                 report.skipped.append(Skipped(qualname, None, cls_name, already))
             continue
+        # Sharded or dispatched elsewhere: refuse every fuser that could be interested,
+        # before tracing, which would run the placing engine's hooks on meta tensors.
+        placed = placement.placement_refusal(module)
+        if placed is not None:
+            report.skipped.extend(
+                Skipped(qualname, cls.name, cls_name, placed)
+                for cls in chosen_fusers
+                if cls.candidate(module)
+            )
+            continue
         found = registry.candidates(module, chosen_fusers)
-        if any(c.fuser is not None for c in found):
-            placed = placement.placement_refusal(module)
-            if placed is not None:  # sharded or dispatched elsewhere: refuse every fuser
-                report.skipped.extend(
-                    Skipped(qualname, c.fuser_name, cls_name, placed) for c in found
-                )
-                continue
         redefined = False
         for candidate in found:
             if candidate.redefines_forward and redefined:
