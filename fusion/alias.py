@@ -410,13 +410,21 @@ def is_inplace_name(name: str) -> bool:
 
 def func_chain(func: ast.expr) -> list[str]:
     """Attribute names along `func` from its root outwards (`torch.ops.aten.add_.Scalar` ->
-    `["ops", "aten", "add_", "Scalar"]`), stopping at anything that is not an attribute."""
+    `["ops", "aten", "add_", "Scalar"]`), stopping at anything that is not an attribute
+    (`chain_root`)."""
     attrs: list[str] = []
     node = func
     while isinstance(node, ast.Attribute):
         attrs.append(node.attr)
         node = node.value
     return attrs[::-1]
+
+
+def chain_root(func: ast.expr) -> ast.expr:
+    """What `func`'s attribute chain starts from (`torch` in `torch.nn.functional.silu`)."""
+    while isinstance(func, ast.Attribute):
+        func = func.value
+    return func
 
 
 _NAMESPACE_MODULES = {
@@ -482,9 +490,7 @@ def writes_through_args(call: ast.Call) -> bool:
 
 def namespace_root(func: ast.expr) -> str | None:
     """`torch` for `torch.nn.functional.silu`, `F` for `F.silu`; None for other chains."""
-    node = func
-    while isinstance(node, ast.Attribute):
-        node = node.value
+    node = chain_root(func)
     return node.id if isinstance(node, ast.Name) and node.id in PURE_NAMESPACES else None
 
 

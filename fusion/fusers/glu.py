@@ -135,11 +135,8 @@ def _is_function_call(
     not)?"""
     if not (isinstance(node, ast.Call) and len(node.args) == 1 and node.args[0] is gate_call):
         return False
-    path: list[str] = []
-    func = node.func
-    while isinstance(func, ast.Attribute):
-        path.insert(0, func.attr)
-        func = func.value
+    path = alias.func_chain(node.func)
+    func = alias.chain_root(node.func)
     if not isinstance(func, ast.Name) or func.id in local:
         return False
     target: object = fn.__globals__.get(func.id)

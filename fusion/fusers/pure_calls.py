@@ -163,11 +163,8 @@ def _namespace_call(expr: ast.expr, scope: _Scope) -> bool:
     outside the namespaces whose functions may write (`torch.distributed`, custom ops)?"""
     if not isinstance(expr, ast.Call) or alias.writes_through_args(expr):
         return False
-    chain: list[str] = []
-    node = expr.func
-    while isinstance(node, ast.Attribute):
-        chain.insert(0, node.attr)
-        node = node.value
+    chain = alias.func_chain(expr.func)
+    node = alias.chain_root(expr.func)
     if not (isinstance(node, ast.Name) and chain and node.id in NAMESPACES):
         return False
     if scope.resolve(node.id) is not NAMESPACES[node.id]:
