@@ -215,7 +215,11 @@ def _fuse_transactionally(
         replacement = fuser.fuse(module, backend)
         if replacement is not module:
             if parent is None:
-                raise RewriteRefused("cannot replace the root module itself")
+                raise RewriteRefused(
+                    f"cannot replace the root module itself: {fuser.name} installs a new module "
+                    "in its parent's slot, and the root has none; fuse the model or the "
+                    "module's parent instead"
+                )
             setattr(parent, child_name, replacement)
         kept = {id(p) for p in replacement.parameters()}
         lost = [pair for key, pair in tied.items() if key not in kept]

@@ -38,9 +38,10 @@ class Skipped:
     def __str__(self) -> str:
         # Without a fuser the record says why the module was left alone (e.g. already
         # fused), not that some fuser refused it.
+        where = self.qualname or "<root>"
         if self.fuser is None:
-            return f"{self.qualname} ({self.source_class}): skipped: {self.reason}"
-        return f"{self.qualname} ({self.source_class}): {self.fuser} refused: {self.reason}"
+            return f"{where} ({self.source_class}): skipped: {self.reason}"
+        return f"{where} ({self.source_class}): {self.fuser} refused: {self.reason}"
 
 
 @dataclass

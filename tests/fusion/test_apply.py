@@ -165,3 +165,21 @@ def test_fuse_prunes_the_parallel_plans_and_plan_does_not() -> None:
     fusion.fuse(model)
     assert "model.embed_tokens" in model.tp_plan
     assert not any(".self_attn." in key or ".mlp." in key for key in model.tp_plan)
+
+
+def test_a_root_module_is_fused_in_place_or_refused_with_the_reason() -> None:
+    model = tiny_model("llama")
+    mlp = copy.deepcopy(model.model.layers[0].mlp)
+    attention = copy.deepcopy(model.model.layers[0].self_attn)
+    norm = copy.deepcopy(model.model.norm)
+    # Rewriting fusers change the module's own forward: a root takes them.
+    assert fusion.fuse(mlp).counts() == {"glu": 1}
+    assert fusion.fuse(attention).counts() == {"qkv": 1}
+    # A replacing fuser needs the parent's slot: the root norm stays, and says why.
+    before = norm.state_dict()
+    report = fusion.fuse(norm)
+    assert not report.applied
+    (skipped,) = report.skipped
+    assert "cannot replace the root module itself" in skipped.reason
+    assert str(skipped).startswith("<root> (LlamaRMSNorm): rmsnorm refused")
+    assert norm.state_dict().keys() == before.keys()
