@@ -68,7 +68,7 @@ def rms_norm_backward(
         d_weight = _sum_to(grad * cast, weight)
     else:
         # y = (n * (weight.to(P) + offset)).to(D), P = promote(W, compute dtype)
-        scale = weight.to(torch.result_type(n, weight))
+        scale = weight.to(torch_ref.promoted(n, weight))
         if offset:
             scale = scale + offset
         grad_p = grad.to(scale.dtype)

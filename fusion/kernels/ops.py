@@ -30,6 +30,7 @@ from torch import Tensor
 
 from fusion import kernels
 from fusion.kernels import autograd, torch_ref
+from fusion.kernels.torch_ref import TorchKernels
 
 
 def _use_operator(*tensors: Tensor | None) -> bool:
@@ -37,6 +38,19 @@ def _use_operator(*tensors: Tensor | None) -> bool:
     Dynamo traces. The operators are differentiable, so this holds when training too.
     `tensors` (the call's inputs) are accepted for the call sites' symmetry and unused."""
     return torch.compiler.is_compiling()
+
+
+def _traced_reference(backend: str, device: torch.device, op: str) -> bool:
+    """While Dynamo traces: does `op` on `backend` compute with the torch reference itself
+    (the reference backend, or one that delegates `op` to it, as the CPU backend does for
+    the norms and act-and-mul)? Then the reference's plain torch code is traced in place of
+    the opaque operator, so Inductor fuses it with its neighbours exactly as it fuses the
+    unfused model's elementwise chains (an opaque operator would cost the fused model that
+    fusion). Same function, same backend as eager; the reference has no Python state that
+    could break the graph. `kernels.get` is a dict lookup once `fusion.fuse` resolved
+    `auto` ahead."""
+    backend_kernels = kernels.get(backend, device)
+    return isinstance(backend_kernels, TorchKernels) or op in backend_kernels.delegated
 
 
 def _rms(
@@ -97,6 +111,8 @@ def rms_norm(
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`)."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
     if _use_operator(x, weight):
+        if _traced_reference(backend, x.device, "rms_norm"):
+            return _rms(torch_ref.rms_norm, x, weight, eps, *flags)
         return torch.ops.fusion.rms_norm(x, weight, eps, *flags, backend)
     return _rms(kernels.get(backend, x.device).rms_norm, x, weight, eps, *flags)
 
@@ -164,6 +180,8 @@ def add_rms_norm(
     """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))`, two new tensors."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
     if _use_operator(a, b, weight):
+        if _traced_reference(backend, a.device, "add_rms_norm"):
+            return _add_rms(torch_ref.add_rms_norm, a, b, weight, eps, flags)
         return torch.ops.fusion.add_rms_norm(a, b, weight, eps, *flags, backend)
     return _add_rms(kernels.get(backend, a.device).add_rms_norm, a, b, weight, eps, flags)
 
@@ -181,6 +199,8 @@ def _act_and_mul_fake(x, activation, backend):
 def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     """`Kernels.act_and_mul` on `backend`."""
     if _use_operator(x):
+        if _traced_reference(backend, x.device, "act_and_mul"):
+            return torch_ref.act_and_mul(x, activation)
         return torch.ops.fusion.act_and_mul(x, activation, backend)
     return kernels.get(backend, x.device).act_and_mul(x, activation)
 

@@ -24,6 +24,16 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     return ACTIVATIONS[activation](x[..., :d]) * x[..., d:]
 
 
+def promoted(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """`torch.result_type(a, b)` for two tensors, in a form Dynamo traces (it cannot trace
+    `result_type`, which returns a dtype): both dimensioned, their dtypes promote as
+    `promote_types` says; a zero-dim tensor takes part by category only, so that case keeps
+    `result_type`."""
+    if a.dim() > 0 and b.dim() > 0:
+        return torch.promote_types(a.dtype, b.dtype)
+    return torch.result_type(a, b)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -62,7 +72,7 @@ def rms_norm(
     if weight_after_cast:
         scale = weight + offset if offset else weight
         return scale * h.to(weight.dtype if cast_to_weight else dtype)
-    scale = weight.to(torch.result_type(h, weight))
+    scale = weight.to(promoted(h, weight))
     if offset:
         scale = scale + offset
     return (h * scale).to(dtype)
