@@ -4,6 +4,8 @@ the torch reference), launch parameters, and the `TritonKernels` backend object.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,6 +97,59 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
+@dataclass(frozen=True)
+class _NormPlan:
+    """The dtypes and block shape one RMSNorm-variant launch uses (plain and add + norm
+    share it): `out_dtype` of the result, and `constants`, the kernels' shared constexprs."""
+
+    out_dtype: torch.dtype
+    block_m: int
+    block_n: int
+    constants: dict[str, Any]
+
+
+def _norm_plan(
+    dtype: torch.dtype,
+    n_cols: int,
+    weight: torch.Tensor | None,
+    offset: float,
+    upcast: bool,
+    weight_after_cast: bool,
+    cast_to_weight: bool,
+) -> _NormPlan:
+    """The variant's dtypes as the reference forms them (statistics in float32 when
+    `upcast`, the weight product in the promoted dtype of its operands) and the block shape:
+    one pass over rows up to MAX_SINGLE_PASS wide, several rows per program when narrow."""
+    compute = torch.float32 if upcast else dtype
+    w_dtype = weight.dtype if weight is not None else dtype
+    cast_dtype = w_dtype if cast_to_weight else dtype
+    if weight is not None and weight_after_cast:
+        prod_dtype = out_dtype = torch.promote_types(w_dtype, cast_dtype)
+    else:
+        prod_dtype, out_dtype = torch.promote_types(w_dtype, compute), dtype
+    block_n = triton.next_power_of_2(n_cols)
+    single = block_n <= MAX_SINGLE_PASS
+    if not single:
+        block_n = 4096
+    block_m = max(1, min(64, 4096 // block_n)) if single else 1
+    constants = {
+        "OUT_DT": tl_dtype(out_dtype),
+        "ACC": _acc(compute),
+        "RND": tl_dtype(compute),
+        "HAS_WEIGHT": weight is not None,
+        "HAS_OFFSET": bool(offset),
+        "WEIGHT_AFTER_CAST": bool(weight_after_cast),
+        "CAST_DT": tl_dtype(cast_dtype),
+        "PROD_DT": tl_dtype(prod_dtype),
+        "PROD_ACC": _acc(prod_dtype),
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "SINGLE_PASS": single,
+        "num_warps": _num_warps(block_m * block_n),
+    }
+    return _NormPlan(out_dtype, block_m, block_n, constants)
+
+
 def _launch_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -107,24 +162,13 @@ def _launch_rms_norm(
 ) -> torch.Tensor:
     """Launch the RMSNorm kernel on inputs `TritonKernels.rms_norm` checked it covers."""
     n_cols = x.shape[-1]
-    compute = torch.float32 if upcast else x.dtype
-    w_dtype = weight.dtype if weight is not None else x.dtype
-    cast_dtype = w_dtype if cast_to_weight else x.dtype
-    if weight is not None and weight_after_cast:
-        prod_dtype = out_dtype = torch.promote_types(w_dtype, cast_dtype)
-    else:
-        prod_dtype, out_dtype = torch.promote_types(w_dtype, compute), x.dtype
+    plan = _norm_plan(x.dtype, n_cols, weight, offset, upcast, weight_after_cast, cast_to_weight)
     x2 = _rows(x)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=plan.out_dtype, device=x.device)
     out2 = out.view(-1, n_cols)
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when weightless
-    block_n = triton.next_power_of_2(n_cols)
-    single = block_n <= MAX_SINGLE_PASS
-    if not single:
-        block_n = 4096
-    block_m = max(1, min(64, 4096 // block_n)) if single else 1
     n_rows = x2.shape[0]
-    grid = (triton.cdiv(n_rows, block_m),)
+    grid = (triton.cdiv(n_rows, plan.block_m),)
     with _launch_context():
         rms_norm_kernel[grid](
             x2,
@@ -136,19 +180,7 @@ def _launch_rms_norm(
             out2.stride(0),
             float(eps),
             float(offset),
-            OUT_DT=tl_dtype(out_dtype),
-            ACC=_acc(compute),
-            RND=tl_dtype(compute),
-            HAS_WEIGHT=weight is not None,
-            HAS_OFFSET=bool(offset),
-            WEIGHT_AFTER_CAST=bool(weight_after_cast),
-            CAST_DT=tl_dtype(cast_dtype),
-            PROD_DT=tl_dtype(prod_dtype),
-            PROD_ACC=_acc(prod_dtype),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            SINGLE_PASS=single,
-            num_warps=_num_warps(block_m * block_n),
+            **plan.constants,
         )
     return out
 
@@ -195,26 +227,15 @@ def _launch_add_rms_norm(
     """Launch the add + RMSNorm kernel on inputs `_add_covered` accepted; returns the new
     (sum, normalised) pair, both contiguous, as `a + b` and the norm of it would be."""
     n_cols = a.shape[-1]
-    compute = torch.float32 if upcast else a.dtype
-    w_dtype = weight.dtype if weight is not None else a.dtype
-    cast_dtype = w_dtype if cast_to_weight else a.dtype
-    if weight is not None and weight_after_cast:
-        prod_dtype = out_dtype = torch.promote_types(w_dtype, cast_dtype)
-    else:
-        prod_dtype, out_dtype = torch.promote_types(w_dtype, compute), a.dtype
+    plan = _norm_plan(a.dtype, n_cols, weight, offset, upcast, weight_after_cast, cast_to_weight)
     total = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    out = torch.empty(a.shape, dtype=out_dtype, device=a.device)
+    out = torch.empty(a.shape, dtype=plan.out_dtype, device=a.device)
     a2, b2 = a.view(-1, n_cols), b.view(-1, n_cols)
     total2, out2 = total.view(-1, n_cols), out.view(-1, n_cols)
     w = weight.contiguous() if weight is not None else a2  # dummy pointer when weightless
-    block_n = triton.next_power_of_2(n_cols)
-    single = block_n <= MAX_SINGLE_PASS
-    if not single:
-        block_n = 4096
-    block_m = max(1, min(64, 4096 // block_n)) if single else 1
     n_rows = a2.shape[0]
     with _launch_context():
-        add_rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
+        add_rms_norm_kernel[(triton.cdiv(n_rows, plan.block_m),)](
             a2,
             b2,
             w,
@@ -230,19 +251,7 @@ def _launch_add_rms_norm(
             float(offset),
             SUM_DT=tl_dtype(a.dtype),
             ADD_ACC=_acc(a.dtype),
-            OUT_DT=tl_dtype(out_dtype),
-            ACC=_acc(compute),
-            RND=tl_dtype(compute),
-            HAS_WEIGHT=weight is not None,
-            HAS_OFFSET=bool(offset),
-            WEIGHT_AFTER_CAST=bool(weight_after_cast),
-            CAST_DT=tl_dtype(cast_dtype),
-            PROD_DT=tl_dtype(prod_dtype),
-            PROD_ACC=_acc(prod_dtype),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            SINGLE_PASS=single,
-            num_warps=_num_warps(block_m * block_n),
+            **plan.constants,
         )
     return total, out
 
