@@ -25,11 +25,12 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def promoted(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
-    """`torch.result_type(a, b)` for two tensors, in a form Dynamo traces (it cannot trace
-    `result_type`, which returns a dtype): both dimensioned, their dtypes promote as
-    `promote_types` says; a zero-dim tensor takes part by category only, so that case keeps
-    `result_type`."""
-    if a.dim() > 0 and b.dim() > 0:
+    """`torch.result_type(a, b)`, also while Dynamo traces (it cannot trace `result_type`,
+    which returns a dtype): there both tensors' dims are static, and for two dimensioned
+    tensors the result is `promote_types` of their dtypes. Outside Dynamo (eager, and the
+    torch.fx traces the RMSNorm fuser compares variants with, where `dim()` is symbolic) it
+    is `result_type` itself."""
+    if torch.compiler.is_compiling() and a.dim() > 0 and b.dim() > 0:
         return torch.promote_types(a.dtype, b.dtype)
     return torch.result_type(a, b)
 
