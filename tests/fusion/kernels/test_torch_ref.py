@@ -84,3 +84,26 @@ def test_rms_norm_llama_and_gemma_orders(dtype: torch.dtype) -> None:
     got = torch_ref.rms_norm(x, w, 1e-6, offset=1.0, weight_after_cast=False)
     assert torch.equal(got, gemma)
     assert torch.equal(torch_ref.rms_norm(x, None, 1e-6), h.to(dtype))
+
+
+@pytest.mark.parametrize("weight_after_cast", [False, True])
+def test_rms_norm_traces_with_fx_and_dynamo(weight_after_cast: bool) -> None:
+    # The RMSNorm fuser compares variants through fx traces of the reference (no branching
+    # on dim() or dtypes there), and compiled fused models trace it with Dynamo.
+    class Norm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return torch_ref.rms_norm(
+                x, self.weight, 1e-6, offset=1.0, weight_after_cast=weight_after_cast
+            )
+
+    norm = Norm()
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    expected = norm(x)
+    traced = torch.fx.symbolic_trace(norm)
+    assert torch.equal(traced(x), expected)
+    compiled = torch.compile(norm, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), expected)
