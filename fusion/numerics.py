@@ -95,6 +95,24 @@ def dtype_floor(dtype: torch.dtype) -> float:
         ) from None
 
 
+SELF_CHECK_TOLERANCE = {
+    torch.float32: 1e-4,
+    torch.float64: 1e-9,
+    torch.bfloat16: 3e-2,
+    torch.float16: 1e-2,
+}
+"""Max-normalised error a fuser's numeric self-check allows between a module and its fused
+twin on the module's own weights (MoE blocks, experts): a reordered reduction rounds within
+it, a changed function errs by far more. No unfused reference error exists there, so this
+is a fixed table rather than `tolerance`."""
+
+
+def self_check_passes(error: float, dtype: torch.dtype) -> bool:
+    """Whether a self-check error in `dtype` is rounding (`SELF_CHECK_TOLERANCE`, 3e-2 for a
+    dtype not listed); NaN (a non-finite output) never passes."""
+    return error <= SELF_CHECK_TOLERANCE.get(dtype, 3e-2)
+
+
 def tolerance(unfused_error: float, dtype: torch.dtype) -> float:
     """max(ERROR_MULTIPLE x unfused error, dtype floor); infinite when the unfused error is NaN.
 

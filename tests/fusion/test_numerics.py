@@ -40,3 +40,10 @@ def test_matching_nans_compares_nan_as_a_value() -> None:
     assert numerics.relative_error(moved, reference, matching_nans=True) == math.inf
     # Without it a NaN in the output is never an error size (the parity oracle's rule).
     assert math.isnan(numerics.relative_error(same, reference))
+
+
+def test_self_check_passes_rounding_only_and_never_nan() -> None:
+    assert numerics.self_check_passes(5e-5, torch.float32)
+    assert not numerics.self_check_passes(1e-3, torch.float32)
+    assert numerics.self_check_passes(1e-2, torch.bfloat16)
+    assert not numerics.self_check_passes(math.nan, torch.bfloat16)

@@ -39,10 +39,6 @@ from fusion.experts_modules import FusedExperts, GateProgram
 from fusion.fusers.moe.gate import gate_program
 from fusion.source import method_source, self_refs
 
-_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-"""Max-normalised error allowed between the experts and their fused twin (the expert sums
-are reordered: rounding; a changed function errs by far more)."""
-
 _REQUIRED_FLAGS = {"has_gate": True, "has_post_expert_norm": False, "_is_expert_parallel": False}
 """Interface flags (read from the instance) of the experts function `FusedExperts` computes;
 an absent flag takes the only value an older interface had (Transformers 5.0 sets only
@@ -201,5 +197,5 @@ def check_experts(experts: nn.Module, found: ExpertsMatch) -> None:
         if expected.dtype != actual.dtype:
             raise RewriteRefused(f"experts ({label}) return {expected.dtype}, fused {actual.dtype}")
         error = numerics.relative_error(actual, expected)
-        if not error <= _TOLERANCE.get(actual.dtype, 3e-2):  # NaN refuses too
+        if not numerics.self_check_passes(error, actual.dtype):  # NaN refuses too
             raise RewriteRefused(f"fused experts differ from the experts ({label}) by {error:.2e}")

@@ -16,10 +16,6 @@ from fusion.errors import RewriteRefused
 from fusion.fusers.moe.block import MoEMatch
 from fusion.fusers.moe.build import build_fused
 
-_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-"""Max-normalised error the numeric check allows between the block and its fused twin: the
-expert sums are reordered (rounding), while a changed function errs by far more."""
-
 
 def check_numerically(module: nn.Module, found: MoEMatch) -> None:
     """Run the block and its fused twin (torch reference kernels) on one random input; refuse
@@ -64,7 +60,7 @@ def check_numerically(module: nn.Module, found: MoEMatch) -> None:
     if expected.dtype != actual.dtype:
         raise RewriteRefused(f"the block returns {expected.dtype}, the fused block {actual.dtype}")
     error = numerics.relative_error(actual, expected)
-    if not error <= _TOLERANCE.get(dtype, 3e-2):  # NaN (a non-finite output) is refused too
+    if not numerics.self_check_passes(error, dtype):  # NaN (a non-finite output) is refused too
         raise RewriteRefused(
             f"fused block differs from the original by {error:.2e} (max-normalised)"
         )
