@@ -68,6 +68,13 @@ if triton is not None:
         return _to(v, DT).to(v.dtype)
 
     @triton.jit
+    def _inv_rms(total, n_cols, eps, RND: tl.constexpr):
+        """`rsqrt(mean + eps)` of a row's sum of squares, rounded to RND after each op
+        exactly where the reference rounds (mean, the sum with eps, the inverse root)."""
+        mean = _rnd(total / n_cols, RND)
+        return _rnd(1.0 / tl.sqrt(_rnd(mean + eps, RND)), RND)
+
+    @triton.jit
     def rms_norm_kernel(
         x_ptr,
         w_ptr,
@@ -117,8 +124,7 @@ if triton is not None:
                 mask = row_mask[:, None] & (c[None, :] < n_cols)
                 h = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(ACC)
                 total += tl.sum(_rnd(h * h, RND), axis=1)
-        mean = _rnd(total / n_cols, RND)
-        inv = _rnd(1.0 / tl.sqrt(_rnd(mean + eps, RND)), RND)
+        inv = _inv_rms(total, n_cols, eps, RND)
         if SINGLE_PASS:
             _rms_norm_store(
                 h, inv, w_ptr, out_rows, cols, mask, n_cols, offset,
@@ -418,8 +424,7 @@ if triton is not None:
                 tl.store(sum_rows + c[None, :], s, mask=mask)
                 h = s.to(ACC)
                 total += tl.sum(_rnd(h * h, RND), axis=1)
-        mean = _rnd(total / n_cols, RND)
-        inv = _rnd(1.0 / tl.sqrt(_rnd(mean + eps, RND)), RND)
+        inv = _inv_rms(total, n_cols, eps, RND)
         if SINGLE_PASS:
             _rms_norm_store(
                 h, inv, w_ptr, out_rows, cols, mask, n_cols, offset,
