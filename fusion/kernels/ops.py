@@ -33,10 +33,9 @@ from fusion.kernels import autograd, torch_ref
 from fusion.kernels.torch_ref import TorchKernels
 
 
-def _use_operator(*tensors: Tensor | None) -> bool:
+def _use_operator() -> bool:
     """Call the registered operator (rather than the backend's Python code): only while
-    Dynamo traces. The operators are differentiable, so this holds when training too.
-    `tensors` (the call's inputs) are accepted for the call sites' symmetry and unused."""
+    Dynamo traces. The operators are differentiable, so this holds when training too."""
     return torch.compiler.is_compiling()
 
 
@@ -110,7 +109,7 @@ def rms_norm(
 ) -> Tensor:
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`)."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
-    if _use_operator(x, weight):
+    if _use_operator():
         if _traced_reference(backend, x.device, "rms_norm"):
             return _rms(torch_ref.rms_norm, x, weight, eps, *flags)
         return torch.ops.fusion.rms_norm(x, weight, eps, *flags, backend)
@@ -179,7 +178,7 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))`, two new tensors."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
-    if _use_operator(a, b, weight):
+    if _use_operator():
         if _traced_reference(backend, a.device, "add_rms_norm"):
             return _add_rms(torch_ref.add_rms_norm, a, b, weight, eps, flags)
         return torch.ops.fusion.add_rms_norm(a, b, weight, eps, *flags, backend)
@@ -198,7 +197,7 @@ def _act_and_mul_fake(x, activation, backend):
 
 def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     """`Kernels.act_and_mul` on `backend`."""
-    if _use_operator(x):
+    if _use_operator():
         if _traced_reference(backend, x.device, "act_and_mul"):
             return torch_ref.act_and_mul(x, activation)
         return torch.ops.fusion.act_and_mul(x, activation, backend)
@@ -235,7 +234,7 @@ def moe_experts(
     activation: str,
 ) -> Tensor:
     """`Kernels.moe_experts` on `backend`."""
-    if _use_operator(hidden, gate_up, down, topk_weights):
+    if _use_operator():
         return torch.ops.fusion.moe_experts(
             hidden, gate_up, down, topk_ids, topk_weights, activation, backend
         )
