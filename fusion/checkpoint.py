@@ -9,8 +9,12 @@ How, for a module holding a merged child (`qkv_proj`, `gate_up_proj`, a repacked
 Transformers 4 `experts`):
 
 - a state-dict hook on that module replaces the merged tensors by their exact slices under
-  the original keys (views of the merged tensor: bit-identical, no copy, and writing through
-  them writes the model, as writing through a stock state dict's tensors does). Zero bias
+  the original keys (aliases of the merged tensor's memory: bit-identical, no copy, and
+  writing through them writes the model, as writing through a stock state dict's tensors
+  does). Each slice gets a storage object of its own over that memory (`_own_storage`), so
+  tools that group state-dict entries by storage (accelerate's and safetensors'
+  `save_model`, Transformers' tied-weight checks) see separate tensors, as they do on the
+  unfused model, instead of weights "tied" to each other that they would drop. Zero bias
   shards synthesised for bias-less projections are dropped.
 - a load pre-hook stacks the unfused keys back into the merged key before the module checks
   its own keys. A partial checkpoint loads what it has, as stock PyTorch does: shards it
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from fusion.modules import MergedLinear
 from fusion.moe_modules import PackedExperts
@@ -61,6 +66,34 @@ def _merged_pieces(
         yield name, piece
 
 
+def _own_storage(piece: torch.Tensor | None) -> torch.Tensor | None:
+    """`piece` (a slice of a merged or packed tensor) as a tensor over the same memory with
+    a storage object of its own, or `piece` itself where that cannot be made.
+
+    Why: a stock state dict holds one storage per parameter, and savers deduplicate by
+    storage identity: accelerate's `save_model` keeps one name per storage and silently
+    drops the rest (k_proj and v_proj of a merged q/k/v were lost), safetensors'
+    `save_model` refuses a storage no single entry covers. A DLPack round trip gives a
+    storage that starts at the slice and spans only it. Safe because the memory is the
+    same (writes through the entry still reach the model; bit-identical values) and the
+    DLPack deleter holds a reference to the source tensor, so the merged weight outlives
+    the entry even after the model is gone. Not done for tensor subclasses (DTensor, fake
+    or functional tensors), meta tensors, tensors needing grad (`keep_vars=True`) or while
+    Dynamo traces: those keep the plain view, the previous behaviour."""
+    if (
+        piece is None
+        or type(piece) is not torch.Tensor
+        or piece.device.type not in ("cpu", "cuda")
+        or piece.requires_grad
+        or torch.compiler.is_compiling()
+    ):
+        return piece
+    try:
+        return from_dlpack(to_dlpack(piece))
+    except (RuntimeError, BufferError, TypeError):  # a dtype or layout DLPack lacks
+        return piece
+
+
 def _replace_in_place(
     destination: dict[str, Any], key: str, pieces: list[tuple[str, torch.Tensor]]
 ) -> None:
@@ -70,7 +103,7 @@ def _replace_in_place(
     destination.clear()
     for existing, value in items:
         if existing == key:
-            destination.update(pieces)
+            destination.update((name, _own_storage(piece)) for name, piece in pieces)
         else:
             destination[existing] = value
 
@@ -308,3 +341,19 @@ def unfused_named(
             if isinstance(hook, (MergedStateDictHook, PackedStateDictHook)):
                 hook(module, result, prefix, None)
     return result
+
+
+def fused_names(model: nn.Module) -> dict[str, str]:
+    """Each unfused state-dict key of `model` -> the name of the fused model's parameter or
+    buffer that holds its values (itself where nothing was merged).
+
+    For reports about the fused model in checkpoint terms, and back: a loader's missing
+    `q_proj.weight` is, on the fused model, (a slice of) `qkv_proj.weight`. Derived from the
+    same state-dict hooks `state_dict()` runs, so the two cannot disagree."""
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    names += [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    mapping: dict[str, str] = {}
+    for name in names:
+        for key in unfused_named(model, {name: None}):
+            mapping.setdefault(key, name)
+    return mapping

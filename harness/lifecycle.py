@@ -9,7 +9,9 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
 - `train`: one training-mode forward and backward (labels = inputs), same seed: the loss and
   every gradient, mapped back to unfused parameter names (`fusion.checkpoint.unfused_named`);
   a frozen parameter must stay without gradient; then one SGD step and an eval forward.
-- `save-pretrained`: `save_pretrained` of both; the fused checkpoint must hold the unfused
+- `save-pretrained`: `state_dict()` entries must share storage exactly where the unfused
+  model's do (savers that deduplicate by storage, such as accelerate's `save_model`, keep one
+  name per storage); `save_pretrained` of both; the fused checkpoint must hold the unfused
   keys with bit-identical tensors, and the stock class's `from_pretrained` of it must give the
   unfused logits.
 - `load-state-dict`: after a first forward, both load the same (scaled) unfused state dict,
@@ -313,9 +315,27 @@ def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _storage_groups(model: nn.Module) -> list[list[str]]:
+    """`state_dict()` keys grouped by storage (groups of two or more), the grouping that
+    accelerate, safetensors and Transformers apply before saving."""
+    from transformers.pytorch_utils import id_tensor_storage
+
+    groups: dict[Any, list[str]] = {}
+    for key, tensor in model.state_dict().items():
+        groups.setdefault(id_tensor_storage(tensor), []).append(key)
+    return sorted(group for group in groups.values() if len(group) > 1)
+
+
 def _save_pretrained(ctx: Context) -> str:
     if not hasattr(ctx.unfused, "save_pretrained"):
         raise _NotApplicable("the model has no save_pretrained")
+    shared, unfused_shared = _storage_groups(ctx.fused), _storage_groups(ctx.unfused)
+    if shared != unfused_shared:
+        extra = [group for group in shared if group not in unfused_shared]
+        raise _Failed(
+            f"state_dict entries share storage where the unfused model's do not: {extra[:2]} "
+            "(savers that keep one name per storage would drop the others)"
+        )
     with tempfile.TemporaryDirectory() as root:
         mine, theirs = Path(root, "unfused"), Path(root, "fused")
         with _quiet():

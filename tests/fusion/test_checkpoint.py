@@ -161,3 +161,62 @@ def test_save_pretrained_writes_the_unfused_checkpoint(
     ids = token_ids()
     with torch.no_grad():
         assert torch.equal(stock(ids).logits, reference(ids).logits)
+
+
+def _storage_groups(state_dict: dict[str, torch.Tensor]) -> list[list[str]]:
+    """State-dict keys grouped by storage, as Transformers' tied-weight checks group them."""
+    from transformers.pytorch_utils import id_tensor_storage
+
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in state_dict.items():
+        groups.setdefault(id_tensor_storage(tensor), []).append(name)
+    return sorted(group for group in groups.values() if len(group) > 1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_state_dict_entries_share_storage_exactly_as_unfused(model_type: str) -> None:
+    """Regression (Transformers' `test_tied_weights_keys` under fusion): the slices of a
+    merged weight in `state_dict()` used to be views of one storage, so storage-grouping
+    tools read q/k/v as weights tied to each other. Storage groups now equal the unfused
+    model's (tied embeddings stay grouped, merged slices do not)."""
+    unfused = tiny_model(model_type, seed=7, tie_word_embeddings=True)
+    fused = copy.deepcopy(unfused)
+    report = fusion.fuse(fused)
+    assert any(r.fuser in {"qkv", "glu", "mla"} for r in report.applied), str(report)
+    assert _storage_groups(fused.state_dict()) == _storage_groups(unfused.state_dict())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_storage_deduplicating_savers_keep_every_weight(tmp_path, model_type: str) -> None:
+    """Regression (wrong checkpoint): accelerate's `save_model` keeps one name per storage,
+    so a fused model's checkpoint silently lacked k_proj, v_proj and up_proj (the stock
+    class then random-initialised them); safetensors' `save_model` refused the model. Both
+    now write the unfused model's keys and bits."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file, save_model
+
+    unfused = tiny_model(model_type, seed=8)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    want = unfused.state_dict()
+    Accelerator(cpu=True).save_model(fused, tmp_path / "accelerate")
+    save_model(fused, str(tmp_path / "model.safetensors"))
+    for got in (_saved_tensors(tmp_path / "accelerate"), load_file(tmp_path / "model.safetensors")):
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_state_dict_entries_outlive_the_model() -> None:
+    """An entry aliasing a merged weight keeps that weight's memory alive after the model
+    is gone (the storage of its own must not dangle)."""
+    import gc
+
+    fused = tiny_model("llama", seed=9)
+    fusion.fuse(fused)
+    entries = fused.state_dict()
+    key = next(k for k in entries if k.endswith("self_attn.v_proj.weight"))
+    expected = entries[key].clone()
+    del fused
+    gc.collect()
+    scratch = [torch.full((64, 64), 7.0) for _ in range(64)]  # reuse freed memory, if any
+    assert torch.equal(entries[key], expected) and len(scratch) == 64

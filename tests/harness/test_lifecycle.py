@@ -82,6 +82,21 @@ def test_fused_keys_in_the_checkpoint_fail_save_pretrained(llama, llama_inputs):
     assert "checkpoint keys differ" in result.lifecycle["save-pretrained"]["detail"]
 
 
+def _shared_storage_fuse(model, monkeypatch):
+    """Fusion whose state-dict slices share the merged weight's storage (the old defect
+    that made accelerate's save_model drop k_proj and v_proj)."""
+    from fusion import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_own_storage", lambda piece: piece)
+    return fusion.fuse(model)
+
+
+def test_state_dict_slices_sharing_storage_fail_save_pretrained(llama, llama_inputs, monkeypatch):
+    result = _run(llama, llama_inputs, lambda model: _shared_storage_fuse(model, monkeypatch))
+    assert _verdicts(result)["save-pretrained"] == "fail", result.lifecycle
+    assert "share storage" in result.lifecycle["save-pretrained"]["detail"]
+
+
 def _method_fuse(model):
     """Rewritten forwards bound with types.MethodType (the old torch.save defect)."""
     report = fusion.fuse(model)
