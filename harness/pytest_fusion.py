@@ -12,7 +12,11 @@ With `--fusion`, every Transformers `PreTrainedModel` the tests build is passed 
   built inside another model's `__init__` (a text model inside a causal LM, a vision tower)
   is not fused on its own: the outer model is fused whole when its own construction ends.
 - right after `from_pretrained` returns, not during it: the loader writes the checkpoint's
-  unfused keys into the model it constructed, which must therefore still be unfused.
+  unfused keys into the model it constructed, which must therefore still be unfused. The
+  loading info it returns (`output_loading_info=True`) then describes the model returned:
+  a missing `q_proj.weight` is reported as the fused `qkv_proj.weight` it loads into
+  (`fusion.checkpoint.fused_names`), so missing keys name the returned model's parameters,
+  as they do unfused.
 
 Each test's fusions (model class, fusions per fuser) and outcome are recorded; with
 `--fusion-outcomes FILE` one JSON line per test is written (also without `--fusion`, for the
@@ -99,6 +103,21 @@ def _fuse(model: Any, backend: str, when: str) -> None:
     )
 
 
+def _rename_missing(model: Any, info: Any) -> None:
+    """Rewrite `info["missing_keys"]` (a loader's, in unfused names) to the fused model's
+    parameter names, in place, keeping the container type. A fused parameter is missing when
+    any slice of it was (its other slices loaded, but the tensor as a whole holds
+    initialised values)."""
+    from fusion.checkpoint import fused_names
+
+    if not isinstance(info, dict) or not isinstance(info.get("missing_keys"), (list, set)):
+        return
+    names = fused_names(model)
+    missing = info["missing_keys"]
+    renamed = list(dict.fromkeys(names.get(key, key) for key in missing))
+    info["missing_keys"] = type(missing)(renamed)
+
+
 @contextlib.contextmanager
 def _patched(backend: str) -> Iterator[None]:
     """Wrap `post_init` and `from_pretrained` of `PreTrainedModel` for the session."""
@@ -123,6 +142,8 @@ def _patched(backend: str) -> Iterator[None]:
             fused = model[0] if isinstance(model, tuple) else model
             if isinstance(fused, PreTrainedModel):
                 _fuse(fused, backend, "from_pretrained")
+                if isinstance(model, tuple) and len(model) == 2:
+                    _rename_missing(fused, model[1])
         return model
 
     PreTrainedModel.post_init = post_init

@@ -10,19 +10,6 @@ names (parameterized variants share their base name's entry).
 from __future__ import annotations
 
 EXCEPTIONS: dict[str, str] = {
-    "test_tied_weights_keys": (
-        "reads every group of state_dict() tensors sharing one storage as weights tied "
-        "without a `_tied_weights_keys` entry. A fused model's state_dict() gives q/k/v "
-        "(gate/up) as exact views of the merged weight, so writes through the state dict "
-        "still reach the model (as in-place EMA updates expect); save_pretrained clones "
-        "such disjoint views, so the saved checkpoint has no shared tensors"
-    ),
-    "test_model_weights_reload_no_missing_tied_weights": (
-        "compares the loader's missing keys, which name the checkpoint's unfused "
-        "parameters (q_proj, k_proj, v_proj), with the fused model's own parameter names "
-        "(qkv_proj): the fused layout by design. What loads is checked by test_save_load "
-        "and the rest of the save/load family, which pass"
-    ),
     "test_eager_matches_batched_and_grouped_inference": (
         "replaces Transformers' experts kernels by mocks and asserts that the one named by "
         "set_experts_implementation is called. A fused MoE block runs its own fused kernel "

@@ -43,6 +43,16 @@ def test_from_pretrained_loads_every_weight(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
+def test_loading_info_names_the_returned_model(tmp_path):
+    build().save_pretrained(tmp_path)
+    from safetensors.torch import save_file
+
+    # no weight at all on file (as Transformers' reload test does): every parameter missing
+    save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert set(info["missing_keys"]) == {name for name, _ in loaded.named_parameters()}
+
+
 def test_inspects_a_projection():
     assert build().model.layers[0].self_attn.q_proj.out_features == 32
 """
@@ -106,7 +116,8 @@ def test_fused_run_records_and_compares(tmp_path, capsys):
 
     assert pytest_fusion.main([str(base_file), str(fused_file)]) == 1
     out = capsys.readouterr().out
-    assert "3 tests pass unfused; 1 of them fail fused" in out
+    assert got["test_loading_info_names_the_returned_model"]["outcome"] == "passed"
+    assert "4 tests pass unfused; 1 of them fail fused" in out
     assert "1 x AttributeError: 'LlamaAttention' object has no attribute 'q_proj'" in out
     assert (
         "test_inspects_a_projection" in out

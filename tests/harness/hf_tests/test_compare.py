@@ -7,14 +7,19 @@ from harness.hf_tests import compare
 
 BASE = {
     "s.py::HFLlamaMixinTest::test_save_load": {"outcome": "passed"},
-    "s.py::HFLlamaMixinTest::test_tied_weights_keys": {"outcome": "passed"},
+    "s.py::HFLlamaMixinTest::test_eager_matches_batched_and_grouped_inference": {
+        "outcome": "passed"
+    },
     "s.py::HFLlamaMixinTest::test_skipped": {"outcome": "skipped"},
     "s.py::HFMixtralMixinTest::test_save_load": {"outcome": "passed"},
     "s.py::HFMixtralMixinTest::test_flaky": {"outcome": "failed", "cause": "X"},
 }
 FUSED = {
     "s.py::HFLlamaMixinTest::test_save_load": {"outcome": "passed"},
-    "s.py::HFLlamaMixinTest::test_tied_weights_keys": {"outcome": "failed", "cause": "A: x"},
+    "s.py::HFLlamaMixinTest::test_eager_matches_batched_and_grouped_inference": {
+        "outcome": "failed",
+        "cause": "A: x",
+    },
     "s.py::HFLlamaMixinTest::test_skipped": {"outcome": "failed", "cause": "B"},
     "s.py::HFMixtralMixinTest::test_save_load": {"outcome": "failed", "cause": "K: y"},
     "s.py::HFMixtralMixinTest::test_flaky": {"outcome": "failed", "cause": "X"},
@@ -25,7 +30,9 @@ def test_compare_splits_exceptions_from_unexpected_breaks():
     result = compare.compare(BASE, FUSED)
     assert result.passed_unfused == {"HFLlamaMixinTest": 2, "HFMixtralMixinTest": 1}
     assert result.broken == {"K: y": ["s.py::HFMixtralMixinTest::test_save_load"]}
-    assert list(result.excepted.values()) == [["s.py::HFLlamaMixinTest::test_tied_weights_keys"]]
+    assert list(result.excepted.values()) == [
+        ["s.py::HFLlamaMixinTest::test_eager_matches_batched_and_grouped_inference"]
+    ]
     assert result.broken_per_class == {"HFLlamaMixinTest": 1, "HFMixtralMixinTest": 1}
     assert result.unexpected == 1
     text = compare.report(result)
