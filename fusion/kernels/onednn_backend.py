@@ -145,6 +145,38 @@ def _row_machine_ok() -> bool:
     return _ROW_OK[0]
 
 
+def row_machine_known_ok() -> bool:
+    """The machine check behind `row_linear_applies` if it was already made (else False),
+    without making it: a plain read Dynamo can trace. `resolve_machine` makes it ahead."""
+    return bool(_ROW_OK) and _ROW_OK[0]
+
+
+def resolve_machine() -> None:
+    """Make the machine check now (outside any trace), so compiled code can read it."""
+    _row_machine_ok()
+
+
+def row_linear_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """While Dynamo traces: should `F.linear(x, weight, bias)` go through the
+    `fusion::row_linear` operator, which makes `row_linear_applies`' run-time choice (the
+    oneDNN one-row product or `F.linear`) when the compiled code runs? Only what a trace
+    may ask: one float32 row on CPU, no gradient recorded, a 2-D weight of
+    `ROW_MIN_ELEMENTS` or more, on a machine already checked (`resolve_machine`). The
+    settings (`torch.backends.mkldnn`) are read by the operator at each call, so toggling
+    them after compiling is obeyed; nothing is cached."""
+    return (
+        x.dim() >= 1
+        and x.numel() == x.shape[-1] == weight.shape[-1]
+        and x.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and x.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.numel() >= ROW_MIN_ELEMENTS
+        and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
+        and row_machine_known_ok()
+    )
+
+
 def row_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `row_linear` may compute `F.linear(x, weight, bias)`: one row (`x.numel()` is
     its last dimension), float32 on CPU, a contiguous 2-D weight, no gradient recorded, not

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fusion import kernels
-from fusion.kernels import autograd, torch_ref
+from fusion.kernels import autograd, onednn_backend, torch_ref
 from fusion.kernels.torch_ref import TorchKernels
 
 
@@ -202,6 +202,28 @@ def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
             return torch_ref.act_and_mul(x, activation)
         return torch.ops.fusion.act_and_mul(x, activation, backend)
     return kernels.get(backend, x.device).act_and_mul(x, activation)
+
+
+@torch.library.custom_op("fusion::row_linear", mutates_args=())
+def _row_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`F.linear(x, weight, bias)` for one row, by oneDNN's one-row product where
+    `onednn_backend.row_linear_applies` says so at this call (settings read now), else by
+    `F.linear`: what eager `MergedLinear` runs, made one node of a compiled graph (Inductor
+    cannot lower the oneDNN op on a plain weight itself). Inference only: the caller
+    routes here only when no gradient is recorded (`row_linear_traced`)."""
+    if onednn_backend.row_linear_applies(x, weight, bias):
+        return onednn_backend.row_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@_row_linear_op.register_fake
+def _row_linear_fake(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`F.linear` of one row through `fusion::row_linear` (see there); compiled code only."""
+    return torch.ops.fusion.row_linear(x, weight, bias)
 
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())

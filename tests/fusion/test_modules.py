@@ -149,12 +149,22 @@ def test_one_row_product_sees_every_weight_write(monkeypatch) -> None:
 
 def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
     """Several float32 rows on a CPU without gradient: one GEMM per shard on row views of
-    the stacked weight, equal to the stacked product up to rounding and seeing weight
+    the stacked weight, each writing its block of the output, bit-identical to the unfused
+    projections' `F.linear` (with and without bias, 2-D and 3-D inputs) and seeing weight
     writes; with a gradient recorded, or one shard only, the stacked GEMM."""
     import torch.nn.functional as F
 
-    merged = _merged((24, 8, 8), 16, bias=True)
-    x = torch.randn(3, 5, 16)
+    def unfused(merged, x):
+        weights = merged.weight.split(merged.output_sizes)
+        biases = merged.bias.split(merged.output_sizes) if merged.bias is not None else None
+        return torch.cat(
+            [
+                F.linear(x, w, None if biases is None else b)
+                for w, b in zip(weights, biases or weights)
+            ],
+            dim=-1,
+        )
+
     seen: list[tuple[int, ...]] = []
     real_linear = F.linear
 
@@ -162,17 +172,75 @@ def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
         seen.append(tuple(weight.shape))
         return real_linear(inp, weight, bias)
 
-    monkeypatch.setattr(F, "linear", spy)
+    merged = _merged((24, 8, 8), 16, bias=True)
     with torch.no_grad():
-        got = merged(x)
-        assert seen == [(24, 16), (8, 16), (8, 16)]
-        want = x @ merged.weight.t() + merged.bias
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for x in (torch.randn(3, 5, 16), torch.randn(7, 16)):
+            for m in (merged, _merged((24, 8, 8), 16, bias=False)):
+                want = unfused(m, x)
+                monkeypatch.setattr(F, "linear", spy)
+                got = m(x)
+                monkeypatch.setattr(F, "linear", real_linear)
+                assert seen == [] and got.shape == want.shape and torch.equal(got, want)
+        x = torch.randn(3, 5, 16)
         merged.weight.data[24:32].mul_(-1.0)  # a write through .data: seen next call
-        torch.testing.assert_close(merged(x), x @ merged.weight.t() + merged.bias)
-        seen.clear()
+        assert torch.equal(merged(x), unfused(merged, x))
+        monkeypatch.setattr(F, "linear", spy)
         _merged((40,), 16, bias=False)(x)
     assert seen == [(40, 16)]
     seen.clear()
     merged(x).sum().backward()
     assert seen == [(40, 16)] and merged.weight.grad is not None
+
+
+def _compiled_graph_ops(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """`module(x)` compiled fullgraph, and the names of the call targets Dynamo recorded."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True)(x)
+    assert len(graphs) == 1
+    return out, [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool) -> None:
+    """Under torch.compile: one row goes through the `fusion::row_linear` operator (which
+    makes the eager one-row choice when it runs) where the machine takes the one-row
+    product, several rows take one linear per shard; values equal the eager module's."""
+    from fusion.kernels import onednn_backend
+
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    merged = _merged((64, 16, 16), 32, bias=bias).eval()
+    with torch.no_grad():
+        for rows in (1, 5):
+            x = torch.randn(1, rows, 32)
+            out, targets = _compiled_graph_ops(merged, x)
+            torch.testing.assert_close(out, merged(x), rtol=1e-5, atol=1e-6)
+            linears = sum("linear" in t and "row_linear" not in t for t in targets)
+            if rows == 1 and onednn_backend.row_machine_known_ok():
+                assert any("fusion.row_linear" in t for t in targets), targets
+            elif rows > 1:
+                assert linears == 3, targets
+
+
+def test_row_linear_operator_reads_settings_when_it_runs(monkeypatch) -> None:
+    """The operator's choice is made per call: with oneDNN disabled it is `F.linear`."""
+    import torch.nn.functional as F
+
+    from fusion.kernels import onednn_backend, ops
+
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    weight, x = torch.randn(48, 32), torch.randn(1, 32)
+    taken: list[bool] = []
+    real = onednn_backend.row_linear_applies
+    monkeypatch.setattr(
+        onednn_backend, "row_linear_applies", lambda *a: taken.append(real(*a)) or taken[-1]
+    )
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(ops.row_linear(x, weight, None), F.linear(x, weight))
+    assert taken == [False]
