@@ -128,11 +128,15 @@ ROW_CAPABILITIES = frozenset({"AVX512"})
 """ATen CPU capabilities on which `row_linear_applies` may answer True (where oneDNN's
 one-row product was measured faster than `F.linear`; see `row_linear`)."""
 
-ROW_MIN_ELEMENTS = 1 << 22
+ROW_MIN_ELEMENTS = 1 << 20
 """Smallest weight (N * K elements) `row_linear_applies` sends to oneDNN: below it the
 primitive's fixed cost (~10 us) outweighs its faster read of the weight. Measured one row,
-one thread, float32, Zen 4: MKL time / oneDNN time 0.15 at 64x64, 0.44 at 512x256, 0.85 at
-1024x1024, 1.03 at 2048x1024, 1.04-1.12 at 4096x1024 and 1.17-1.31 from 3072x2048 up."""
+one thread, float32, Zen 4, weights streamed from memory as in a decode step (256 MB of
+distinct weights cycled, so none is cached): MKL time / oneDNN time 1.24 at 512x512, 1.07 at
+1024x1024, 1.36 at 2048x768, 1.04 at 768x2048, 1.25 at 1536x2048, 1.08 at 2048x2048, 1.04
+at 1024x3072. With one small weight hot in cache instead, oneDNN loses below ~2M elements
+(0.85 at 1024x1024, 0.44 at 512x256): the threshold keeps small, cache-resident weights
+(tiny test models, narrow projections) on MKL."""
 
 _ROW_OK: list[bool] = []
 """Explicit one-entry cache of the machine check behind `row_linear_applies` (the ops exist,
@@ -223,6 +227,21 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _rows_ok(*weights: torch.Tensor) -> bool:
+    """May an expert's one-row GEMM take `row_linear`? Contiguous expert weights (each
+    expert's `[N, K]` slice is then contiguous) of `ROW_MIN_ELEMENTS // 4` elements or more
+    per expert, on a machine `row_linear` is for. The caller (`moe_experts`' oneDNN path)
+    has already checked float32 CPU, no gradient and the oneDNN settings.
+
+    Why: at decode every selected expert has one row, and a CPU MoE block's time is its
+    experts' weights streamed once; oneDNN's one-row product reads them faster than `mm`
+    (Qwen3-30B-A3B experts, 8 of 32 selected, 2048 -> 2 x 768 -> 2048, one thread:
+    7.41 ms with `mm`, 5.41 ms with it) and errs less (see `row_linear`)."""
+    return _row_machine_ok() and all(
+        w.is_contiguous() and w[0].numel() >= ROW_MIN_ELEMENTS // 4 for w in weights
+    )
+
+
 def _grouped_mm_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Can `F.grouped_mm` take these experts? It exists (torch >= 2.10) and every operand's
     rows are 16-byte aligned, which it requires: expert widths `H` and `I` whose rows are a
@@ -305,7 +324,10 @@ class OneDnnKernels(torch_ref.TorchKernels):
         if num_tokens == 0 or topk_ids.shape[-1] == 0:
             return hidden.new_zeros(hidden.shape)
         routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
-        if max(routed.counts) < MIN_ROWS and _grouped_mm_ok(gate_up, down):
+        if max(routed.counts) == 1 and _rows_ok(gate_up, down):
+            # decode: one row per expert, oneDNN's one-row product (`_gemm`)
+            expert_out = self._chain(routed, gate_up, down, activation)
+        elif max(routed.counts) < MIN_ROWS and _grouped_mm_ok(gate_up, down):
             expert_out = self._small(routed, gate_up, down, activation)
         else:
             expert_out = self._chain(routed, gate_up, down, activation)
@@ -344,9 +366,12 @@ class OneDnnKernels(torch_ref.TorchKernels):
 
     @staticmethod
     def _gemm(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
-        """`x @ weights[expert].t()`: oneDNN from `MIN_ROWS` rows up, else `mm`."""
+        """`x @ weights[expert].t()`: oneDNN from `MIN_ROWS` rows up, oneDNN's one-row
+        product for one row where `_rows_ok` holds, else `mm`."""
         if x.shape[0] >= MIN_ROWS:
             return linear(x, weights[expert])
+        if x.shape[0] == 1 and _rows_ok(weights):
+            return row_linear(x, weights[expert], None)
         return torch.mm(x, weights[expert].t())
 
 

@@ -299,3 +299,47 @@ def test_moe_experts_pass_the_parity_oracle_on_random_shapes(
         numerics.relative_error(got, exact), numerics.relative_error(ref, exact), torch.float32
     )
     assert verdict.status == "pass", verdict
+
+
+@pytest.mark.parametrize("activation", sorted(torch_ref.ACTIVATIONS))
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_decode_rows_take_the_one_row_product(monkeypatch, activation: str, top_k: int) -> None:
+    """One row per selected expert (decode): each expert's GEMMs are oneDNN's one-row
+    product where the machine takes it, computing the reference's function with no more
+    error against float64 (1.5x the reference's, as for every path here)."""
+    taken: list[tuple[int, ...]] = []
+    real = onednn_backend.row_linear
+
+    def spy(x, weight, bias):
+        taken.append(tuple(weight.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(onednn_backend, "row_linear", spy)
+    x, gate_up, down, ids, weights = _experts(1, 512, 512, 8, top_k, seed=3)
+    got = BACKEND.moe_experts(x, gate_up, down, ids, weights, activation)
+    ref = torch_ref.moe_experts(x, gate_up, down, ids, weights, activation)
+    exact = _float64(x, gate_up, down, ids, weights, activation)
+    assert got.shape == ref.shape
+    assert numerics.relative_error(got, exact) <= 1.5 * numerics.relative_error(ref, exact) + 6e-8
+    onednn_backend.resolve_machine()
+    if onednn_backend.cpu_capability() in onednn_backend.ROW_CAPABILITIES:
+        assert onednn_backend.row_machine_known_ok()  # an AVX-512 machine takes it
+        assert taken == [(1024, 512), (512, 512)] * top_k
+    else:
+        assert taken == []
+
+
+@pytest.mark.parametrize(
+    "write",
+    [_write_data, _write_detached, _write_numpy, _write_in_place, _write_copy, _write_set],
+    ids=lambda f: f.__name__.removeprefix("_write_"),
+)
+def test_decode_rows_see_weight_writes(write) -> None:
+    """The one-row path keeps nothing either: a write by any spelling after a first
+    decode call is seen by the next."""
+    x, gate_up, down, ids, weights = _experts(1, 512, 512, 8, 2, seed=4)
+    BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
+    for tensor in (gate_up, down):
+        write(tensor)
+        got = BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
+        assert numerics.relative_error(got, _float64(x, gate_up, down, ids, weights)) < 1e-5
