@@ -227,17 +227,19 @@ def test_auto_picks_onednn_only_on_avx512_cpus() -> None:
     assert kernels.get("auto", "cpu").name == ("onednn" if avx512 else "torch")
 
 
-def test_compiling_takes_the_reference_without_reading_settings(monkeypatch) -> None:
+def test_compiling_takes_the_reference_without_reading_settings() -> None:
     """Under `torch.compile` the backend answers "reference" before touching
-    `torch.backends.mkldnn` (Dynamo cannot trace those settings' `__getattr__`)."""
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(
-        onednn_backend, "strict_fp32", lambda: pytest.fail("read settings while compiling")
-    )
-    x, gate_up, down, ids, weights = _experts(512, 256, 256, 4, 2)
-    assert not BACKEND.uses_onednn(x, gate_up, down, weights)
-    got = BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
-    assert torch.equal(got, torch_ref.moe_experts(x, gate_up, down, ids, weights, "silu"))
+    `torch.backends.mkldnn` (Dynamo cannot trace those settings' `__getattr__`, so reading
+    them would break a fullgraph trace). A real trace, not a patched `is_compiling`:
+    patching that while Dynamo first initialises makes later traces in the process fail."""
+    x, gate_up, down, _ids, weights = _experts(512, 256, 256, 4, 2)
+
+    def probe(x, gate_up, down, weights):
+        return x * 2 if BACKEND.uses_onednn(x, gate_up, down, weights) else x * 3
+
+    assert torch.equal(probe(x, gate_up, down, weights), x * 2)  # eager: oneDNN
+    compiled = torch.compile(probe, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, gate_up, down, weights), x * 3)
 
 
 def test_fused_mixtral_block_passes_the_parity_oracle() -> None:
