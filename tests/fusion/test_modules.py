@@ -149,9 +149,9 @@ def test_one_row_product_sees_every_weight_write(monkeypatch) -> None:
 
 def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
     """Several float32 rows on a CPU without gradient: one GEMM per shard on row views of
-    the stacked weight, each writing its block of the output, bit-identical to the unfused
-    projections' `F.linear` (with and without bias, 2-D and 3-D inputs) and seeing weight
-    writes; with a gradient recorded, or one shard only, the stacked GEMM."""
+    the stacked weight, bit-identical to the unfused projections' `F.linear` (with and
+    without bias, 2-D and 3-D inputs) and seeing weight writes; with a gradient recorded,
+    or one shard only, the stacked GEMM."""
     import torch.nn.functional as F
 
     def unfused(merged, x):
@@ -180,7 +180,9 @@ def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
                 monkeypatch.setattr(F, "linear", spy)
                 got = m(x)
                 monkeypatch.setattr(F, "linear", real_linear)
-                assert seen == [] and got.shape == want.shape and torch.equal(got, want)
+                assert seen == [tuple(w.shape) for w in m.weight.split(m.output_sizes)]
+                assert got.shape == want.shape and torch.equal(got, want)
+                seen.clear()
         x = torch.randn(3, 5, 16)
         merged.weight.data[24:32].mul_(-1.0)  # a write through .data: seen next call
         assert torch.equal(merged(x), unfused(merged, x))
