@@ -77,6 +77,7 @@ def run(
     replaced: list[str] = []  # "qualname." of every module that left the model
     owners: dict[int, list[tuple[str, nn.Module]]] | None = None  # built on the first fuse
     fused_parts: list[str] = []  # "qualname." of every fused module found in the model
+    relaid: list[str] = []  # qualnames whose modules or parameters fusion changed
     for qualname, module in list(model.named_modules()):
         if any(f"{qualname}.".startswith(prefix) for prefix in replaced):
             continue  # a module that was replaced or dropped, or inside one ("": the root)
@@ -98,7 +99,7 @@ def run(
             report.skipped.extend(
                 Skipped(qualname, cls.name, cls_name, placed)
                 for cls in chosen_fusers
-                if cls.candidate(module)
+                if cls.candidate(module) and cls.applies_to(module)
             )
             continue
         found = registry.candidates(module, chosen_fusers)
@@ -112,6 +113,8 @@ def run(
                 )
                 continue
             fuser = candidate.fuser
+            if not fuser.applies_to(module):
+                continue
             try:
                 fuser.validate(module)
             except RewriteRefused as exc:
@@ -128,13 +131,15 @@ def run(
                 continue
             redefined = redefined or fuser.redefines_forward
             report.applied.append(_applied(qualname, fuser))
+            if fuser.changes_layout:
+                relaid.append(qualname)
             if fuser.replaces_module:
                 replaced.append(f"{qualname}." if qualname else "")
             prefix = f"{qualname}." if qualname else ""
             replaced.extend(f"{prefix}{child}." for child in fuser.dropped_children(module))
-    if not dry_run and report.applied:
+    if not dry_run and relaid:
         # The model's tensor-parallel plans must stay true of the fused model (placement).
-        placement.prune_model_plans(model, [record.qualname for record in report.applied])
+        placement.prune_model_plans(model, relaid)
     return report
 
 

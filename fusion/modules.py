@@ -153,6 +153,21 @@ class MergedLinear(nn.Module):
         return f"in_features={self.in_features}, shards=({shards}), bias={self.bias is not None}"
 
 
+class RowLinear(nn.Linear):
+    """An `nn.Linear` whose one-row products (decode) are oneDNN's on AVX-512 CPUs; every
+    other call is `F.linear`. Installed by the `decode_linear` fuser on a plain linear (a
+    class change: same parameters, same place); see `fusion.fusers.decode_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if onednn_backend.row_linear_applies(x, self.weight, self.bias):
+            return onednn_backend.row_linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling() and onednn_backend.row_linear_traced(
+            x, self.weight, self.bias
+        ):
+            return ops.row_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:
     if linear.bias is not None:
         return linear.bias

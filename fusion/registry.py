@@ -13,6 +13,7 @@ from torch import nn
 from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
+from fusion.fusers.decode_linear import DecodeLinearFuser
 from fusion.fusers.glu import GLUFuser
 from fusion.fusers.mla import MLAFuser
 from fusion.fusers.moe import MoEFuser
@@ -32,11 +33,13 @@ FUSERS: tuple[type[Fuser], ...] = (
     RMSNormFuser,
     MoEFuser,
     ResidualNormFuser,
+    DecodeLinearFuser,
 )
 """Every fuser, highest priority first. Only the first one that validates for an instance
 may redefine its forward; others that leave the forward alone may still apply.
-`ResidualNormFuser` comes last: it rewrites decoder layers, which no other fuser takes
-today, and should never cost a module another fuser's (larger) rewrite."""
+`ResidualNormFuser` comes after the others: it rewrites decoder layers, which no other fuser
+takes today, and should never cost a module another fuser's (larger) rewrite.
+`DecodeLinearFuser` last: it only takes plain linears, which nothing else rewrites."""
 
 
 @dataclass(frozen=True)

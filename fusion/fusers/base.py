@@ -38,6 +38,10 @@ class Fuser(ABC):
     redefines_forward: ClassVar[bool] = True
     """Whether fusing changes the module's forward (at most one such fuser per module)."""
 
+    changes_layout: ClassVar[bool] = True
+    """Whether fusing changes which modules and parameters the model has (a fuser that only
+    changes how a module computes leaves the model's tensor-parallel plans valid)."""
+
     replaces_module: ClassVar[bool] = False
     """Whether `fuse` returns a new module for the slot (its old children leave the model,
     so `fusion.apply` does not visit them)."""
@@ -49,6 +53,13 @@ class Fuser(ABC):
     def candidate(cls, module: nn.Module) -> bool:
         """Cheap class-level prefilter: could this pattern be in `module` at all? Tracing is
         skipped for modules no fuser is a candidate for."""
+        return True
+
+    @classmethod
+    def applies_to(cls, module: nn.Module) -> bool:
+        """Per-instance prefilter, checked before `validate`: False skips this instance
+        silently (no refusal in the report), for a fuser that by design never takes it
+        (a size threshold). `candidate` is cached per class; this is not."""
         return True
 
     @classmethod

@@ -1,0 +1,151 @@
+"""The decode_linear fuser: plain linears take oneDNN's one-row product at decode, keeping
+their parameters, names and place; anything not exactly a plain linear is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fusion
+from fusion import numerics
+from fusion.kernels import onednn_backend
+from fusion.modules import RowLinear
+
+
+@pytest.fixture(autouse=True)
+def _small_threshold(monkeypatch):
+    """Test-sized weights take the path (the threshold is a speed rule, not a safety one)."""
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 32 * 48)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 4)).eval()
+
+
+def test_large_plain_linears_become_row_linears_in_place() -> None:
+    model = _model()
+    params = {name: p for name, p in model.named_parameters()}
+    report = fusion.fuse(model)
+    assert [(r.qualname, r.fuser) for r in report.applied] == [
+        ("0", "decode_linear"),
+        ("2", "decode_linear"),
+    ]
+    assert not any(s.qualname == "3" for s in report.skipped)  # below the threshold: silent
+    assert type(model[0]) is RowLinear and type(model[3]) is nn.Linear
+    assert all(p is params[name] for name, p in model.named_parameters())
+    assert isinstance(model[0], nn.Linear)
+
+
+def test_same_function_one_row_and_many() -> None:
+    model = _model()
+    fused = copy.deepcopy(model)
+    fusion.fuse(fused)
+    with torch.no_grad():
+        for shape in ((1, 48), (1, 1, 48), (5, 48), (2, 3, 48)):
+            x = torch.randn(*shape, dtype=torch.float64).float()
+            got, want = fused(x), model(x)
+            exact = model.double()(x.double())
+            model.float()
+            if x.numel() == x.shape[-1]:  # one row: oneDNN, no less accurate than MKL
+                err = numerics.relative_error(got, exact)
+                assert err <= 2 * numerics.relative_error(want, exact) + 1e-7
+            else:
+                assert torch.equal(got, want)  # several rows: F.linear itself
+
+
+def test_row_path_taken_and_weight_writes_seen(monkeypatch) -> None:
+    taken: list[tuple[int, ...]] = []
+    real = onednn_backend.row_linear
+    monkeypatch.setattr(
+        onednn_backend, "row_linear", lambda x, w, b: taken.append(tuple(w.shape)) or real(x, w, b)
+    )
+    model = _model()
+    fusion.fuse(model)
+    x = torch.randn(1, 48)
+    with torch.no_grad():
+        model(x)
+        model[0].weight.data.mul_(-2.0)  # a write no version counter sees
+        want = F.linear(x, model[0].weight, model[0].bias)
+        torch.testing.assert_close(model[0](x), want, rtol=1e-5, atol=1e-6)
+    onednn_backend.resolve_machine()
+    if onednn_backend.cpu_capability() in onednn_backend.ROW_CAPABILITIES:
+        assert (64, 48) in taken
+    else:
+        assert taken == []
+
+
+class _Subclass(nn.Linear):
+    pass
+
+
+def test_refusals_name_the_reason() -> None:
+    model = _model()
+    model[0].register_forward_hook(lambda *args: None)
+    model[2].forward = lambda x: x  # an instance forward
+    report = fusion.fuse(model)
+    reasons = {s.qualname: s.reason for s in report.skipped if s.fuser == "decode_linear"}
+    assert "hooks" in reasons["0"] and "forward" in reasons["2"], reasons
+    assert not report.applied
+    quantised = nn.Sequential(_Subclass(48, 64))
+    assert not fusion.fuse(quantised).applied  # not exactly nn.Linear: not a candidate
+
+
+def test_tied_weights_and_checkpoints_are_untouched(tmp_path) -> None:
+    """An LM head tied to the embeddings stays tied; the state dict is the same dict."""
+    from tests.fusion.tiny_models import tiny_model, token_ids
+
+    model = tiny_model("llama", seed=3, tie_word_embeddings=True)
+    before = model.state_dict()
+    fusion.fuse(model)
+    assert type(model.lm_head) is RowLinear
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    ids = token_ids()
+    with torch.no_grad():
+        model(ids)
+
+
+def test_tensor_parallel_plans_are_kept() -> None:
+    """A class change leaves the model's modules and parameters as they were, so its
+    tensor-parallel plan (which names them) is not pruned."""
+    model = _model()
+    model._tp_plan = {"0": "colwise", "2": "rowwise"}
+    fusion.fuse(model)
+    assert model._tp_plan == {"0": "colwise", "2": "rowwise"}
+
+
+def test_compiles_fullgraph_through_the_operator() -> None:
+    model = _model()
+    fusion.fuse(model)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(1, 48)
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-6)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    if onednn_backend.row_machine_known_ok():
+        assert sum("fusion.row_linear" in t for t in targets) == 2, targets
+
+
+def test_deepcopy_and_pickle_keep_the_class() -> None:
+    import io
+
+    model = _model()
+    fusion.fuse(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(copy.deepcopy(model)[0]) is RowLinear and type(loaded[0]) is RowLinear
