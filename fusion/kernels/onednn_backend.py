@@ -138,6 +138,18 @@ at 1024x3072. With one small weight hot in cache instead, oneDNN loses below ~2M
 (0.85 at 1024x1024, 0.44 at 512x256): the threshold keeps small, cache-resident weights
 (tiny test models, narrow projections) on MKL."""
 
+ROW_MAX_K_ONE_THREAD = 4096
+"""Longest reduction the one-row product takes when torch runs one thread. Measured as
+above (streamed, one thread): MKL / oneDNN 0.92-0.93 at 2048x8192, 0.95 at 1024x6144 and
+2048x6144, but 1.03 at 2048x4096 and 1.21-1.28 at 2048x2048 and 8192x2048. With two threads
+oneDNN wins at every shape measured (1.34 at 2048x8192, 1.58-1.89 elsewhere): MKL's one-row
+product runs on one thread whatever the setting."""
+
+
+def _row_width_ok(k: int) -> bool:
+    return k <= ROW_MAX_K_ONE_THREAD or torch.get_num_threads() > 1
+
+
 _ROW_OK: list[bool] = []
 """Explicit one-entry cache of the machine check behind `row_linear_applies` (the ops exist,
 the capability is listed): a property of the process, computed on first use."""
@@ -184,7 +196,8 @@ def row_linear_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def row_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `row_linear` may compute `F.linear(x, weight, bias)`: one row (`x.numel()` is
     its last dimension), float32 on CPU, a contiguous 2-D weight, no gradient recorded, not
-    under `torch.compile` (Inductor's own GEMM then), a weight of `ROW_MIN_ELEMENTS` or more,
+    under `torch.compile` (Inductor's own GEMM then), a weight of `ROW_MIN_ELEMENTS` or more
+    (and a reduction of `ROW_MAX_K_ONE_THREAD` or less when torch runs one thread),
     oneDNN enabled in strict float32 mode, and an AVX-512 machine (`ROW_CAPABILITIES`). Anything else: False (the caller keeps
     `F.linear`), so the answer depends on shapes, dtypes and settings, never on timings."""
     if torch.compiler.is_compiling():
@@ -198,6 +211,7 @@ def row_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.numel() >= ROW_MIN_ELEMENTS
+        and _row_width_ok(weight.shape[-1])
         and weight.is_contiguous()
         and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
         and _row_machine_ok()
@@ -238,7 +252,8 @@ def _rows_ok(*weights: torch.Tensor) -> bool:
     (Qwen3-30B-A3B experts, 8 of 32 selected, 2048 -> 2 x 768 -> 2048, one thread:
     7.41 ms with `mm`, 5.41 ms with it) and errs less (see `row_linear`)."""
     return _row_machine_ok() and all(
-        w.is_contiguous() and w[0].numel() >= ROW_MIN_ELEMENTS // 4 for w in weights
+        w.is_contiguous() and w[0].numel() >= ROW_MIN_ELEMENTS // 4 and _row_width_ok(w.shape[-1])
+        for w in weights
     )
 
 

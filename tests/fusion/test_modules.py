@@ -246,3 +246,27 @@ def test_row_linear_operator_reads_settings_when_it_runs(monkeypatch) -> None:
     with torch.backends.mkldnn.flags(enabled=False):
         assert torch.equal(ops.row_linear(x, weight, None), F.linear(x, weight))
     assert taken == [False]
+
+
+def test_one_row_product_width_rule_depends_on_threads(monkeypatch) -> None:
+    """With one thread a long reduction stays on MKL (oneDNN measured slower there); with
+    two threads it takes the one-row product."""
+    from fusion.kernels import onednn_backend
+
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(onednn_backend, "ROW_MAX_K_ONE_THREAD", 16)
+    x, weight = torch.randn(1, 32), torch.randn(8, 32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            assert not onednn_backend.row_linear_applies(x, weight, None)
+            assert onednn_backend.row_linear_applies(
+                x[:, :16], weight[:, :16].contiguous(), None
+            ) == (onednn_backend.cpu_capability() in onednn_backend.ROW_CAPABILITIES)
+            torch.set_num_threads(2)
+            assert onednn_backend.row_linear_applies(x, weight, None) == (
+                onednn_backend.cpu_capability() in onednn_backend.ROW_CAPABILITIES
+            )
+    finally:
+        torch.set_num_threads(threads)
