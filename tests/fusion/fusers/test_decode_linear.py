@@ -149,3 +149,21 @@ def test_deepcopy_and_pickle_keep_the_class() -> None:
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert type(copy.deepcopy(model)[0]) is RowLinear and type(loaded[0]) is RowLinear
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_every_linear_taking_it_passes_parity_and_the_lifecycle(arch: str) -> None:
+    """With the threshold at zero every plain linear of a tiny corpus model becomes a
+    RowLinear: the parity oracle and every lifecycle operation (generate, train, save and
+    reload, weight edits, copies, compile) still pass."""
+    import corpus
+    from harness.check import CheckOptions, check_model, make_inputs
+
+    onednn_backend.ROW_MIN_ELEMENTS = 0  # restored by the autouse fixture's monkeypatch
+    model = corpus.build(arch, seed=0, dtype=torch.float32, device="cpu")
+    options = CheckOptions(lifecycle="full")
+    result = check_model(arch, model, make_inputs(model, options), options).result
+    assert result.status == "pass", result.message
+    assert all(v["verdict"] in {"pass", "n/a"} for v in result.lifecycle.values())
+    assert any("decode_linear" in str(entry) for entry in (result.applied or {})), result.applied
