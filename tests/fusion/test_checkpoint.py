@@ -220,3 +220,18 @@ def test_state_dict_entries_outlive_the_model() -> None:
     gc.collect()
     scratch = [torch.full((64, 64), 7.0) for _ in range(64)]  # reuse freed memory, if any
     assert torch.equal(entries[key], expected) and len(scratch) == 64
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_own_state_dict_loads_back_into_the_model(assign: bool) -> None:
+    """Entries alias the merged weights they are loaded into (self-load), or become the
+    model's tensors (`assign=True`): values stay exactly what they were."""
+    model = tiny_model("llama", seed=10)
+    fusion.fuse(model)
+    want = {key: value.clone() for key, value in model.state_dict().items()}
+    model.load_state_dict(model.state_dict(), assign=assign)
+    got = model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    ids = token_ids()
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
