@@ -167,3 +167,13 @@ def test_every_linear_taking_it_passes_parity_and_the_lifecycle(arch: str) -> No
     assert result.status == "pass", result.message
     assert all(v["verdict"] in {"pass", "n/a"} for v in result.lifecycle.values())
     assert any("decode_linear" in str(entry) for entry in (result.applied or {})), result.applied
+
+
+def test_plan_reports_without_changing_the_class() -> None:
+    model = _model()
+    report = fusion.plan(model)
+    assert [(r.qualname, r.fuser) for r in report.applied] == [
+        ("0", "decode_linear"),
+        ("2", "decode_linear"),
+    ]
+    assert all(type(m) is nn.Linear for m in (model[0], model[2], model[3]))
