@@ -89,12 +89,11 @@ class MergedLinear(nn.Module):
             # optimiser step would give a bias-less projection a bias. Multiplying by the
             # 0/1 mask keeps every value exact (b * 1.0 == b) and zeroes their gradient.
             bias = bias * self._bias_mask(bias)
-        if onednn_backend.row_linear_applies(x, self.weight, bias):
+        row = ops.one_row_product(x, self.weight, bias)
+        if row is not None:
             # decode (one row) on AVX-512 CPUs: oneDNN's one-row product, faster and no less
-            # accurate than MKL's, reading the live weight (see `row_linear`)
-            return onednn_backend.row_linear(x, self.weight, bias)
-        if torch.compiler.is_compiling() and onednn_backend.row_linear_traced(x, self.weight, bias):
-            return ops.row_linear(x, self.weight, bias)
+            # accurate than MKL's, reading the live weight (see `onednn_backend.row_linear`)
+            return row
         if self._per_shard(x, bias):
             return self._shard_products(x, bias)
         return F.linear(x, self.weight, bias)
@@ -159,13 +158,8 @@ class RowLinear(nn.Linear):
     class change: same parameters, same place); see `fusion.fusers.decode_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if onednn_backend.row_linear_applies(x, self.weight, self.bias):
-            return onednn_backend.row_linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling() and onednn_backend.row_linear_traced(
-            x, self.weight, self.bias
-        ):
-            return ops.row_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        row = ops.one_row_product(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if row is None else row
 
 
 def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:

@@ -172,48 +172,46 @@ def resolve_machine() -> None:
     _row_machine_ok()
 
 
+def _one_row_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What both row checks ask of the operands: one float32 row on CPU (`x.numel()` is its
+    last dimension), a 2-D weight of `ROW_MIN_ELEMENTS` or more, no gradient recorded."""
+    return (
+        x.dim() >= 1
+        and x.numel() == x.shape[-1] == weight.shape[-1]
+        and x.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and x.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.numel() >= ROW_MIN_ELEMENTS
+        and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
+    )
+
+
 def row_linear_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """While Dynamo traces: should `F.linear(x, weight, bias)` go through the
     `fusion::row_linear` operator, which makes `row_linear_applies`' run-time choice (the
     oneDNN one-row product or `F.linear`) when the compiled code runs? Only what a trace
-    may ask: one float32 row on CPU, no gradient recorded, a 2-D weight of
-    `ROW_MIN_ELEMENTS` or more, on a machine already checked (`resolve_machine`). The
-    settings (`torch.backends.mkldnn`) are read by the operator at each call, so toggling
-    them after compiling is obeyed; nothing is cached."""
-    return (
-        x.dim() >= 1
-        and x.numel() == x.shape[-1] == weight.shape[-1]
-        and x.dtype == weight.dtype == torch.float32
-        and (bias is None or bias.dtype == torch.float32)
-        and x.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.numel() >= ROW_MIN_ELEMENTS
-        and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
-        and row_machine_known_ok()
-    )
+    may ask: the operands' shape (`_one_row_shape`), on a machine already checked
+    (`resolve_machine`). The settings (`torch.backends.mkldnn`) are read by the operator at
+    each call, so toggling them after compiling is obeyed; nothing is cached."""
+    return _one_row_shape(x, weight, bias) and row_machine_known_ok()
 
 
 def row_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `row_linear` may compute `F.linear(x, weight, bias)`: one row (`x.numel()` is
-    its last dimension), float32 on CPU, a contiguous 2-D weight, no gradient recorded, not
-    under `torch.compile` (Inductor's own GEMM then), a weight of `ROW_MIN_ELEMENTS` or more
-    (and a reduction of `ROW_MAX_K_ONE_THREAD` or less when torch runs one thread),
-    oneDNN enabled in strict float32 mode, and an AVX-512 machine (`ROW_CAPABILITIES`). Anything else: False (the caller keeps
+    """Whether `row_linear` may compute `F.linear(x, weight, bias)`: the operands' shape
+    (`_one_row_shape`: one float32 row on CPU, a 2-D weight of `ROW_MIN_ELEMENTS` or more,
+    no gradient recorded), the weight contiguous on CPU, a reduction of
+    `ROW_MAX_K_ONE_THREAD` or less when torch runs one thread, not under `torch.compile`
+    (the caller traces `fusion::row_linear` then), oneDNN enabled in strict float32 mode,
+    and an AVX-512 machine (`ROW_CAPABILITIES`). Anything else: False (the caller keeps
     `F.linear`), so the answer depends on shapes, dtypes and settings, never on timings."""
     if torch.compiler.is_compiling():
         return False
     return (
-        x.dim() >= 1
-        and x.numel() == x.shape[-1] == weight.shape[-1]
-        and x.dtype == weight.dtype == torch.float32
-        and (bias is None or bias.dtype == torch.float32)
-        and x.device.type == "cpu"
+        _one_row_shape(x, weight, bias)
         and weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.numel() >= ROW_MIN_ELEMENTS
         and _row_width_ok(weight.shape[-1])
         and weight.is_contiguous()
-        and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
         and _row_machine_ok()
         and torch.backends.mkldnn.enabled
         and strict_fp32()
@@ -259,7 +257,9 @@ def _rows_ok(*weights: torch.Tensor) -> bool:
     (Qwen3-30B-A3B experts, 8 of 32 selected, 2048 -> 2 x 768 -> 2048, one thread:
     7.41 ms with `mm`, 5.41 ms with it) and errs less (see `row_linear`)."""
     return _row_machine_ok() and all(
-        w.is_contiguous() and w[0].numel() >= ROW_MIN_ELEMENTS // 4 and _row_width_ok(w.shape[-1])
+        w.is_contiguous()
+        and w.shape[-2] * w.shape[-1] >= ROW_MIN_ELEMENTS // 4
+        and _row_width_ok(w.shape[-1])
         for w in weights
     )
 
@@ -346,13 +346,14 @@ class OneDnnKernels(torch_ref.TorchKernels):
         if num_tokens == 0 or topk_ids.shape[-1] == 0:
             return hidden.new_zeros(hidden.shape)
         routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
-        if max(routed.counts) <= ROW_MAX_ROWS and _rows_ok(gate_up, down):
+        per_row = (_rows_ok(gate_up), _rows_ok(down))  # once per call, not per expert
+        if max(routed.counts) <= ROW_MAX_ROWS and all(per_row):
             # decode: a row or two per expert, oneDNN's one-row product (`_gemm`)
-            expert_out = self._chain(routed, gate_up, down, activation)
+            expert_out = self._chain(routed, gate_up, down, activation, per_row)
         elif max(routed.counts) < MIN_ROWS and _grouped_mm_ok(gate_up, down):
             expert_out = self._small(routed, gate_up, down, activation)
         else:
-            expert_out = self._chain(routed, gate_up, down, activation)
+            expert_out = self._chain(routed, gate_up, down, activation, per_row)
         return torch_ref.combine(routed, expert_out, topk_weights, num_tokens)
 
     def _chain(
@@ -361,17 +362,20 @@ class OneDnnKernels(torch_ref.TorchKernels):
         gate_up: torch.Tensor,
         down: torch.Tensor,
         activation: str,
+        per_row: tuple[bool, bool],
     ) -> torch.Tensor:
         """Expert by expert, gate_up GEMM -> act-and-mul -> down GEMM, so each expert's
-        intermediate is still in cache when the down projection reads it."""
+        intermediate is still in cache when the down projection reads it. `per_row`: may
+        the gate_up / down GEMMs take one-row products (`_rows_ok` of each)?"""
         pieces = []
         start = 0
         for expert, count in enumerate(routed.counts):
             if not count:
                 continue
-            projected = self._gemm(routed.rows[start : start + count], gate_up, expert)
+            rows = routed.rows[start : start + count]
+            projected = self._gemm(rows, gate_up, expert, per_row[0])
             activated = torch_ref.act_and_mul(projected, activation)
-            pieces.append(self._gemm(activated, down, expert))
+            pieces.append(self._gemm(activated, down, expert, per_row[1]))
             start += count
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
@@ -387,12 +391,13 @@ class OneDnnKernels(torch_ref.TorchKernels):
         return F.grouped_mm(activated, down.transpose(-2, -1), offs=offsets)
 
     @staticmethod
-    def _gemm(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
+    def _gemm(x: torch.Tensor, weights: torch.Tensor, expert: int, per_row: bool) -> torch.Tensor:
         """`x @ weights[expert].t()`: oneDNN from `MIN_ROWS` rows up, one one-row product
-        per row for up to `ROW_MAX_ROWS` rows where `_rows_ok` holds, else `mm`."""
+        per row for up to `ROW_MAX_ROWS` rows where `per_row` (`_rows_ok(weights)`), else
+        `mm`."""
         if x.shape[0] >= MIN_ROWS:
             return linear(x, weights[expert])
-        if x.shape[0] <= ROW_MAX_ROWS and _rows_ok(weights):
+        if x.shape[0] <= ROW_MAX_ROWS and per_row:
             rows = [row_linear(x[r : r + 1], weights[expert], None) for r in range(x.shape[0])]
             return torch.cat(rows) if len(rows) > 1 else rows[0]
         return torch.mm(x, weights[expert].t())

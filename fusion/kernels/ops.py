@@ -222,8 +222,20 @@ def _row_linear_fake(x, weight, bias):
 
 
 def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`F.linear` of one row through `fusion::row_linear` (see there); compiled code only."""
+    """`F.linear` of one row through `fusion::row_linear` (see there)."""
     return torch.ops.fusion.row_linear(x, weight, bias)
+
+
+def one_row_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """`F.linear(x, weight, bias)` by oneDNN's one-row product where it applies, else None
+    (the caller computes it its own way). Eager: `onednn_backend.row_linear` when
+    `row_linear_applies`. While Dynamo traces: the `fusion::row_linear` operator when
+    `row_linear_traced`, which makes the eager choice when the compiled code runs."""
+    if onednn_backend.row_linear_applies(x, weight, bias):
+        return onednn_backend.row_linear(x, weight, bias)
+    if torch.compiler.is_compiling() and onednn_backend.row_linear_traced(x, weight, bias):
+        return row_linear(x, weight, bias)
+    return None
 
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())
