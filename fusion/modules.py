@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.kernels import onednn_backend, ops, torch_ref
+from fusion.kernels import ops, torch_ref
 from fusion.params import apply_state, common_state
 
 
@@ -39,7 +39,7 @@ class MergedLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        onednn_backend.resolve_machine()  # before any trace: compiled code only reads it
+        ops.resolve_decode_kernels()  # before any trace: compiled code only reads them
         if not (len(output_sizes) == len(shard_names) == len(shard_bias)):
             raise ValueError("output_sizes, shard_names and shard_bias differ in length")
         self.in_features = in_features
@@ -89,11 +89,11 @@ class MergedLinear(nn.Module):
             # optimiser step would give a bias-less projection a bias. Multiplying by the
             # 0/1 mask keeps every value exact (b * 1.0 == b) and zeroes their gradient.
             bias = bias * self._bias_mask(bias)
-        row = ops.one_row_product(x, self.weight, bias)
-        if row is not None:
-            # decode (one row) on AVX-512 CPUs: oneDNN's one-row product, faster and no less
-            # accurate than MKL's, reading the live weight (see `onednn_backend.row_linear`)
-            return row
+        decoded = ops.decode_product(x, self.weight, bias)
+        if decoded is not None:
+            # decode sizes on a CPU: one stacked product by a kernel that streams the live
+            # weight once and errs no more than MKL (`ops.decode_product`)
+            return decoded
         if self._per_shard(x, bias):
             return self._shard_products(x, bias)
         return F.linear(x, self.weight, bias)
@@ -153,13 +153,14 @@ class MergedLinear(nn.Module):
 
 
 class RowLinear(nn.Linear):
-    """An `nn.Linear` whose one-row products (decode) are oneDNN's on AVX-512 CPUs; every
+    """An `nn.Linear` whose decode-sized products on a CPU take `ops.decode_product` (the
+    native kernel at 1 to `native_gemm.MAX_ROWS` rows, else oneDNN's one-row product); every
     other call is `F.linear`. Installed by the `decode_linear` fuser on a plain linear (a
     class change: same parameters, same place); see `fusion.fusers.decode_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        row = ops.one_row_product(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias) if row is None else row
+        decoded = ops.decode_product(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if decoded is None else decoded
 
 
 def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:

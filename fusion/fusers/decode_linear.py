@@ -28,7 +28,7 @@ from torch import fx, nn
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
-from fusion.kernels import onednn_backend
+from fusion.kernels import native_gemm, onednn_backend, ops
 from fusion.modules import RowLinear
 
 
@@ -47,7 +47,8 @@ class DecodeLinearFuser(Fuser):
     @classmethod
     def applies_to(cls, module: nn.Module) -> bool:
         weight = getattr(module, "weight", None)
-        return weight is not None and weight.numel() >= onednn_backend.ROW_MIN_ELEMENTS
+        smallest = min(native_gemm.MIN_ELEMENTS, onednn_backend.ROW_MIN_ELEMENTS)
+        return weight is not None and weight.numel() >= smallest
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> DecodeLinearFuser | None:
@@ -71,7 +72,7 @@ class DecodeLinearFuser(Fuser):
             raise RewriteRefused("weight is not 2-D")
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
-        onednn_backend.resolve_machine()  # before any trace: compiled code only reads it
+        ops.resolve_decode_kernels()  # before any trace: compiled code only reads them
         module.__class__ = RowLinear
         return module
 

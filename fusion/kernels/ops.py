@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fusion import kernels
-from fusion.kernels import autograd, onednn_backend, torch_ref
+from fusion.kernels import autograd, native_gemm, onednn_backend, torch_ref
 from fusion.kernels.torch_ref import TorchKernels
 
 
@@ -204,37 +204,56 @@ def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     return kernels.get(backend, x.device).act_and_mul(x, activation)
 
 
-@torch.library.custom_op("fusion::row_linear", mutates_args=())
-def _row_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`F.linear(x, weight, bias)` for one row, by oneDNN's one-row product where
-    `onednn_backend.row_linear_applies` says so at this call (settings read now), else by
-    `F.linear`: what eager `MergedLinear` runs, made one node of a compiled graph (Inductor
-    cannot lower the oneDNN op on a plain weight itself). Inference only: the caller
-    routes here only when no gradient is recorded (`row_linear_traced`)."""
-    if onednn_backend.row_linear_applies(x, weight, bias):
-        return onednn_backend.row_linear(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+@torch.library.custom_op("fusion::decode_linear", mutates_args=())
+def _decode_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`F.linear(x, weight, bias)` at decode sizes, by the choice eager code makes at this
+    call (`_eager_decode_product`; settings read now), else by `F.linear`: what eager
+    `MergedLinear` and `RowLinear` run, made one node of a compiled graph (Inductor cannot
+    lower either kernel itself). Inference only: callers route here only when no gradient
+    is recorded (`native_gemm.traced`, `onednn_backend.row_linear_traced`)."""
+    out = _eager_decode_product(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias) if out is None else out
 
 
-@_row_linear_op.register_fake
-def _row_linear_fake(x, weight, bias):
+@_decode_linear_op.register_fake
+def _decode_linear_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`F.linear` of one row through `fusion::row_linear` (see there)."""
-    return torch.ops.fusion.row_linear(x, weight, bias)
+def decode_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`F.linear` at decode sizes through `fusion::decode_linear` (see there)."""
+    return torch.ops.fusion.decode_linear(x, weight, bias)
 
 
-def one_row_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-    """`F.linear(x, weight, bias)` by oneDNN's one-row product where it applies, else None
-    (the caller computes it its own way). Eager: `onednn_backend.row_linear` when
-    `row_linear_applies`. While Dynamo traces: the `fusion::row_linear` operator when
-    `row_linear_traced`, which makes the eager choice when the compiled code runs."""
+def _eager_decode_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    if native_gemm.applies(x, weight, bias):
+        return native_gemm.linear(x, weight, bias)
     if onednn_backend.row_linear_applies(x, weight, bias):
         return onednn_backend.row_linear(x, weight, bias)
-    if torch.compiler.is_compiling() and onednn_backend.row_linear_traced(x, weight, bias):
-        return row_linear(x, weight, bias)
+    return None
+
+
+def resolve_decode_kernels() -> None:
+    """Make the machine checks behind `decode_product` now (building the native kernel if
+    needed), outside any trace: compiled code only reads their results."""
+    onednn_backend.resolve_machine()
+    native_gemm.resolve()
+
+
+def decode_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """`F.linear(x, weight, bias)` by a decode-sized CPU kernel where one applies, else None
+    (the caller computes it its own way). Eager: the native kernel (`native_gemm`, 1 to
+    `MAX_ROWS` rows) first, else oneDNN's one-row product (`onednn_backend.row_linear`, when
+    the native kernel is unavailable). While Dynamo traces: the `fusion::decode_linear`
+    operator when either would apply, which makes the eager choice when the compiled code
+    runs. Both read the live weight and cache nothing."""
+    out = _eager_decode_product(x, weight, bias)
+    if out is not None:
+        return out
+    if torch.compiler.is_compiling() and (
+        native_gemm.traced(x, weight, bias) or onednn_backend.row_linear_traced(x, weight, bias)
+    ):
+        return decode_linear(x, weight, bias)
     return None
 
 

@@ -211,7 +211,7 @@ def _compiled_graph_ops(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool) -> None:
-    """Under torch.compile: one row goes through the `fusion::row_linear` operator (which
+    """Under torch.compile: one row goes through the `fusion::decode_linear` operator (which
     makes the eager one-row choice when it runs) where the machine takes the one-row
     product, several rows take one linear per shard; values equal the eager module's."""
     from fusion.kernels import onednn_backend
@@ -223,9 +223,9 @@ def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool)
             x = torch.randn(1, rows, 32)
             out, targets = _compiled_graph_ops(merged, x)
             torch.testing.assert_close(out, merged(x), rtol=1e-5, atol=1e-6)
-            linears = sum("linear" in t and "row_linear" not in t for t in targets)
+            linears = sum("linear" in t and "decode_linear" not in t for t in targets)
             if rows == 1 and onednn_backend.row_machine_known_ok():
-                assert any("fusion.row_linear" in t for t in targets), targets
+                assert any("fusion.decode_linear" in t for t in targets), targets
             elif rows > 1:
                 assert linears == 3, targets
 
@@ -244,7 +244,7 @@ def test_row_linear_operator_reads_settings_when_it_runs(monkeypatch) -> None:
         onednn_backend, "row_linear_applies", lambda *a: taken.append(real(*a)) or taken[-1]
     )
     with torch.backends.mkldnn.flags(enabled=False):
-        assert torch.equal(ops.row_linear(x, weight, None), F.linear(x, weight))
+        assert torch.equal(ops.decode_linear(x, weight, None), F.linear(x, weight))
     assert taken == [False]
 
 

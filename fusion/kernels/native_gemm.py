@@ -1,0 +1,236 @@
+"""Decode-sized float32 linears on CPU by our own kernel (`csrc/rowmajor_gemm.c`), reading the
+live weight where it lies.
+
+Why: at 1-64 rows a CPU linear is bound by streaming its weight from memory. MKL's float32
+GEMM packs the weight it is given on every call (one more pass over it) and oneDNN's one-row
+product stops at one row; a packed copy kept between calls is the stale-copy hazard the
+lifecycle rules forbid. The kernel reads the row-major weight once, in place, as dot products
+along K (see the C source), so nothing is cached and every write to the weight, by any
+spelling, is seen by the next call. Measured on a 2-core Zen 4 (AVX-512), float32, one
+thread, weights streamed from memory (256 MB of distinct weights cycled), `F.linear` time /
+this kernel's: 1 row 1.22-1.52x (and 1.02-1.31x oneDNN's one-row product), 16 rows
+1.87-2.45x, 64 rows 1.24-2.25x (N x K from 1024 x 2048 to 16384 x 2048 and 2048 x 8192).
+
+Rounding: each output is a sum over 16 vector lanes of blocked partial sums (the C source
+says how), which errs less than MKL against float64 (0.3-0.5x MKL's max error at K 1024-8192;
+the tests bound it by MKL's). The order depends only on K: bit-identical results at any
+thread count and for any batch composition.
+
+Fail closed, always to the caller's PyTorch path (`applies` False): anything but float32 on
+CPU; autograd recording (the kernel has no derivative); operands that are not plain tensors
+or parameters (subclasses compute something else); a weight not unit-stride along K, a K
+that is not a multiple of 16, more than `MAX_ROWS` rows, a weight under `MIN_ELEMENTS`;
+under `torch.compile` (the caller traces the `fusion::decode_linear` operator, which asks
+again when it runs); a machine whose ATen capability is not in `CAPABILITIES`; the library
+unavailable (`status()` says why: no compiler, a build error, a failed probe, or
+`FUSION_NATIVE_KERNELS=0`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from fusion.kernels import native_build, torch_ref
+
+CAPABILITIES = frozenset({"AVX512"})
+"""ATen CPU capabilities (`torch.backends.cpu.get_cpu_capability()`) where `applies` may
+answer True: where the speed-up was measured (module docstring). A rule on the machine, not
+a timing, so the same inputs on the same machine always take the same path."""
+
+MIN_ELEMENTS = 1 << 20
+"""Smallest weight (N * K elements) the kernel takes: smaller weights sit in cache between
+calls, where MKL's packing costs little and the kernel's fixed costs (a ctypes call, an
+OpenMP region) are a larger share. It is also the `decode_linear` fuser's size rule, so tiny
+corpus models never take this path unless a test lowers it."""
+
+MAX_ROWS = 64
+"""Most rows (product of `x`'s leading dimensions) the kernel takes; more go to MKL, whose
+packed GEMM catches up as rows amortise the packing (measured above)."""
+
+K_MULTIPLE = 16
+"""The reduction length must be a multiple of the kernel's vector width (16 floats)."""
+
+DISABLE_ENV = "FUSION_NATIVE_KERNELS"
+"""Set to `0` to keep the native kernels off (read once, at first use)."""
+
+_SOURCE = "rowmajor_gemm"
+_ABI_VERSION = 1
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+_STATE: list[tuple[object | None, str]] = []
+"""Explicit one-entry cache: (the kernel's ctypes function or None, why / "available"), a
+property of the process computed at first use (`resolve`)."""
+
+
+def _load() -> tuple[object | None, str]:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None, f"disabled by {DISABLE_ENV}=0"
+    capability = _capability()
+    if capability not in CAPABILITIES:
+        return None, f"ATen CPU capability {capability} is not in {sorted(CAPABILITIES)}"
+    built = native_build.build(_SOURCE)
+    if built.library is None:
+        return None, built.reason
+    try:
+        version = built.library.fh_abi_version
+        function = built.library.fh_linear
+    except AttributeError as exc:
+        return None, f"{built.path} lacks a symbol: {exc}"
+    version.restype = ctypes.c_int
+    if version() != _ABI_VERSION:
+        return None, f"{built.path} has ABI {version()}, expected {_ABI_VERSION}"
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
+    problem = _probe(function)
+    if problem:
+        return None, f"{built.path} failed its probe: {problem}"
+    return function, "available"
+
+
+def _capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "DEFAULT"
+
+
+def _probe(function) -> str:
+    """'' when a small product with a bias and padded row strides matches float64 within
+    float32 rounding at one and two threads, bit-identically; else what differed."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 80, generator=generator)[:, :48]
+    weight = torch.randn(7, 64, generator=generator)[:, :48]
+    bias = torch.randn(7, generator=generator)
+    expected = x.double() @ weight.double().t() + bias.double()
+    outs = []
+    for threads in (1, 2):
+        out = torch.full((5, 7), float("nan"))
+        code = function(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0), bias.data_ptr(),
+            out.data_ptr(), 7, 5, 7, 48, threads,
+        )  # fmt: skip
+        if code != 0:
+            return f"returned {code}"
+        outs.append(out)
+    error = (outs[0].double() - expected).abs().max().item()
+    if not error <= 1e-4:
+        return f"max error {error:.3g} against float64"
+    if not torch.equal(outs[0], outs[1]):
+        return "one and two threads differ"
+    return ""
+
+
+def resolve() -> None:
+    """Load (building if needed) the kernel now, outside any trace: compiled code only reads
+    `known_ok`."""
+    if not _STATE:
+        _STATE.append(_load())
+
+
+def status() -> str:
+    """'available', or why the native kernel is off on this machine (loads it if needed)."""
+    resolve()
+    return _STATE[0][1]
+
+
+def known_ok() -> bool:
+    """Whether the kernel was loaded already (False if not yet tried): a plain read Dynamo
+    can trace."""
+    return bool(_STATE) and _STATE[0][0] is not None
+
+
+def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The shape rules both checks share (module docstring), all from metadata."""
+    k = x.shape[-1] if x.dim() >= 1 else 0
+    return (
+        x.dim() >= 1
+        and weight.dim() == 2
+        and weight.shape[1] == k
+        and k % K_MULTIPLE == 0
+        and k > 0
+        and 1 <= x.numel() // k <= MAX_ROWS
+        and weight.numel() >= MIN_ELEMENTS
+        and x.dtype == weight.dtype == torch.float32
+        and x.device.type == weight.device.type == "cpu"
+        and (
+            bias is None
+            or (
+                bias.dtype == torch.float32
+                and bias.device.type == "cpu"
+                and tuple(bias.shape) == (weight.shape[0],)
+            )
+        )
+        and weight.stride(1) == 1
+        and weight.stride(0) >= k
+        and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
+    )
+
+
+def traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """While Dynamo traces: may this product go through `fusion::decode_linear` (which makes
+    `applies`' choice again when the compiled code runs)? The operand rules, on a machine
+    where the kernel was already loaded (`resolve`)."""
+    return _operands_ok(x, weight, bias) and known_ok()
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` may compute `F.linear(x, weight, bias)` now: eager (not compiling),
+    plain tensors, the operand rules, the kernel available on this machine. Anything else:
+    False, and the caller keeps its own path. Depends on shapes, dtypes, types and the
+    machine, never on timings."""
+    if torch.compiler.is_compiling():
+        return False
+    return (
+        type(x) in _PLAIN_TYPES
+        and type(weight) in _PLAIN_TYPES
+        and (bias is None or type(bias) in _PLAIN_TYPES)
+        and _operands_ok(x, weight, bias)
+        and _loaded()
+    )
+
+
+def _loaded() -> bool:
+    resolve()
+    return _STATE[0][0] is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by the native kernel (call only where `applies`): a new
+    float32 tensor of shape `(*x.shape[:-1], N)`.
+
+    Reads `weight` and `bias` as they are now (no copy, no cache). The storages are held for
+    the call, so another thread re-pointing a tensor (`set_`) cannot free memory the kernel
+    is reading."""
+    function = _STATE[0][0]
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if rows.stride(1) != 1 or (m > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    held = (rows.untyped_storage(), weight.untyped_storage())  # noqa: F841  (see docstring)
+    code = function(
+        rows.data_ptr(), rows.stride(0) if m > 1 else k, weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"native linear refused its operands (code {code}): {m}x{k} @ {n}x{k}")
+    return out.view(*x.shape[:-1], n)
