@@ -22,7 +22,7 @@ or parameters (subclasses compute something else); a weight not unit-stride alon
 that is not a multiple of 16, more than `MAX_ROWS` rows, a weight under `MIN_ELEMENTS`;
 under `torch.compile` (the caller traces the `fusion::decode_linear` operator, which asks
 again when it runs); a machine whose ATen capability is not in `CAPABILITIES`; the library
-unavailable (`status()` says why: no compiler, a build error, a failed probe, or
+unavailable (`status()` says why: no compiler, a build error, a failed probe, the CPU, or
 `FUSION_NATIVE_KERNELS=0`).
 """
 
@@ -60,17 +60,14 @@ _SOURCE = "rowmajor_gemm"
 _ABI_VERSION = 1
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-_STATE: list[tuple[object | None, str]] = []
-"""Explicit one-entry cache: (the kernel's ctypes function or None, why / "available"), a
-property of the process computed at first use (`resolve`)."""
+_STATE: list[tuple[object | None, str, str]] = []
+"""Explicit one-entry cache, a property of the process computed at first use (`resolve`):
+(the kernel's ctypes function or None, why not / "built", the machine rule's verdict:
+"available" or why `applies` stays False here)."""
 
 
-def _load() -> tuple[object | None, str]:
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None, f"disabled by {DISABLE_ENV}=0"
-    capability = _capability()
-    if capability not in CAPABILITIES:
-        return None, f"ATen CPU capability {capability} is not in {sorted(CAPABILITIES)}"
+def _build() -> tuple[object | None, str]:
+    """The kernel's ctypes function, built and probed on this machine, or None and why."""
     built = native_build.build(_SOURCE)
     if built.library is None:
         return None, built.reason
@@ -99,7 +96,17 @@ def _load() -> tuple[object | None, str]:
     problem = _probe(function)
     if problem:
         return None, f"{built.path} failed its probe: {problem}"
-    return function, "available"
+    return function, "built"
+
+
+def _machine_rule() -> str:
+    """'available' where `applies` may pick the kernel, else why not (the setting, the CPU)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"disabled by {DISABLE_ENV}=0"
+    capability = _capability()
+    if capability not in CAPABILITIES:
+        return f"ATen CPU capability {capability} is not in {sorted(CAPABILITIES)}"
+    return "available"
 
 
 def _capability() -> str:
@@ -136,22 +143,30 @@ def _probe(function) -> str:
 
 
 def resolve() -> None:
-    """Load (building if needed) the kernel now, outside any trace: compiled code only reads
-    `known_ok`."""
+    """Build (or load) and probe the kernel now, and apply the machine rule, outside any
+    trace: compiled code only reads `known_ok`."""
     if not _STATE:
-        _STATE.append(_load())
+        function, reason = _build()
+        _STATE.append((function, reason, _machine_rule() if function is not None else reason))
 
 
 def status() -> str:
-    """'available', or why the native kernel is off on this machine (loads it if needed)."""
+    """'available' where `applies` may pick the kernel, else why not (resolving first)."""
     resolve()
-    return _STATE[0][1]
+    return _STATE[0][2]
+
+
+def built() -> bool:
+    """Whether the kernel is built and passed its probe here, whatever the machine rule says
+    (`linear` works then; tests call it directly on every machine with a compiler)."""
+    resolve()
+    return _STATE[0][0] is not None
 
 
 def known_ok() -> bool:
-    """Whether the kernel was loaded already (False if not yet tried): a plain read Dynamo
-    can trace."""
-    return bool(_STATE) and _STATE[0][0] is not None
+    """Whether `applies` may pick the kernel, if that was already resolved (False if not
+    yet): a plain read Dynamo can trace."""
+    return bool(_STATE) and _STATE[0][2] == "available"
 
 
 def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -200,23 +215,22 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         and type(weight) in _PLAIN_TYPES
         and (bias is None or type(bias) in _PLAIN_TYPES)
         and _operands_ok(x, weight, bias)
-        and _loaded()
+        and status() == "available"
     )
 
 
-def _loaded() -> bool:
-    resolve()
-    return _STATE[0][0] is not None
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` by the native kernel (call only where `applies`): a new
-    float32 tensor of shape `(*x.shape[:-1], N)`.
+    """`F.linear(x, weight, bias)` by the native kernel: a new float32 tensor of shape
+    `(*x.shape[:-1], N)`. Call where `applies` (or, in tests, where `built()` and the
+    operand rules hold); operands outside the kernel's contract raise RuntimeError.
 
     Reads `weight` and `bias` as they are now (no copy, no cache). The storages are held for
     the call, so another thread re-pointing a tensor (`set_`) cannot free memory the kernel
     is reading."""
+    resolve()
     function = _STATE[0][0]
+    if function is None:
+        raise RuntimeError(f"the native linear is not built here: {_STATE[0][1]}")
     n, k = weight.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]

@@ -1,0 +1,101 @@
+"""Tests for `fusion/kernels/native_build.py`: builds once per key, never loads a stale or
+half-written library, and fails closed with a reason naming what failed."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fusion.kernels import native_build
+
+needs_compiler = pytest.mark.skipif(
+    native_build.compiler() is None, reason="no C compiler on this machine: nothing to build"
+)
+
+_GOOD = "int fh_answer(void) { return 42; }\n"
+
+
+@pytest.fixture
+def sources(tmp_path: Path, monkeypatch) -> Path:
+    """A private source dir and cache dir for each test."""
+    source_dir = tmp_path / "csrc"
+    source_dir.mkdir()
+    monkeypatch.setattr(native_build, "SOURCE_DIR", source_dir)
+    monkeypatch.setenv("FUSION_HARNESS_CACHE", str(tmp_path / "cache"))
+    return source_dir
+
+
+@needs_compiler
+def test_builds_once_then_loads_from_the_cache(sources: Path, monkeypatch) -> None:
+    """The first call compiles and loads; the second loads the cached library without
+    running the compiler again; a changed source gets a new key (a new build)."""
+    (sources / "answer.c").write_text(_GOOD)
+    first = native_build.build("answer")
+    assert first.library is not None and first.library.fh_answer() == 42
+    assert first.path is not None and first.path.parent == native_build.cache_dir() / "native"
+    compiles: list[list[str]] = []
+    real_run = subprocess.run
+
+    def spy(args, **kwargs):
+        if "-shared" in args:
+            compiles.append(args)
+        return real_run(args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    again = native_build.build("answer")
+    assert again.path == first.path and compiles == []
+    (sources / "answer.c").write_text(_GOOD.replace("42", "43"))
+    changed = native_build.build("answer")
+    assert changed.path != first.path and len(compiles) == 1
+    assert changed.library.fh_answer() == 43
+    # no temporary files left behind
+    assert not list((native_build.cache_dir() / "native").glob(".build-*"))
+
+
+def test_key_covers_source_compiler_and_flags(monkeypatch) -> None:
+    """Any change to the source, the compiler's identity or the flags changes the key."""
+    base = native_build.cache_key("a", "gcc 12")
+    assert native_build.cache_key("b", "gcc 12") != base
+    assert native_build.cache_key("a", "gcc 13") != base
+    monkeypatch.setattr(native_build, "FLAGS", (*native_build.FLAGS, "-DX"))
+    assert native_build.cache_key("a", "gcc 12") != base
+
+
+@needs_compiler
+def test_a_compile_error_is_reported_not_raised(sources: Path) -> None:
+    """A source that does not compile: no library, the reason quotes the compiler, and no
+    file is left in the cache."""
+    (sources / "broken.c").write_text("int fh_broken(void) { return }\n")
+    built = native_build.build("broken")
+    assert built.library is None
+    assert "failed on broken.c" in built.reason and "error" in built.reason
+    assert not list((native_build.cache_dir() / "native").glob("*"))
+
+
+def test_no_compiler_and_missing_source_are_reasons(sources: Path, monkeypatch) -> None:
+    (sources / "answer.c").write_text(_GOOD)
+    monkeypatch.setenv("CC", "no-such-compiler-fh")
+    built = native_build.build("answer")
+    assert built.library is None and "no C compiler ('no-such-compiler-fh'" in built.reason
+    missing = native_build.build("absent")
+    assert missing.library is None and "cannot read" in missing.reason
+
+
+@needs_compiler
+def test_an_unwritable_cache_is_a_reason(sources: Path, tmp_path: Path, monkeypatch) -> None:
+    (sources / "answer.c").write_text(_GOOD)
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("FUSION_HARNESS_CACHE", str(blocker))
+    built = native_build.build("answer")
+    assert built.library is None and "cannot write the kernel cache" in built.reason
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FUSION_HARNESS_CACHE", str(tmp_path / "a"))
+    assert native_build.cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("FUSION_HARNESS_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert native_build.cache_dir() == tmp_path / "x" / "fusion-harness"

@@ -1,0 +1,307 @@
+"""Tests for `fusion/kernels/native_gemm.py` (and the C kernel it builds): the same function
+as `F.linear`, no less accurate, batch- and thread-invariant, coherent with every weight
+write, and taken only where its rules allow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fusion.kernels import native_build, native_gemm, ops
+from fusion.modules import MergedLinear, RowLinear
+
+needs_kernel = pytest.mark.skipif(
+    native_build.compiler() is None, reason="no C compiler on this machine: nothing to build"
+)
+
+
+def test_the_kernel_builds_where_a_compiler_exists() -> None:
+    """With a C compiler the kernel builds and passes its probe (CI would otherwise run
+    without it, silently); without one, the reason names the compiler. `status()` is
+    'available' exactly where the machine rule allows."""
+    if native_build.compiler() is None:
+        assert not native_gemm.built()
+        assert "no C compiler" in native_gemm.status()
+        return
+    assert native_gemm.built(), native_gemm._STATE[0][1]
+    capability = native_gemm._capability()
+    if capability in native_gemm.CAPABILITIES:
+        assert native_gemm.status() == "available"
+    else:
+        assert capability in native_gemm.status()
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = max(ref.abs().max().item(), 1e-30)
+    return (got.double() - ref).abs().max().item() / scale
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    n=st.integers(1, 37),
+    k_blocks=st.integers(1, 40),
+    bias=st.booleans(),
+    x_pad=st.integers(0, 3),
+    w_pad=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_equals_f_linear_and_errs_no_more(rows, n, k_blocks, bias, x_pad, w_pad, seed):
+    """Any rows (the 4-row blocks and their remainders), any N (the 4-column blocks and the
+    short last block), K across several 256-wide blocks, padded row strides of `x` and the
+    weight (row views of a wider tensor): the result matches `F.linear` and its error
+    against float64 stays within MKL's, plus two float32 ulps of rounding noise."""
+    k = 16 * k_blocks
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k + 16 * x_pad, generator=g)[:, :k]
+    weight = torch.randn(n, k + 16 * w_pad, generator=g)[:, :k] / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    got = native_gemm.linear(x, weight, b)
+    mkl = F.linear(x, weight, b)
+    ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # errors in units of each dot product's condition scale (sum of |terms|): the natural
+    # yardstick of a float32 sum, so a result that cancels to near zero is judged fairly
+    scale = F.linear(
+        x.abs().double(), weight.abs().double(), None if b is None else b.abs().double()
+    )
+    floor = 2 * torch.finfo(torch.float32).eps
+    err_got = ((got.double() - ref).abs() / scale).max().item()
+    err_mkl = ((mkl.double() - ref).abs() / scale).max().item()
+    assert err_got <= max(1.5 * err_mkl, floor)
+    assert ((got.double() - mkl.double()).abs() <= 4 * floor * scale).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(1024, 1024), (512, 4096), (256, 8192)])
+def test_error_at_model_widths_is_below_mkls(n: int, k: int) -> None:
+    """At real widths (16 rows, the reductions of Qwen3 / Llama projections) the kernel's
+    max error against float64 is at most MKL's, over four seeds."""
+    worst = 0.0
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x, weight = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+        ref = x.double() @ weight.double().t()
+        worst = max(
+            worst,
+            _relative_error(native_gemm.linear(x, weight, None), ref)
+            / _relative_error(F.linear(x, weight), ref),
+        )
+    assert worst <= 1.0
+
+
+@needs_kernel
+def test_results_do_not_depend_on_threads_or_on_the_other_rows() -> None:
+    """Each output is one thread's fixed-order sum: bit-identical at 1, 2 and 3 threads,
+    and a row's result is the same alone as inside a batch of 37 (batch invariance)."""
+    g = torch.Generator().manual_seed(1)
+    x, weight, b = torch.randn(37, 512, generator=g), torch.randn(203, 512, generator=g), None
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(native_gemm.linear(x, weight, b))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for r in (0, 5, 36):
+        assert torch.equal(native_gemm.linear(x[r : r + 1], weight, b), outs[0][r : r + 1])
+
+
+@needs_kernel
+def test_shapes_and_non_finite_values_pass_through() -> None:
+    """3-D inputs keep their leading dimensions; a NaN or infinity in a row reaches exactly
+    that row's outputs, as in `F.linear`."""
+    x, weight = torch.randn(2, 3, 64), torch.randn(9, 64)
+    x[1, 2, 5] = float("nan")
+    x[0, 1, 7] = float("inf")
+    got, want = native_gemm.linear(x, weight, None), F.linear(x, weight)
+    assert got.shape == (2, 3, 9)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_operands_outside_the_contract_raise() -> None:
+    """The C side re-checks what it relies on: a K that is not a multiple of 16 raises
+    instead of reading past the rows."""
+    with pytest.raises(RuntimeError, match="refused its operands"):
+        native_gemm.linear(torch.randn(2, 24), torch.randn(8, 24), None)
+
+
+def _available(monkeypatch) -> None:
+    """Let `applies` answer for small operands on any machine where the kernel built: the
+    size and capability rules are speed rules, tested separately."""
+    if not native_gemm.built():
+        pytest.skip(f"native kernel not built here: {native_gemm._STATE[0][1]}")
+    monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native_gemm, "_STATE", [(native_gemm._STATE[0][0], "built", "available")])
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@needs_kernel
+def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
+    """Refused: gradients recorded, other dtypes, K not a multiple of 16, more than
+    MAX_ROWS rows, a weight not unit-stride along K, a bias of the wrong shape, tensor
+    subclasses, and everything below the size rule or off the machine rule."""
+    x, weight, b = torch.randn(3, 64), torch.randn(32, 64), torch.randn(32)
+    with torch.no_grad():
+        assert not native_gemm.applies(x, weight, b)  # size rule: 2,048 < MIN_ELEMENTS
+    _available(monkeypatch)
+    with torch.no_grad():
+        assert native_gemm.applies(x, weight, b)
+        assert native_gemm.applies(x[0], weight, None)
+        assert not native_gemm.applies(x.double(), weight.double(), None)
+        assert not native_gemm.applies(x.bfloat16(), weight.bfloat16(), None)
+        assert not native_gemm.applies(x[:, :56], weight[:, :56], None)
+        many = torch.randn(native_gemm.MAX_ROWS + 1, 64)
+        assert not native_gemm.applies(many, weight, None)
+        assert native_gemm.applies(many[1:], weight, None)
+        assert not native_gemm.applies(x, torch.randn(64, 32).t(), None)
+        assert not native_gemm.applies(x, weight, torch.randn(31))
+        assert not native_gemm.applies(x.as_subclass(_Subclass), weight, None)
+        monkeypatch.setattr(native_gemm, "_STATE", [(None, "no C compiler", "no C compiler")])
+        assert not native_gemm.applies(x, weight, b)
+    monkeypatch.undo()
+    _available(monkeypatch)
+    assert not native_gemm.applies(x, weight.requires_grad_(), b)  # autograd records
+
+
+@needs_kernel
+def test_machine_rule_and_switch(monkeypatch) -> None:
+    """The machine rule answers 'available' only for listed capabilities and without
+    FUSION_NATIVE_KERNELS=0, and says which one failed."""
+    monkeypatch.setattr(native_gemm, "_capability", lambda: "AVX512")
+    assert native_gemm._machine_rule() == "available"
+    monkeypatch.setattr(native_gemm, "_capability", lambda: "AVX2")
+    assert "AVX2" in native_gemm._machine_rule()
+    monkeypatch.setenv(native_gemm.DISABLE_ENV, "0")
+    assert "FUSION_NATIVE_KERNELS=0" in native_gemm._machine_rule()
+
+
+def _merged(sizes: tuple[int, ...], k: int, bias: bool) -> MergedLinear:
+    torch.manual_seed(0)
+    return MergedLinear.from_linears(
+        {f"p{i}": nn.Linear(k, n, bias=bias) for i, n in enumerate(sizes)}
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) -> None:
+    """MergedLinear (one stacked product) and RowLinear run the native kernel at 1 to
+    MAX_ROWS rows, before oneDNN's one-row product; the result equals `F.linear` on the
+    same parameters. More rows keep their PyTorch path."""
+    _available(monkeypatch)
+    calls: list[tuple[int, ...]] = []
+    real = native_gemm.linear
+    monkeypatch.setattr(
+        native_gemm, "linear", lambda x, w, b: calls.append(tuple(w.shape)) or real(x, w, b)
+    )
+    merged = _merged((64, 16, 16), 32, bias=True)
+    row = RowLinear(32, 48)
+    with torch.no_grad():
+        x = torch.randn(1, rows, 32)
+        torch.testing.assert_close(merged(x), F.linear(x, merged.weight, merged.bias))
+        torch.testing.assert_close(row(x), F.linear(x, row.weight, row.bias))
+        assert calls == [(96, 32), (48, 32)]
+        merged(torch.randn(native_gemm.MAX_ROWS + 1, 32))
+        row(torch.randn(native_gemm.MAX_ROWS + 1, 32))
+    assert calls == [(96, 32), (48, 32)]
+
+
+@needs_kernel
+def test_every_weight_write_is_seen(monkeypatch) -> None:
+    """Nothing is cached: writes through `.data`, `copy_`, `set_`, numpy, and an optimiser
+    step after a first forward all show in the next forward, at 1 and 16 rows."""
+    _available(monkeypatch)
+    merged = _merged((48, 16), 32, bias=False)
+    optimiser = torch.optim.SGD(merged.parameters(), lr=0.5)
+    for rows in (1, 16):
+        x = torch.randn(rows, 32)
+        with torch.no_grad():
+            merged(x)
+        new = torch.randn_like(merged.weight)
+        for write in (
+            lambda w, new=new: w.data.copy_(new),
+            lambda w: w.data.mul_(2.0),
+            lambda w, new=new: w.set_(new.clone()),
+            lambda w: np.copyto(w.detach().numpy()[:, 0], 3.0),
+        ):
+            with torch.no_grad():
+                write(merged.weight)
+                torch.testing.assert_close(merged(x), x @ merged.weight.t(), rtol=1e-5, atol=1e-5)
+        merged(x).sum().backward()  # records a gradient: the PyTorch path
+        optimiser.step()
+        optimiser.zero_grad()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(x), x @ merged.weight.t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
+    """`ops.decode_product` runs the native kernel where it applies; where it does not
+    (here: unavailable), oneDNN's one-row product where that applies, else None."""
+    from fusion.kernels import onednn_backend
+
+    _available(monkeypatch)
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    taken: list[str] = []
+    real_native, real_onednn = native_gemm.linear, onednn_backend.row_linear
+    monkeypatch.setattr(native_gemm, "linear", lambda *a: taken.append("native") or real_native(*a))
+    monkeypatch.setattr(
+        onednn_backend, "row_linear", lambda *a: taken.append("onednn") or real_onednn(*a)
+    )
+    x, weight = torch.randn(1, 64), torch.randn(32, 64)
+    with torch.no_grad():
+        assert ops.decode_product(x, weight, None) is not None
+        monkeypatch.setattr(native_gemm, "_STATE", [(None, "no C compiler", "no C compiler")])
+        fallback = ops.decode_product(x, weight, None)
+        assert ops.decode_product(torch.randn(3, 64), weight, None) is None
+    onednn_row = onednn_backend.row_linear_applies(x, weight, None)
+    assert taken == ["native"] + (["onednn"] if onednn_row else [])
+    assert (fallback is not None) == onednn_row
+
+
+def _compiled_targets(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True)(x)
+    assert len(graphs) == 1
+    return out, [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+
+
+@needs_kernel
+def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
+    """Under torch.compile (fullgraph) MergedLinear and RowLinear at 16 rows become one
+    `fusion::decode_linear` node each, whose eager choice (the native kernel) runs when the
+    compiled code runs; values equal the eager modules'."""
+    _available(monkeypatch)
+    calls: list[int] = []
+    real = native_gemm.linear
+    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(1) or real(*a))
+    for module in (_merged((64, 16, 16), 32, bias=True).eval(), RowLinear(32, 48).eval()):
+        x = torch.randn(1, 16, 32)
+        out, targets = _compiled_targets(module, x)
+        assert sum("fusion.decode_linear" in t for t in targets) == 1, targets
+        assert not any("aten.linear" in t or "functional.linear" in t for t in targets), targets
+        with torch.no_grad():
+            torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-6)
+    assert len(calls) == 4  # one compiled and one eager call per module
