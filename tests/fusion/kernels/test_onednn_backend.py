@@ -347,3 +347,62 @@ def test_decode_rows_see_weight_writes(write) -> None:
         write(tensor)
         got = BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
         assert numerics.relative_error(got, _float64(x, gate_up, down, ids, weights)) < 1e-5
+
+
+def _native_available(monkeypatch) -> None:
+    """Let the native kernel answer for these small experts wherever it built (its size
+    and capability rules are speed rules, tested in test_native_gemm.py)."""
+    from fusion.kernels import native_gemm
+
+    if not native_gemm.built():
+        pytest.skip(f"native kernel not built here: {native_gemm._STATE[0][1]}")
+    monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native_gemm, "_STATE", [(native_gemm._STATE[0][0], "built", "available")])
+
+
+@pytest.mark.parametrize("activation", sorted(torch_ref.ACTIVATIONS))
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (5, 4), (16, 8), (40, 8)])
+def test_few_rows_per_expert_take_the_native_kernel(
+    monkeypatch, activation: str, tokens: int, top_k: int
+) -> None:
+    """Up to `native_gemm.MAX_ROWS` rows per expert: both GEMMs of every selected expert run
+    the native kernel (once per expert, not per row), computing the reference's function
+    with no more error against float64 (1.5x the reference's, as for every path here)."""
+    from fusion.kernels import native_gemm
+
+    _native_available(monkeypatch)
+    taken: list[tuple[int, ...]] = []
+    real = native_gemm.linear
+    monkeypatch.setattr(
+        native_gemm, "linear", lambda x, w, b: taken.append(tuple(w.shape)) or real(x, w, b)
+    )
+    x, gate_up, down, ids, weights = _experts(tokens, 256, 192, 8, top_k, seed=tokens)
+    with torch.no_grad():
+        got = BACKEND.moe_experts(x, gate_up, down, ids, weights, activation)
+        ref = torch_ref.moe_experts(x, gate_up, down, ids, weights, activation)
+    exact = _float64(x, gate_up, down, ids, weights, activation)
+    assert got.shape == ref.shape
+    assert numerics.relative_error(got, exact) <= 1.5 * numerics.relative_error(ref, exact) + 6e-8
+    active = len(set(ids.flatten().tolist()))
+    assert sorted(taken) == sorted([(384, 256), (256, 192)] * active)
+
+
+def test_native_experts_see_weight_writes_and_refuse_gradients(monkeypatch) -> None:
+    """Nothing is kept between calls: writes through `.data` and numpy after a first call
+    are seen by the next; with a gradient recorded the reference runs (and trains)."""
+    from fusion.kernels import native_gemm
+
+    _native_available(monkeypatch)
+    x, gate_up, down, ids, weights = _experts(6, 256, 192, 8, 4, seed=9)
+    with torch.no_grad():
+        BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
+        gate_up.data.mul_(0.5)
+        down.detach().numpy()[:, :, 0] = 2.0
+        got = BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
+        ref = torch_ref.moe_experts(x, gate_up, down, ids, weights, "silu")
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    calls: list[int] = []
+    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(1))
+    gate_up.requires_grad_(True)
+    BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu").sum().backward()
+    assert calls == [] and gate_up.grad is not None
