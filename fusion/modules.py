@@ -154,7 +154,7 @@ class MergedLinear(nn.Module):
 
 class RowLinear(nn.Linear):
     """An `nn.Linear` whose decode-sized products on a CPU take `ops.decode_product` (the
-    native kernel at 1 to `native_gemm.MAX_ROWS` rows, else oneDNN's one-row product); every
+    native kernel at 1 to 256 rows (`native_gemm.rows_ok`), else oneDNN's one-row product); every
     other call is `F.linear`. Installed by the `decode_linear` fuser on a plain linear (a
     class change: same parameters, same place); see `fusion.fusers.decode_linear`."""
 

@@ -362,7 +362,8 @@ class OneDnnKernels(torch_ref.TorchKernels):
             routed.rows.new_empty(1, down.shape[-1]), down
         )
         per_row = (_rows_ok(gate_up), _rows_ok(down))
-        if native and max(routed.counts) <= native_gemm.MAX_ROWS:
+        k_max = max(gate_up.shape[-1], down.shape[-1])
+        if native and native_gemm.rows_ok(max(routed.counts), k_max):
             # decode and short prompts: every expert's GEMMs by the native kernel (`_gemm`)
             expert_out = self._chain(routed, gate_up, down, activation, per_row, native)
         elif max(routed.counts) <= ROW_MAX_ROWS and all(per_row):
@@ -414,10 +415,10 @@ class OneDnnKernels(torch_ref.TorchKernels):
     def _gemm(
         x: torch.Tensor, weights: torch.Tensor, expert: int, per_row: bool, native: bool
     ) -> torch.Tensor:
-        """`x @ weights[expert].t()`: the native kernel for up to `native_gemm.MAX_ROWS`
-        rows where `native`; else oneDNN from `MIN_ROWS` rows up, one one-row product per
+        """`x @ weights[expert].t()`: the native kernel where `native` and its row rules
+        hold (`native_gemm.rows_ok`); else oneDNN from `MIN_ROWS` rows up, one one-row product per
         row for up to `ROW_MAX_ROWS` rows where `per_row` (`_rows_ok(weights)`), else `mm`."""
-        if native and x.shape[0] <= native_gemm.MAX_ROWS:
+        if native and native_gemm.rows_ok(x.shape[0], x.shape[1]):
             return native_gemm.linear(x, weights[expert], None)
         if x.shape[0] >= MIN_ROWS:
             return linear(x, weights[expert])

@@ -242,9 +242,9 @@ def resolve_decode_kernels() -> None:
 
 def decode_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
     """`F.linear(x, weight, bias)` by a decode-sized CPU kernel where one applies, else None
-    (the caller computes it its own way). Eager: the native kernel (`native_gemm`, 1 to
-    `MAX_ROWS` rows) first, else oneDNN's one-row product (`onednn_backend.row_linear`, when
-    the native kernel is unavailable). While Dynamo traces: the `fusion::decode_linear`
+    (the caller computes it its own way). Eager: the native kernel (`native_gemm`, at the
+    rows `native_gemm.rows_ok` allows) first, else oneDNN's one-row product
+    (`onednn_backend.row_linear`, when the native kernel is unavailable). While Dynamo traces: the `fusion::decode_linear`
     operator when either would apply, which makes the eager choice when the compiled code
     runs. Both read the live weight and cache nothing."""
     out = _eager_decode_product(x, weight, bias)

@@ -168,6 +168,9 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         many = torch.randn(native_gemm.MAX_ROWS + 1, 64)
         assert not native_gemm.applies(many, weight, None)
         assert native_gemm.applies(many[1:], weight, None)
+        monkeypatch.setattr(native_gemm, "MAX_INPUT_ELEMENTS", 4 * 64)  # input in cache
+        assert native_gemm.applies(many[:4], weight, None)
+        assert not native_gemm.applies(many[:5], weight, None)
         assert not native_gemm.applies(x, torch.randn(64, 32).t(), None)
         assert not native_gemm.applies(x, weight, torch.randn(31))
         assert not native_gemm.applies(x.as_subclass(_Subclass), weight, None)
