@@ -2,7 +2,7 @@
 machine, and load it with `ctypes`.
 
 Why at run time rather than at install: the kernels are compiled with `-march=native` (the
-vector width and instruction set of the machine they run on), and the package stays pure
+vector width and instruction set of the machine they run on; `FUSION_NATIVE_MARCH` overrides), and the package stays pure
 Python (`pip install .` needs no compiler; a machine without one simply runs without the
 native kernels).
 
@@ -32,10 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-"""Compiler flags. `-fopenmp`: the kernels split work across torch's thread count; torch's
-wheels load the same `libgomp.so.1`, so one OpenMP runtime (one thread pool) serves both. No
-`-ffast-math`: the kernels' rounding is the IEEE order their source spells out."""
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+"""Compiler flags besides `-march` (`march()`). `-fopenmp`: the kernels split work across
+torch's thread count; torch's wheels load the same `libgomp.so.1`, so one OpenMP runtime (one
+thread pool) serves both. No `-ffast-math`: the kernels' rounding is the IEEE order their
+source spells out."""
+
+MARCH_ENV = "FUSION_NATIVE_MARCH"
+"""Overrides `-march=native` (e.g. `x86-64-v3` builds the AVX2 code path on an AVX-512
+machine: the tests do, so every vector width is checked wherever CI runs)."""
 COMPILE_TIMEOUT_S = 120
 
 
@@ -63,6 +68,16 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def march() -> str:
+    """The `-march` value: `$FUSION_NATIVE_MARCH`, else `native`."""
+    return os.environ.get(MARCH_ENV) or "native"
+
+
+def flags() -> tuple[str, ...]:
+    """Every compiler flag of a build here."""
+    return (*FLAGS, f"-march={march()}")
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -81,7 +96,7 @@ def _compiler_identity(cc: str) -> str:
 def cache_key(source: str, identity: str) -> str:
     """The cache key of `source` built by the compiler `identity` on this machine: 16 hex
     digits of a SHA-256 over everything that changes the built code."""
-    parts = [source, identity, " ".join(FLAGS), _cpu_flags(), platform.machine()]
+    parts = [source, identity, " ".join(flags()), _cpu_flags(), platform.machine()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -123,7 +138,7 @@ def _compile(cc: str, source: Path, directory: Path, target: Path) -> str:
         return f"cannot write the kernel cache {directory}: {exc}"
     try:
         done = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", temporary],
+            [cc, *flags(), str(source), "-o", temporary],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,

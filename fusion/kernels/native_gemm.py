@@ -11,7 +11,8 @@ thread, weights streamed from memory (256 MB of distinct weights cycled), `F.lin
 this kernel's: 1 row 1.22-1.52x (and 1.02-1.31x oneDNN's one-row product), 16 rows
 1.87-2.45x, 64 rows 1.24-2.25x (N x K from 1024 x 2048 to 16384 x 2048 and 2048 x 8192).
 
-Rounding: each output is a sum over 16 vector lanes of blocked partial sums (the C source
+Rounding: each output is a sum over the vector lanes (16 with AVX-512, 8 with AVX2) of
+blocked partial sums (the C source
 says how), which errs less than MKL against float64 (0.3-0.5x MKL's max error at K 1024-8192;
 the tests bound it by MKL's). The order depends only on K: bit-identical results at any
 thread count and for any batch composition.
@@ -21,7 +22,7 @@ CPU; autograd recording (the kernel has no derivative); operands that are not pl
 or parameters (subclasses compute something else); a weight not unit-stride along K, a K
 that is not a multiple of 16, more rows than `rows_ok` allows, a weight under `MIN_ELEMENTS`;
 under `torch.compile` (the caller traces the `fusion::decode_linear` operator, which asks
-again when it runs); a machine whose ATen capability is not in `CAPABILITIES`; the library
+again when it runs); a machine whose ATen capability is not in `LIMITS`; the library
 unavailable (`status()` says why: no compiler, a build error, a failed probe, the CPU, or
 `FUSION_NATIVE_KERNELS=0`).
 """
@@ -30,15 +31,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import torch
 
 from fusion.kernels import native_build, torch_ref
-
-CAPABILITIES = frozenset({"AVX512"})
-"""ATen CPU capabilities (`torch.backends.cpu.get_cpu_capability()`) where `applies` may
-answer True: where the speed-up was measured (module docstring). A rule on the machine, not
-a timing, so the same inputs on the same machine always take the same path."""
 
 MIN_ELEMENTS = 1 << 20
 """Smallest weight (N * K elements) the kernel takes: smaller weights sit in cache between
@@ -46,17 +43,41 @@ calls, where MKL's packing costs little and the kernel's fixed costs (a ctypes c
 OpenMP region) are a larger share. It is also the `decode_linear` fuser's size rule, so tiny
 corpus models never take this path unless a test lowers it."""
 
-MAX_ROWS = 256
-"""Most rows (product of `x`'s leading dimensions) the kernel takes; more go to MKL, whose
-packed GEMM catches up as rows amortise the packing. Measured as above (one / two threads,
-`F.linear` time / the kernel's): 128 rows 1.17-1.50x / 1.25-1.54x, 256 rows 1.04-1.24x /
-1.04-1.34x, 512 rows 0.47-1.32x / 0.73-1.15x."""
 
-MAX_INPUT_ELEMENTS = 1 << 20
-"""Most input elements (rows * K) the kernel takes: every block of 4 weight rows re-reads
-the whole input, so it must stay in cache (4 MB here). The 0.47x above is 512 x 8192 (16 MB
-of input, re-read from memory); 256 x 8192 (8 MB) still measured 1.13x on this machine's
-32 MB L3, but smaller caches are common."""
+@dataclass(frozen=True)
+class RowLimits:
+    """How many input rows the kernel takes on one kind of machine (`LIMITS`)."""
+
+    max_rows: int
+    """Most rows (product of `x`'s leading dimensions); more go to MKL, whose packed GEMM
+    catches up as rows amortise the packing."""
+    max_input_elements: int
+    """Most input elements (rows * K): every block of weight rows re-reads the whole input,
+    so it must stay in cache."""
+
+
+LIMITS: dict[str, RowLimits] = {
+    "AVX512": RowLimits(256, 1 << 20),
+    "AVX2": RowLimits(64, 1 << 17),
+}
+"""Per ATen CPU capability (`torch.backends.cpu.get_cpu_capability()`): where `applies` may
+answer True, and up to how many rows. A rule on the machine and the shape, never a timing, so
+the same inputs on the same machine always take the same path (reproducible rounding).
+
+AVX512 (2-core Zen 4, weights streamed, `F.linear` time / the kernel's, one / two threads):
+128 rows 1.17-1.50x / 1.25-1.54x, 256 rows 1.04-1.24x / 1.04-1.34x, 512 rows 0.47-1.32x /
+0.73-1.15x; the 0.47x is 512 x 8192 (16 MB of input re-read from memory, 4 weight rows per
+block), while 256 x 8192 (8 MB) still measured 1.13x on this machine's 32 MB L3: 4 MB of
+input is the limit, as smaller caches are common.
+
+AVX2 (the kernel built for x86-64-v3 and MKL limited to AVX2, emulated on the same Zen 4: no
+AVX2-only machine was available; 2 weight rows per block, as AVX2 has 16 vector registers):
+1 row 1.11-1.55x, 16 rows 1.47-2.00x (two threads 1.59-2.01x), 32 rows 1.30-1.64x but
+0.95x at K = 8192, 64 rows 1.10-1.31x but 0.78x at K = 8192, 128 rows 0.74-1.04x: up to 64
+rows and 512 KB of input."""
+
+CAPABILITIES = frozenset(LIMITS)
+_NO_ROWS = RowLimits(0, 0)
 
 K_MULTIPLE = 16
 """The reduction length must be a multiple of the kernel's vector width (16 floats)."""
@@ -65,13 +86,13 @@ DISABLE_ENV = "FUSION_NATIVE_KERNELS"
 """Set to `0` to keep the native kernels off (read once, at first use)."""
 
 _SOURCE = "rowmajor_gemm"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-_STATE: list[tuple[object | None, str, str]] = []
+_STATE: list[tuple[object | None, str, str, RowLimits]] = []
 """Explicit one-entry cache, a property of the process computed at first use (`resolve`):
 (the kernel's ctypes function or None, why not / "built", the machine rule's verdict:
-"available" or why `applies` stays False here)."""
+"available" or why `applies` stays False here, this machine's `LIMITS` entry)."""
 
 
 def _build() -> tuple[object | None, str]:
@@ -155,7 +176,9 @@ def resolve() -> None:
     trace: compiled code only reads `known_ok`."""
     if not _STATE:
         function, reason = _build()
-        _STATE.append((function, reason, _machine_rule() if function is not None else reason))
+        verdict = _machine_rule() if function is not None else reason
+        limits = LIMITS.get(_capability(), _NO_ROWS) if verdict == "available" else _NO_ROWS
+        _STATE.append((function, reason, verdict, limits))
 
 
 def status() -> str:
@@ -178,8 +201,10 @@ def known_ok() -> bool:
 
 
 def rows_ok(rows: int, k: int) -> bool:
-    """The row rules: 1 to `MAX_ROWS` rows of K elements, at most `MAX_INPUT_ELEMENTS`."""
-    return 1 <= rows <= MAX_ROWS and rows * k <= MAX_INPUT_ELEMENTS
+    """The row rules of this machine (`LIMITS`) for `rows` rows of K elements; False before
+    `resolve` and wherever the kernel is off."""
+    limits = _STATE[0][3] if _STATE else _NO_ROWS
+    return 1 <= rows <= limits.max_rows and rows * k <= limits.max_input_elements
 
 
 def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -223,12 +248,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     machine, never on timings."""
     if torch.compiler.is_compiling():
         return False
+    resolve()
     return (
         type(x) in _PLAIN_TYPES
         and type(weight) in _PLAIN_TYPES
         and (bias is None or type(bias) in _PLAIN_TYPES)
         and _operands_ok(x, weight, bias)
-        and status() == "available"
+        and _STATE[0][2] == "available"
     )
 
 

@@ -61,6 +61,10 @@ def test_key_covers_source_compiler_and_flags(monkeypatch) -> None:
     assert native_build.cache_key("a", "gcc 13") != base
     monkeypatch.setattr(native_build, "FLAGS", (*native_build.FLAGS, "-DX"))
     assert native_build.cache_key("a", "gcc 12") != base
+    monkeypatch.undo()
+    monkeypatch.setenv(native_build.MARCH_ENV, "x86-64-v3")
+    assert native_build.cache_key("a", "gcc 12") != base
+    assert "-march=x86-64-v3" in native_build.flags()
 
 
 @needs_compiler

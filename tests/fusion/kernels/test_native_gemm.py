@@ -4,6 +4,8 @@ write, and taken only where its rules allow."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -137,13 +139,40 @@ def test_operands_outside_the_contract_raise() -> None:
         native_gemm.linear(torch.randn(2, 24), torch.randn(8, 24), None)
 
 
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march values")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_narrower_vector_builds_compute_the_same_function(monkeypatch, march: str) -> None:
+    """The AVX2 (8 lanes, 2 weight rows per block) and SSE (4 lanes) code paths, built on
+    this machine: they pass the probe and match `F.linear` within MKL's error over row
+    counts that exercise every block remainder."""
+    monkeypatch.setenv(native_build.MARCH_ENV, march)
+    monkeypatch.setattr(native_gemm, "_STATE", [])
+    assert native_gemm.built(), native_gemm._STATE[0][1]
+    g = torch.Generator().manual_seed(2)
+    for rows, n, k in [(1, 7, 16), (3, 5, 272), (16, 33, 1024), (37, 10, 528)]:
+        x, weight = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g)
+        got, mkl = native_gemm.linear(x, weight, b), F.linear(x, weight, b)
+        ref = F.linear(x.double(), weight.double(), b.double())
+        scale = F.linear(x.abs().double(), weight.abs().double(), b.abs().double())
+        floor = 2 * torch.finfo(torch.float32).eps
+        err_got = ((got.double() - ref).abs() / scale).max().item()
+        err_mkl = ((mkl.double() - ref).abs() / scale).max().item()
+        assert err_got <= max(1.5 * err_mkl, floor), (rows, n, k)
+
+
 def _available(monkeypatch) -> None:
     """Let `applies` answer for small operands on any machine where the kernel built: the
     size and capability rules are speed rules, tested separately."""
     if not native_gemm.built():
         pytest.skip(f"native kernel not built here: {native_gemm._STATE[0][1]}")
     monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(native_gemm, "_STATE", [(native_gemm._STATE[0][0], "built", "available")])
+    monkeypatch.setattr(
+        native_gemm,
+        "_STATE",
+        [(native_gemm._STATE[0][0], "built", "available", native_gemm.LIMITS["AVX512"])],
+    )
 
 
 class _Subclass(torch.Tensor):
@@ -153,7 +182,7 @@ class _Subclass(torch.Tensor):
 @needs_kernel
 def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
     """Refused: gradients recorded, other dtypes, K not a multiple of 16, more than
-    MAX_ROWS rows, a weight not unit-stride along K, a bias of the wrong shape, tensor
+    the machine's row limits (`LIMITS`), a weight not unit-stride along K, a bias of the wrong shape, tensor
     subclasses, and everything below the size rule or off the machine rule."""
     x, weight, b = torch.randn(3, 64), torch.randn(32, 64), torch.randn(32)
     with torch.no_grad():
@@ -165,16 +194,21 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         assert not native_gemm.applies(x.double(), weight.double(), None)
         assert not native_gemm.applies(x.bfloat16(), weight.bfloat16(), None)
         assert not native_gemm.applies(x[:, :56], weight[:, :56], None)
-        many = torch.randn(native_gemm.MAX_ROWS + 1, 64)
+        many = torch.randn(native_gemm.LIMITS["AVX512"].max_rows + 1, 64)
         assert not native_gemm.applies(many, weight, None)
         assert native_gemm.applies(many[1:], weight, None)
-        monkeypatch.setattr(native_gemm, "MAX_INPUT_ELEMENTS", 4 * 64)  # input in cache
+        state = native_gemm._STATE[0]  # at most 4 x 64 input elements (input in cache)
+        monkeypatch.setattr(
+            native_gemm, "_STATE", [(*state[:3], native_gemm.RowLimits(1000, 4 * 64))]
+        )
         assert native_gemm.applies(many[:4], weight, None)
         assert not native_gemm.applies(many[:5], weight, None)
         assert not native_gemm.applies(x, torch.randn(64, 32).t(), None)
         assert not native_gemm.applies(x, weight, torch.randn(31))
         assert not native_gemm.applies(x.as_subclass(_Subclass), weight, None)
-        monkeypatch.setattr(native_gemm, "_STATE", [(None, "no C compiler", "no C compiler")])
+        monkeypatch.setattr(
+            native_gemm, "_STATE", [(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)]
+        )
         assert not native_gemm.applies(x, weight, b)
     monkeypatch.undo()
     _available(monkeypatch)
@@ -187,10 +221,30 @@ def test_machine_rule_and_switch(monkeypatch) -> None:
     FUSION_NATIVE_KERNELS=0, and says which one failed."""
     monkeypatch.setattr(native_gemm, "_capability", lambda: "AVX512")
     assert native_gemm._machine_rule() == "available"
-    monkeypatch.setattr(native_gemm, "_capability", lambda: "AVX2")
-    assert "AVX2" in native_gemm._machine_rule()
+    monkeypatch.setattr(native_gemm, "_capability", lambda: "DEFAULT")
+    assert "DEFAULT" in native_gemm._machine_rule()
     monkeypatch.setenv(native_gemm.DISABLE_ENV, "0")
     assert "FUSION_NATIVE_KERNELS=0" in native_gemm._machine_rule()
+
+
+@needs_kernel
+@pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
+def test_row_limits_follow_the_capability(monkeypatch, capability: str) -> None:
+    """`resolve` takes the row limits of the machine's capability: AVX2 stops at 64 rows and
+    128K input elements, AVX-512 at 256 rows and 1M; elsewhere nothing is taken."""
+    monkeypatch.setattr(native_gemm, "_capability", lambda: capability)
+    monkeypatch.setattr(native_gemm, "_STATE", [])
+    native_gemm.resolve()
+    limits = native_gemm.LIMITS.get(capability)
+    if limits is None:
+        assert not native_gemm.rows_ok(1, 16) and not native_gemm.known_ok()
+        return
+    assert native_gemm.known_ok()
+    assert native_gemm.rows_ok(limits.max_rows, 16)
+    assert not native_gemm.rows_ok(limits.max_rows + 1, 16)
+    assert native_gemm.rows_ok(1, limits.max_input_elements)
+    assert not native_gemm.rows_ok(2, limits.max_input_elements // 2 + 16)
+    assert native_gemm.rows_ok(16, 2048)  # decode widths are taken on both
 
 
 def _merged(sizes: tuple[int, ...], k: int, bias: bool) -> MergedLinear:
@@ -204,7 +258,7 @@ def _merged(sizes: tuple[int, ...], k: int, bias: bool) -> MergedLinear:
 @pytest.mark.parametrize("rows", [1, 5, 16, 64])
 def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) -> None:
     """MergedLinear (one stacked product) and RowLinear run the native kernel at 1 to
-    MAX_ROWS rows, before oneDNN's one-row product; the result equals `F.linear` on the
+    the machine's row limit, before oneDNN's one-row product; the result equals `F.linear` on the
     same parameters. More rows keep their PyTorch path."""
     _available(monkeypatch)
     calls: list[tuple[int, ...]] = []
@@ -219,8 +273,8 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
         torch.testing.assert_close(merged(x), F.linear(x, merged.weight, merged.bias))
         torch.testing.assert_close(row(x), F.linear(x, row.weight, row.bias))
         assert calls == [(96, 32), (48, 32)]
-        merged(torch.randn(native_gemm.MAX_ROWS + 1, 32))
-        row(torch.randn(native_gemm.MAX_ROWS + 1, 32))
+        merged(torch.randn(native_gemm.LIMITS["AVX512"].max_rows + 1, 32))
+        row(torch.randn(native_gemm.LIMITS["AVX512"].max_rows + 1, 32))
     assert calls == [(96, 32), (48, 32)]
 
 
@@ -269,7 +323,9 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
     x, weight = torch.randn(1, 64), torch.randn(32, 64)
     with torch.no_grad():
         assert ops.decode_product(x, weight, None) is not None
-        monkeypatch.setattr(native_gemm, "_STATE", [(None, "no C compiler", "no C compiler")])
+        monkeypatch.setattr(
+            native_gemm, "_STATE", [(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)]
+        )
         fallback = ops.decode_product(x, weight, None)
         assert ops.decode_product(torch.randn(3, 64), weight, None) is None
     onednn_row = onednn_backend.row_linear_applies(x, weight, None)

@@ -357,7 +357,11 @@ def _native_available(monkeypatch) -> None:
     if not native_gemm.built():
         pytest.skip(f"native kernel not built here: {native_gemm._STATE[0][1]}")
     monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(native_gemm, "_STATE", [(native_gemm._STATE[0][0], "built", "available")])
+    monkeypatch.setattr(
+        native_gemm,
+        "_STATE",
+        [(native_gemm._STATE[0][0], "built", "available", native_gemm.LIMITS["AVX512"])],
+    )
 
 
 @pytest.mark.parametrize("activation", sorted(torch_ref.ACTIVATIONS))
@@ -365,7 +369,7 @@ def _native_available(monkeypatch) -> None:
 def test_few_rows_per_expert_take_the_native_kernel(
     monkeypatch, activation: str, tokens: int, top_k: int
 ) -> None:
-    """Up to `native_gemm.MAX_ROWS` rows per expert: both GEMMs of every selected expert run
+    """Up to the machine's row limit (`native_gemm.rows_ok`) per expert: both GEMMs of every selected expert run
     the native kernel (once per expert, not per row), computing the reference's function
     with no more error against float64 (1.5x the reference's, as for every path here)."""
     from fusion.kernels import native_gemm
