@@ -1,15 +1,16 @@
-"""`decode_linear`: a plain `nn.Linear` computes its one-row products with oneDNN.
+"""`decode_linear`: a plain `nn.Linear` computes its decode-sized products with our kernels.
 
 Not a merge: the module keeps its parameters, hooks, name and place; only its class becomes
 `fusion.modules.RowLinear` (an `nn.Linear` subclass), whose forward is `F.linear` except for
-one float32 row on an AVX-512 CPU with a weight of `ROW_MIN_ELEMENTS` or more, where it is
-oneDNN's one-row product on the live weight (`onednn_backend.row_linear`: faster to stream
-a weight from memory, and no less accurate than MKL). That is the decode step of a CPU model:
-the projections fusion cannot merge (`o_proj`, `down_proj`) and the LM head, up to a third of
-a decoder's weights, read at every generated token.
+float32 products on a CPU with a weight of 1M+ elements, at 1 to 256 rows where the native
+kernel is on (`native_gemm`: it streams the live weight once, MKL packs it on every call)
+and otherwise at one row on AVX-512 where oneDNN's one-row product is. That is the decode
+step (and short prompts) of a CPU model: the projections fusion cannot merge (`o_proj`,
+`down_proj`) and the LM head, up to a third of a decoder's weights, read at every generated
+token.
 
-Why it is safe: the function is `F.linear`'s (the tests bound the one-row product's error by
-MKL's against float64); nothing is cached (each call reads the weight as it is now); the
+Why it is safe: the function is `F.linear`'s (the tests bound both kernels' error by MKL's
+against float64); nothing is cached (each call reads the weight as it is now); the
 parameters are the same objects, so the state dict, optimisers, tied weights and checkpoint
 keys are untouched. Refused (fail closed) for anything that is not exactly `nn.Linear`
 (quantised or wrapped linears compute something else), a module with hooks or its own call
@@ -34,7 +35,7 @@ from fusion.modules import RowLinear
 
 @dataclass
 class DecodeLinearFuser(Fuser):
-    """Give a plain linear oneDNN's one-row product at decode (`RowLinear`)."""
+    """Give a plain linear the decode-sized CPU kernels (`RowLinear`)."""
 
     name: ClassVar[str] = "decode_linear"
     redefines_forward: ClassVar[bool] = True

@@ -12,14 +12,17 @@ from torch import nn
 
 import fusion
 from fusion import numerics
-from fusion.kernels import onednn_backend
+from fusion.kernels import native_gemm, onednn_backend
 from fusion.modules import RowLinear
 
 
 @pytest.fixture(autouse=True)
 def _small_threshold(monkeypatch):
-    """Test-sized weights take the path (the threshold is a speed rule, not a safety one)."""
+    """Test-sized weights take the path (the threshold is a speed rule, not a safety one).
+    The native kernel keeps its threshold here (these tests watch oneDNN's one-row product)
+    except where a test lowers it."""
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 32 * 48)
+    monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", native_gemm.MIN_ELEMENTS)
 
 
 def _model() -> nn.Module:
@@ -154,16 +157,25 @@ def test_deepcopy_and_pickle_keep_the_class() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_every_linear_taking_it_passes_parity_and_the_lifecycle(arch: str) -> None:
-    """With the threshold at zero every plain linear of a tiny corpus model becomes a
-    RowLinear: the parity oracle and every lifecycle operation (generate, train, save and
-    reload, weight edits, copies, compile) still pass."""
+    """With the thresholds at zero every plain linear of a tiny corpus model becomes a
+    RowLinear and every linear of a fused one whose width allows takes the native kernel
+    (where it is built): the parity oracle and every lifecycle operation (generate, train,
+    save and reload, weight edits, copies, compile) still pass."""
     import corpus
     from harness.check import CheckOptions, check_model, make_inputs
 
-    onednn_backend.ROW_MIN_ELEMENTS = 0  # restored by the autouse fixture's monkeypatch
-    model = corpus.build(arch, seed=0, dtype=torch.float32, device="cpu")
-    options = CheckOptions(lifecycle="full")
-    result = check_model(arch, model, make_inputs(model, options), options).result
+    onednn_backend.ROW_MIN_ELEMENTS = 0  # both restored by the autouse fixture's monkeypatch
+    native_gemm.MIN_ELEMENTS = 0
+    calls: list[int] = []
+    real = native_gemm.linear
+    native_gemm.linear = lambda *a: calls.append(1) or real(*a)
+    try:
+        model = corpus.build(arch, seed=0, dtype=torch.float32, device="cpu")
+        options = CheckOptions(lifecycle="full")
+        result = check_model(arch, model, make_inputs(model, options), options).result
+    finally:
+        native_gemm.linear = real
+    assert bool(calls) == native_gemm.known_ok()  # the kernel ran wherever it is on
     assert result.status == "pass", result.message
     assert all(v["verdict"] in {"pass", "n/a"} for v in result.lifecycle.values())
     assert any("decode_linear" in str(entry) for entry in (result.applied or {})), result.applied
