@@ -185,8 +185,9 @@ VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
 
 def cpu_info() -> dict[str, Any]:
     """The CPU the numbers were measured on: model name, the `VECTOR_FLAGS` it has (from
-    /proc/cpuinfo; empty elsewhere) and the vector ISA ATen dispatches to (which
-    `ATEN_CPU_CAPABILITY` can lower, e.g. to emulate an AVX2-only machine)."""
+    /proc/cpuinfo; empty elsewhere), the vector ISA ATen dispatches to (which
+    `ATEN_CPU_CAPABILITY` can lower, e.g. to emulate an AVX2-only machine), and whether the
+    native CPU kernel runs here (`native_gemm.status()`: 'available' or why not)."""
     model, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -202,10 +203,13 @@ def cpu_info() -> dict[str, Any]:
         capability = str(torch.backends.cpu.get_cpu_capability())
     except (AttributeError, RuntimeError):
         capability = "unknown"
+    from fusion.kernels import native_gemm  # builds the kernel on first use (once per machine)
+
     return {
         "cpu_model": model,
         "cpu_flags": [f for f in VECTOR_FLAGS if f in flags],
         "aten_cpu_capability": capability,
+        "native_kernel": native_gemm.status(),
     }
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from fusion.kernels import native_gemm
 from harness import bench
 
 
@@ -153,5 +154,6 @@ def test_table_shows_medians_with_their_spread_and_the_cpu() -> None:
     table = bench.format_table([row])
     assert "IQR" in table.splitlines()[0] and "0.2500" in table and "0.1250" in table
     info = bench.cpu_info()
-    assert set(info) == {"cpu_model", "cpu_flags", "aten_cpu_capability"}
+    assert set(info) == {"cpu_model", "cpu_flags", "aten_cpu_capability", "native_kernel"}
+    assert info["native_kernel"] == native_gemm.status()
     assert set(info["cpu_flags"]) <= set(bench.table.VECTOR_FLAGS)
