@@ -25,6 +25,10 @@ the whole weight), so there is none. The per-call copy costs one pass over the u
 weights; oneDNN on a strided (uncopied) column block is a slow reference path, and oneDNN's
 own reorder is slower still.
 
+Few rows per expert (decode, short prompts): where our native kernel is on
+(`native_gemm`, up to its row limit), each expert's GEMMs run on it instead, reading the
+live expert weights the same way (nothing cached); oneDNN's paths below serve the rest.
+
 Where `auto` picks it (`AUTO_CAPABILITIES`): only on CPUs whose ATen kernels run AVX-512.
 The speed-up was measured on AVX-512 (Zen 4); on an AVX2-only x86 machine a oneDNN linear ran
 0.58-0.99x of MKL's, so there `auto` keeps the reference. The rule is the CPU's capability,
