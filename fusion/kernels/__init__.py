@@ -96,6 +96,12 @@ def _onednn() -> Kernels | None:
     return onednn_backend.create()
 
 
+def _native() -> Kernels | None:
+    from fusion.kernels import native_backend  # builds the native kernel when first asked for
+
+    return native_backend.create()
+
+
 def _vllm() -> Kernels | None:
     from fusion.kernels import vllm_backend  # imports vllm only when first asked for
 
@@ -105,6 +111,7 @@ def _vllm() -> Kernels | None:
 _FACTORIES: dict[str, Callable[[], Kernels | None]] = {
     "torch": TorchKernels,
     "onednn": _onednn,
+    "native": _native,
     "triton": _triton,
     "vllm": _vllm,
 }
@@ -113,10 +120,11 @@ _FACTORIES: dict[str, Callable[[], Kernels | None]] = {
 _INSTANCES: dict[str, Kernels | None] = {}
 """Explicit cache of constructed backends, keyed by name."""
 
-PREFERENCE = ("vllm", "triton", "onednn", "torch")
+PREFERENCE = ("vllm", "triton", "onednn", "native", "torch")
 """Order `auto` tries backends in for a device: fastest first, the reference last (on CPU:
-oneDNN's float32 expert GEMMs on AVX-512 machines, see `fusion.kernels.onednn_backend`,
-else the reference). A backend whose `auto_pick` is False (measured slower on this kind of
+oneDNN's float32 expert GEMMs on AVX-512 machines, see `fusion.kernels.onednn_backend`;
+else our native kernel's experts where it is on, `fusion.kernels.native_backend`; else the
+reference). A backend whose `auto_pick` is False (measured slower on this kind of
 machine) or that runs `interpreted` is skipped by `auto`, never by its explicit name."""
 
 

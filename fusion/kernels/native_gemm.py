@@ -258,6 +258,25 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     )
 
 
+def experts_ok(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """May the MoE experts' GEMMs (`gate_up [E, 2I, H]`, `down [E, H, I]`) of `rows [R, H]`
+    take the kernel? `applies` on one row against expert 0's slices: every expert's slice
+    has the same shape, strides and type, so the answer holds for all of them. The caller
+    checks each expert's row count (`expert_rows_ok`).
+
+    Why: a CPU MoE block's time is its selected experts' weights streamed once; the kernel
+    reads them 1.3-2x faster than `mm` at decode sizes (module docstring), and errs less."""
+    if gate_up.dim() != 3 or down.dim() != 3 or rows.shape[0] == 0:
+        return False
+    inter = rows.new_empty(1, down.shape[-1])
+    return applies(rows[:1], gate_up[0], None) and applies(inter, down[0], None)
+
+
+def expert_rows_ok(count: int, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """The row rules (`rows_ok`) for an expert with `count` rows, against either projection."""
+    return rows_ok(count, max(gate_up.shape[-1], down.shape[-1]))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by the native kernel: a new float32 tensor of shape
     `(*x.shape[:-1], N)`. Call where `applies` (or, in tests, where `built()` and the

@@ -268,17 +268,6 @@ def _rows_ok(*weights: torch.Tensor) -> bool:
     )
 
 
-def _native_ok(x: torch.Tensor, weights: torch.Tensor) -> bool:
-    """May the experts' GEMMs of `x`-shaped rows against `weights` (`[E, N, K]`) take the
-    native kernel? `native_gemm.applies` on one row and expert 0's slice: every expert's
-    slice has the same shape, strides and type, so the answer holds for all of them (the
-    caller has checked float32 CPU and no gradient; the row count is checked per expert).
-
-    Why: a CPU MoE block's time is its selected experts' weights streamed once; the native
-    kernel reads them ~1.3-2x faster than `mm` at 1-64 rows (`native_gemm`), and errs less."""
-    return weights.dim() == 3 and native_gemm.applies(x[:1], weights[0], None)
-
-
 def _grouped_mm_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Can `F.grouped_mm` take these experts? It exists (torch >= 2.10) and every operand's
     rows are 16-byte aligned, which it requires: expert widths `H` and `I` whose rows are a
@@ -362,12 +351,9 @@ class OneDnnKernels(torch_ref.TorchKernels):
             return hidden.new_zeros(hidden.shape)
         routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
         # once per call, not per expert: every expert's slice has the same shape and strides
-        native = _native_ok(routed.rows, gate_up) and _native_ok(
-            routed.rows.new_empty(1, down.shape[-1]), down
-        )
+        native = native_gemm.experts_ok(routed.rows, gate_up, down)
         per_row = (_rows_ok(gate_up), _rows_ok(down))
-        k_max = max(gate_up.shape[-1], down.shape[-1])
-        if native and native_gemm.rows_ok(max(routed.counts), k_max):
+        if native and native_gemm.expert_rows_ok(max(routed.counts), gate_up, down):
             # decode and short prompts: every expert's GEMMs by the native kernel (`_gemm`)
             expert_out = self._chain(routed, gate_up, down, activation, per_row, native)
         elif max(routed.counts) <= ROW_MAX_ROWS and all(per_row):
@@ -388,21 +374,15 @@ class OneDnnKernels(torch_ref.TorchKernels):
         per_row: tuple[bool, bool],
         native: bool,
     ) -> torch.Tensor:
-        """Expert by expert, gate_up GEMM -> act-and-mul -> down GEMM, so each expert's
-        intermediate is still in cache when the down projection reads it. `per_row`: may
+        """`torch_ref.expert_chain` with this backend's GEMM choice (`_gemm`). `per_row`: may
         the gate_up / down GEMMs take one-row products (`_rows_ok` of each)? `native`: may
-        both take the native kernel (`_native_ok`)?"""
-        pieces = []
-        start = 0
-        for expert, count in enumerate(routed.counts):
-            if not count:
-                continue
-            rows = routed.rows[start : start + count]
-            projected = self._gemm(rows, gate_up, expert, per_row[0], native)
-            activated = torch_ref.act_and_mul(projected, activation)
-            pieces.append(self._gemm(activated, down, expert, per_row[1], native))
-            start += count
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        both take the native kernel (`native_gemm.experts_ok`)?"""
+
+        def gemm(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
+            one_row = per_row[0] if weights is gate_up else per_row[1]
+            return self._gemm(x, weights, expert, one_row, native)
+
+        return torch_ref.expert_chain(routed, gate_up, down, activation, gemm)
 
     @staticmethod
     def _small(

@@ -5,6 +5,7 @@ These functions define what every other backend must compute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +183,29 @@ def sort_by_expert(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     token_of_row = order // topk_ids.shape[-1]
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     return ExpertRows(hidden.index_select(0, token_of_row), order, token_of_row, counts)
+
+
+def expert_chain(
+    routed: ExpertRows,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    gemm: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """Every routed row's expert output, as a new `[T*K, H]` tensor in `routed`'s row order:
+    expert by expert, `gemm(rows, gate_up, e)` -> `act_and_mul` -> `gemm(that, down, e)`, so
+    each expert's intermediate is still in cache when its down projection reads it. `gemm(x,
+    weights, e)` must return `x @ weights[e].t()` (backends pass their own GEMM choice)."""
+    pieces = []
+    start = 0
+    for expert, count in enumerate(routed.counts):
+        if not count:
+            continue
+        rows = routed.rows[start : start + count]
+        activated = act_and_mul(gemm(rows, gate_up, expert), activation)
+        pieces.append(gemm(activated, down, expert))
+        start += count
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def combine(

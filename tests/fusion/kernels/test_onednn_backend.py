@@ -221,10 +221,15 @@ def test_backend_holds_no_weight_state() -> None:
 
 def test_auto_picks_onednn_only_on_avx512_cpus() -> None:
     """`auto` takes oneDNN only where its speed-up was measured (AVX-512); elsewhere the
-    reference. Either way `onednn` stays available by name."""
+    native backend where our kernel is on, else the reference. Either way `onednn` stays
+    available by name."""
+    from fusion.kernels import native_gemm
+
     assert "onednn" in kernels.available_backends("cpu")
     avx512 = onednn_backend.cpu_capability() in onednn_backend.AUTO_CAPABILITIES
-    assert kernels.get("auto", "cpu").name == ("onednn" if avx512 else "torch")
+    native = native_gemm.status() == "available"
+    expected = "onednn" if avx512 else ("native" if native else "torch")
+    assert kernels.get("auto", "cpu").name == expected
 
 
 def test_compiling_takes_the_reference_without_reading_settings() -> None:

@@ -443,11 +443,11 @@ def test_triton_supports_exactly_one_device_kind() -> None:
     if triton_backend.INTERPRETED:
         assert backend.supports(torch.device("cpu"))
         assert not backend.supports(torch.device("cuda"))
-        assert kernels.get("auto", "cpu").name in {"onednn", "torch"}
+        assert kernels.get("auto", "cpu").name in {"onednn", "native", "torch"}
     else:
         assert backend.supports(torch.device("cuda"))
         assert not backend.supports(torch.device("cpu"))
-        assert kernels.get("auto", "cpu").name in {"onednn", "torch"}
+        assert kernels.get("auto", "cpu").name in {"onednn", "native", "torch"}
         assert kernels.get("auto", "cuda").name in {"vllm", "triton"}
 
 
@@ -478,7 +478,7 @@ def test_fused_model_on_the_interpreter_in_a_fresh_process() -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from tests.fusion.tiny_models import COMMON, randomize_, tiny_model, token_ids
         assert "triton" in kernels.available_backends("cpu"), kernels.available_backends("cpu")
-        assert kernels.get("auto", "cpu").name in {"onednn", "torch"}
+        assert kernels.get("auto", "cpu").name in {"onednn", "native", "torch"}
         moe = AutoConfig.for_model(
             "qwen3_moe", **COMMON, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
