@@ -148,14 +148,18 @@ def _capability() -> str:
 def _probe(function) -> str:
     """'' when a small product with a bias and padded row strides matches float64 within
     float32 rounding at one and two threads, bit-identically; else what differed."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 80, generator=generator)[:, :48]
-    weight = torch.randn(7, 64, generator=generator)[:, :48]
-    bias = torch.randn(7, generator=generator)
-    expected = x.double() @ weight.double().t() + bias.double()
+    # explicit device and dtype: the first call may come under `with torch.device("meta")`
+    # or another default dtype (a model built on meta, then fused), where a plain
+    # `torch.randn` would hand the kernel a pointer to no memory
+    cpu = {"device": "cpu", "dtype": torch.float32}
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(5, 80, generator=generator, **cpu)[:, :48]
+    weight = torch.randn(7, 64, generator=generator, **cpu)[:, :48]
+    bias = torch.randn(7, generator=generator, **cpu)
+    expected = x.double() @ weight.double().t() + bias.double()  # on CPU, as its operands
     outs = []
     for threads in (1, 2):
-        out = torch.full((5, 7), float("nan"))
+        out = torch.full((5, 7), float("nan"), **cpu)
         code = function(
             x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0), bias.data_ptr(),
             out.data_ptr(), 7, 5, 7, 48, threads,
@@ -258,6 +262,36 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     )
 
 
+def _check_memory(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raise ValueError unless the kernel may read these tensors' memory as it will: float32
+    CPU tensors with storage (not meta, not a subclass without data), a 2-D weight
+    unit-stride along K with rows at least K apart, a matching input width and bias. `linear`
+    checks this on every call, whatever its caller checked, because a wrong pointer here is
+    a crash of the whole process, not an exception."""
+    tensors = [x, weight] + ([] if bias is None else [bias])
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.is_meta:
+            raise ValueError(f"native linear needs float32 CPU tensors, got {t.dtype} {t.device}")
+        if t.numel() and t.data_ptr() == 0:
+            raise ValueError("native linear got a tensor without memory")
+    if (
+        weight.dim() != 2
+        or weight.stride(1) != 1
+        or (weight.shape[0] > 1 and weight.stride(0) < weight.shape[1])
+    ):
+        raise ValueError(
+            f"native linear needs a row-major 2-D weight, got {tuple(weight.shape)} strides {weight.stride()}"
+        )
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"native linear: input width {tuple(x.shape)} does not match the weight {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"native linear: bias {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}"
+        )
+
+
 def experts_ok(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """May the MoE experts' GEMMs (`gate_up [E, 2I, H]`, `down [E, H, I]`) of `rows [R, H]`
     take the kernel? `applies` on one row against expert 0's slices: every expert's slice
@@ -289,6 +323,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     function = _STATE[0][0]
     if function is None:
         raise RuntimeError(f"the native linear is not built here: {_STATE[0][1]}")
+    _check_memory(x, weight, bias)
     n, k = weight.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -296,7 +331,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         rows = rows.contiguous()
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.float32, device="cpu")  # not the default device
     held = (rows.untyped_storage(), weight.untyped_storage())  # noqa: F841  (see docstring)
     code = function(
         rows.data_ptr(), rows.stride(0) if m > 1 else k, weight.data_ptr(), weight.stride(0),

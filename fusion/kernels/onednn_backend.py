@@ -299,9 +299,12 @@ class OneDnnKernels(torch_ref.TorchKernels):
         """The backend, or None when oneDNN is missing or fails the probe (see module doc)."""
         if not _ops_available():
             return None
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(8, 2 * K_BLOCK + 3, generator=generator)
-        w = torch.randn(16, 2 * K_BLOCK + 3, generator=generator)
+        # explicit device and dtype: the first request may come under a default-device or
+        # default-dtype context (a model built on meta, then fused)
+        cpu = {"device": "cpu", "dtype": torch.float32}
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(8, 2 * K_BLOCK + 3, generator=generator, **cpu)
+        w = torch.randn(16, 2 * K_BLOCK + 3, generator=generator, **cpu)
         try:
             got = linear(x, w)
         except RuntimeError:

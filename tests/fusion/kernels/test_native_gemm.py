@@ -364,3 +364,50 @@ def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
         with torch.no_grad():
             torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-6)
     assert len(calls) == 4  # one compiled and one eager call per module
+
+
+@needs_kernel
+@pytest.mark.parametrize("context", ["meta", "float64"])
+def test_first_use_under_a_default_device_or_dtype(monkeypatch, context: str) -> None:
+    """The kernel may first be asked for while a model is built under `with
+    torch.device("meta")` or another default dtype (Transformers' own tests fuse such a
+    model): the probe still runs on real float32 CPU memory (it once handed the kernel a meta
+    pointer and crashed the process), and products made under such a context return CPU
+    float32 tensors."""
+    monkeypatch.setattr(native_gemm, "_STATE", [])
+    x, weight = torch.randn(3, 64), torch.randn(8, 64)
+    want = F.linear(x, weight)
+    if context == "meta":
+        with torch.device("meta"):
+            assert native_gemm.built(), native_gemm._STATE[0][1]
+            got = native_gemm.linear(x, weight, None)
+    else:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert native_gemm.built(), native_gemm._STATE[0][1]
+            got = native_gemm.linear(x, weight, None)
+        finally:
+            torch.set_default_dtype(previous)
+    assert got.device.type == "cpu" and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_linear_refuses_memory_it_cannot_read() -> None:
+    """`linear` checks what the kernel will read on every call, whatever its caller checked:
+    meta tensors, other dtypes, column-major weights, mismatched widths and biases raise
+    ValueError instead of handing C a bad pointer."""
+    x, weight = torch.randn(2, 32), torch.randn(4, 32)
+    bad = [
+        (x.to("meta"), weight, None),
+        (x, weight.to("meta"), None),
+        (x.double(), weight.double(), None),
+        (x, torch.randn(32, 4).t(), None),
+        (torch.randn(2, 48), weight, None),
+        (x, weight, torch.randn(5)),
+        (x, weight, torch.randn(4, device="meta")),
+    ]
+    for args in bad:
+        with pytest.raises(ValueError, match="native linear"):
+            native_gemm.linear(*args)

@@ -415,3 +415,11 @@ def test_native_experts_see_weight_writes_and_refuse_gradients(monkeypatch) -> N
     gate_up.requires_grad_(True)
     BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu").sum().backward()
     assert calls == [] and gate_up.grad is not None
+
+
+def test_backend_probe_runs_on_cpu_under_a_meta_default_device() -> None:
+    """The backend may first be created while a model is built on meta: its probe still
+    computes on CPU memory, so the backend is not lost for the process."""
+    with torch.device("meta"):
+        backend = onednn_backend.create()
+    assert backend is not None
