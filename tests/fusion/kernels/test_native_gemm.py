@@ -143,7 +143,7 @@ def test_operands_outside_the_contract_raise() -> None:
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march values")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_narrower_vector_builds_compute_the_same_function(monkeypatch, march: str) -> None:
-    """The AVX2 (8 lanes, 2 weight rows per block) and SSE (4 lanes) code paths, built on
+    """The AVX2 (8 lanes, 2 x 4 blocks) and SSE (4 lanes, 4 x 2 blocks) code paths, built on
     this machine: they pass the probe and match `F.linear` within MKL's error over row
     counts that exercise every block remainder."""
     monkeypatch.setenv(native_build.MARCH_ENV, march)
@@ -230,8 +230,8 @@ def test_machine_rule_and_switch(monkeypatch) -> None:
 @needs_kernel
 @pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
 def test_row_limits_follow_the_capability(monkeypatch, capability: str) -> None:
-    """`resolve` takes the row limits of the machine's capability: AVX2 stops at 64 rows and
-    128K input elements, AVX-512 at 256 rows and 1M; elsewhere nothing is taken."""
+    """`resolve` takes the row limits of the machine's capability: AVX2 stops at 128 rows and
+    256K input elements, AVX-512 at 256 rows and 1M; elsewhere nothing is taken."""
     monkeypatch.setattr(native_gemm, "_capability", lambda: capability)
     monkeypatch.setattr(native_gemm, "_STATE", [])
     native_gemm.resolve()
