@@ -255,10 +255,14 @@ def test_special_values_propagate(name, device) -> None:
         w = torch.ones(16, dtype=dtype, device=device)
         for upcast in (True, False):
             kwargs = dict(offset=0.0, upcast=upcast, weight_after_cast=True)
+            # `upcast` computes the statistics in float32 (as HF's RMSNorm does), for float64
+            # inputs too: judged at float32's precision there (at float64's, ~10% of random
+            # inputs failed on one float32 rounding of the variance)
             _close(
                 backend.rms_norm(x, w, 1e-6, **kwargs),
                 torch_ref.rms_norm(x, w, 1e-6, **kwargs),
                 f"{name} rms_norm {dtype} special values",
+                torch.float32 if upcast and dtype == torch.float64 else None,
             )
 
 
