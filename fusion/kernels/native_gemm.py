@@ -58,7 +58,7 @@ class RowLimits:
 
 LIMITS: dict[str, RowLimits] = {
     "AVX512": RowLimits(256, 1 << 20),
-    "AVX2": RowLimits(128, 1 << 18),
+    "AVX2": RowLimits(64, 1 << 18),
 }
 """Per ATen CPU capability (`torch.backends.cpu.get_cpu_capability()`): where `applies` may
 answer True, and up to how many rows. A rule on the machine and the shape, never a timing, so
@@ -73,9 +73,10 @@ input is the limit, as smaller caches are common.
 AVX2 (the kernel built for x86-64-v3 and MKL limited to AVX2, emulated on the same Zen 4: no
 AVX2-only machine was available; 8 lanes, blocks of 2 input x 4 weight rows, as AVX2 has 16
 vector registers), one thread: 1 row 1.19-1.62x, 16 rows 1.59-2.19x, 32 rows 1.24-1.78x, 64
-rows 1.21-1.42x but 1.01x at K = 8192, 128 rows 1.04-1.23x but 0.96x at K = 8192 (two
-threads 1.21-1.48x): up to 128 rows and 1 MB of input. (Blocks of 4 input x 2 weight rows,
-measured first, re-read the input twice as often: 0.76-1.04x at 128 rows.)"""
+rows 1.21-1.42x but 1.01x at K = 8192, 128 rows 1.04-1.23x but 0.96x at K = 8192 in one
+run and 0.87-1.35x at Qwen3-0.6B's widths in another (two threads 0.90-1.48x): up to 64 rows
+and 1 MB of input. (Blocks of 4 input x 2 weight rows, measured first, re-read the input
+twice as often: 0.76-1.04x at 128 rows, 0.82x at 64 x 8192.)"""
 
 CAPABILITIES = frozenset(LIMITS)
 _NO_ROWS = RowLimits(0, 0)

@@ -230,7 +230,7 @@ def test_machine_rule_and_switch(monkeypatch) -> None:
 @needs_kernel
 @pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
 def test_row_limits_follow_the_capability(monkeypatch, capability: str) -> None:
-    """`resolve` takes the row limits of the machine's capability: AVX2 stops at 128 rows and
+    """`resolve` takes the row limits of the machine's capability: AVX2 stops at 64 rows and
     256K input elements, AVX-512 at 256 rows and 1M; elsewhere nothing is taken."""
     monkeypatch.setattr(native_gemm, "_capability", lambda: capability)
     monkeypatch.setattr(native_gemm, "_STATE", [])
