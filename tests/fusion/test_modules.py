@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fusion.modules import ActAndMul, FusedRMSNorm, MergedLinear
+from tests.fusion.dynamo_graphs import compiled_call_targets
 
 
 def _linears(bias: tuple[bool, ...] = (False, False, False)) -> dict[str, nn.Linear]:
@@ -194,21 +195,6 @@ def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
     assert seen == [(40, 16)] and merged.weight.grad is not None
 
 
-def _compiled_graph_ops(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
-    """`module(x)` compiled fullgraph, and the names of the call targets Dynamo recorded."""
-    graphs: list[torch.fx.GraphModule] = []
-
-    def backend(gm: torch.fx.GraphModule, _inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(module, backend=backend, fullgraph=True)(x)
-    assert len(graphs) == 1
-    return out, [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool) -> None:
     """Under torch.compile: one row goes through the `fusion::decode_linear` operator (which
@@ -221,7 +207,7 @@ def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool)
     with torch.no_grad():
         for rows in (1, 5):
             x = torch.randn(1, rows, 32)
-            out, targets = _compiled_graph_ops(merged, x)
+            out, targets = compiled_call_targets(merged, x)
             torch.testing.assert_close(out, merged(x), rtol=1e-5, atol=1e-6)
             linears = sum("linear" in t and "decode_linear" not in t for t in targets)
             if rows == 1 and onednn_backend.row_machine_known_ok():

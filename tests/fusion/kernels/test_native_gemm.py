@@ -16,6 +16,8 @@ from torch import nn
 
 from fusion.kernels import native_build, native_gemm, ops
 from fusion.modules import MergedLinear, RowLinear
+from tests.fusion.dynamo_graphs import compiled_call_targets
+from tests.fusion.kernels.native_helpers import force_native_on
 
 needs_kernel = pytest.mark.skipif(
     native_build.compiler() is None, reason="no C compiler on this machine: nothing to build"
@@ -162,19 +164,6 @@ def test_narrower_vector_builds_compute_the_same_function(monkeypatch, march: st
         assert err_got <= max(1.5 * err_mkl, floor), (rows, n, k)
 
 
-def _available(monkeypatch) -> None:
-    """Let `applies` answer for small operands on any machine where the kernel built: the
-    size and capability rules are speed rules, tested separately."""
-    if not native_gemm.built():
-        pytest.skip(f"native kernel not built here: {native_gemm._STATE[0][1]}")
-    monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(
-        native_gemm,
-        "_STATE",
-        [(native_gemm._STATE[0][0], "built", "available", native_gemm.LIMITS["AVX512"])],
-    )
-
-
 class _Subclass(torch.Tensor):
     pass
 
@@ -187,7 +176,7 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
     x, weight, b = torch.randn(3, 64), torch.randn(32, 64), torch.randn(32)
     with torch.no_grad():
         assert not native_gemm.applies(x, weight, b)  # size rule: 2,048 < MIN_ELEMENTS
-    _available(monkeypatch)
+    force_native_on(monkeypatch)
     with torch.no_grad():
         assert native_gemm.applies(x, weight, b)
         assert native_gemm.applies(x[0], weight, None)
@@ -211,7 +200,7 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         )
         assert not native_gemm.applies(x, weight, b)
     monkeypatch.undo()
-    _available(monkeypatch)
+    force_native_on(monkeypatch)
     assert not native_gemm.applies(x, weight.requires_grad_(), b)  # autograd records
 
 
@@ -260,7 +249,7 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
     """MergedLinear (one stacked product) and RowLinear run the native kernel at 1 to
     the machine's row limit, before oneDNN's one-row product; the result equals `F.linear` on the
     same parameters. More rows keep their PyTorch path."""
-    _available(monkeypatch)
+    force_native_on(monkeypatch)
     calls: list[tuple[int, ...]] = []
     real = native_gemm.linear
     monkeypatch.setattr(
@@ -282,7 +271,7 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
 def test_every_weight_write_is_seen(monkeypatch) -> None:
     """Nothing is cached: writes through `.data`, `copy_`, `set_`, numpy, and an optimiser
     step after a first forward all show in the next forward, at 1 and 16 rows."""
-    _available(monkeypatch)
+    force_native_on(monkeypatch)
     merged = _merged((48, 16), 32, bias=False)
     optimiser = torch.optim.SGD(merged.parameters(), lr=0.5)
     for rows in (1, 16):
@@ -312,7 +301,7 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
     (here: unavailable), oneDNN's one-row product where that applies, else None."""
     from fusion.kernels import onednn_backend
 
-    _available(monkeypatch)
+    force_native_on(monkeypatch)
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
     taken: list[str] = []
     real_native, real_onednn = native_gemm.linear, onednn_backend.row_linear
@@ -333,32 +322,18 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
     assert (fallback is not None) == onednn_row
 
 
-def _compiled_targets(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
-    graphs: list[torch.fx.GraphModule] = []
-
-    def backend(gm: torch.fx.GraphModule, _inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(module, backend=backend, fullgraph=True)(x)
-    assert len(graphs) == 1
-    return out, [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
-
-
 @needs_kernel
 def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
     """Under torch.compile (fullgraph) MergedLinear and RowLinear at 16 rows become one
     `fusion::decode_linear` node each, whose eager choice (the native kernel) runs when the
     compiled code runs; values equal the eager modules'."""
-    _available(monkeypatch)
+    force_native_on(monkeypatch)
     calls: list[int] = []
     real = native_gemm.linear
     monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(1) or real(*a))
     for module in (_merged((64, 16, 16), 32, bias=True).eval(), RowLinear(32, 48).eval()):
         x = torch.randn(1, 16, 32)
-        out, targets = _compiled_targets(module, x)
+        out, targets = compiled_call_targets(module, x)
         assert sum("fusion.decode_linear" in t for t in targets) == 1, targets
         assert not any("aten.linear" in t or "functional.linear" in t for t in targets), targets
         with torch.no_grad():

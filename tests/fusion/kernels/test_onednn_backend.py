@@ -14,6 +14,7 @@ from torch import nn
 import fusion
 from fusion import kernels, numerics
 from fusion.kernels import onednn_backend, torch_ref
+from tests.fusion.kernels.native_helpers import force_native_on
 
 BACKEND = onednn_backend.create()
 pytestmark = pytest.mark.skipif(
@@ -354,21 +355,6 @@ def test_decode_rows_see_weight_writes(write) -> None:
         assert numerics.relative_error(got, _float64(x, gate_up, down, ids, weights)) < 1e-5
 
 
-def _native_available(monkeypatch) -> None:
-    """Let the native kernel answer for these small experts wherever it built (its size
-    and capability rules are speed rules, tested in test_native_gemm.py)."""
-    from fusion.kernels import native_gemm
-
-    if not native_gemm.built():
-        pytest.skip(f"native kernel not built here: {native_gemm._STATE[0][1]}")
-    monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(
-        native_gemm,
-        "_STATE",
-        [(native_gemm._STATE[0][0], "built", "available", native_gemm.LIMITS["AVX512"])],
-    )
-
-
 @pytest.mark.parametrize("activation", sorted(torch_ref.ACTIVATIONS))
 @pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (5, 4), (16, 8), (40, 8)])
 def test_few_rows_per_expert_take_the_native_kernel(
@@ -379,7 +365,7 @@ def test_few_rows_per_expert_take_the_native_kernel(
     with no more error against float64 (1.5x the reference's, as for every path here)."""
     from fusion.kernels import native_gemm
 
-    _native_available(monkeypatch)
+    force_native_on(monkeypatch)
     taken: list[tuple[int, ...]] = []
     real = native_gemm.linear
     monkeypatch.setattr(
@@ -401,7 +387,7 @@ def test_native_experts_see_weight_writes_and_refuse_gradients(monkeypatch) -> N
     are seen by the next; with a gradient recorded the reference runs (and trains)."""
     from fusion.kernels import native_gemm
 
-    _native_available(monkeypatch)
+    force_native_on(monkeypatch)
     x, gate_up, down, ids, weights = _experts(6, 256, 192, 8, 4, seed=9)
     with torch.no_grad():
         BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu")
