@@ -12,8 +12,7 @@ this kernel's: 1 row 1.22-1.52x (and 1.02-1.31x oneDNN's one-row product), 16 ro
 1.87-2.45x, 64 rows 1.24-2.25x (N x K from 1024 x 2048 to 16384 x 2048 and 2048 x 8192).
 
 Rounding: each output is a sum over the vector lanes (16 with AVX-512, 8 with AVX2) of
-blocked partial sums (the C source
-says how), which errs less than MKL against float64 (0.3-0.5x MKL's max error at K 1024-8192;
+blocked partial sums (the C source says how), which errs less than MKL against float64 (0.3-0.5x MKL's max error at K 1024-8192;
 the tests bound it by MKL's). The order depends only on K: bit-identical results at any
 thread count and for any batch composition.
 
@@ -78,7 +77,6 @@ run and 0.87-1.35x at Qwen3-0.6B's widths in another (two threads 0.90-1.48x): u
 and 1 MB of input. (Blocks of 4 input x 2 weight rows, measured first, re-read the input
 twice as often: 0.76-1.04x at 128 rows, 0.82x at 64 x 8192.)"""
 
-CAPABILITIES = frozenset(LIMITS)
 _NO_ROWS = RowLimits(0, 0)
 
 K_MULTIPLE = 16
@@ -91,10 +89,23 @@ _SOURCE = "rowmajor_gemm"
 _ABI_VERSION = 3
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-_STATE: list[tuple[object | None, str, str, RowLimits]] = []
-"""Explicit one-entry cache, a property of the process computed at first use (`resolve`):
-(the kernel's ctypes function or None, why not / "built", the machine rule's verdict:
-"available" or why `applies` stays False here, this machine's `LIMITS` entry)."""
+
+@dataclass(frozen=True)
+class Resolved:
+    """What `resolve` found on this machine."""
+
+    function: object | None
+    """The kernel's ctypes function, or None when it did not build or failed its probe."""
+    reason: str
+    """'built', or why `function` is None."""
+    verdict: str
+    """'available' where `applies` may pick the kernel, else why not."""
+    limits: RowLimits
+    """This machine's `LIMITS` entry (no rows where the verdict is not 'available')."""
+
+
+_STATE: list[Resolved] = []
+"""Explicit one-entry cache, a property of the process computed at first use (`resolve`)."""
 
 
 def _build() -> tuple[object | None, str]:
@@ -135,8 +146,8 @@ def _machine_rule() -> str:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return f"disabled by {DISABLE_ENV}=0"
     capability = _capability()
-    if capability not in CAPABILITIES:
-        return f"ATen CPU capability {capability} is not in {sorted(CAPABILITIES)}"
+    if capability not in LIMITS:
+        return f"ATen CPU capability {capability} is not in {sorted(LIMITS)}"
     return "available"
 
 
@@ -184,48 +195,47 @@ def resolve() -> None:
         function, reason = _build()
         verdict = _machine_rule() if function is not None else reason
         limits = LIMITS.get(_capability(), _NO_ROWS) if verdict == "available" else _NO_ROWS
-        _STATE.append((function, reason, verdict, limits))
+        _STATE.append(Resolved(function, reason, verdict, limits))
 
 
 def status() -> str:
     """'available' where `applies` may pick the kernel, else why not (resolving first)."""
     resolve()
-    return _STATE[0][2]
+    return _STATE[0].verdict
 
 
 def built() -> bool:
     """Whether the kernel is built and passed its probe here, whatever the machine rule says
     (`linear` works then; tests call it directly on every machine with a compiler)."""
     resolve()
-    return _STATE[0][0] is not None
+    return _STATE[0].function is not None
 
 
 def known_ok() -> bool:
     """Whether `applies` may pick the kernel, if that was already resolved (False if not
     yet): a plain read Dynamo can trace."""
-    return bool(_STATE) and _STATE[0][2] == "available"
+    return bool(_STATE) and _STATE[0].verdict == "available"
 
 
 def rows_ok(rows: int, k: int) -> bool:
     """The row rules of this machine (`LIMITS`) for `rows` rows of K elements; False before
     `resolve` and wherever the kernel is off."""
-    limits = _STATE[0][3] if _STATE else _NO_ROWS
+    limits = _STATE[0].limits if _STATE else _NO_ROWS
     return 1 <= rows <= limits.max_rows and rows * k <= limits.max_input_elements
 
 
-def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The shape rules both checks share (module docstring), all from metadata."""
-    k = x.shape[-1] if x.dim() >= 1 else 0
+def _layout_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What the kernel reads, as it reads it (metadata only, so Dynamo can trace it): float32
+    CPU operands, a 2-D weight unit-stride along K with rows at least K apart, an input of
+    the weight's width, a bias of one value per output."""
+    k = weight.shape[-1] if weight.dim() == 2 else -1
     return (
         x.dim() >= 1
-        and weight.dim() == 2
-        and weight.shape[1] == k
-        and k % K_MULTIPLE == 0
-        and k > 0
-        and rows_ok(x.numel() // k, k)
-        and weight.numel() >= MIN_ELEMENTS
+        and x.shape[-1] == k
         and x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
+        and weight.stride(1) == 1
+        and weight.stride(0) >= k
         and (
             bias is None
             or (
@@ -234,8 +244,20 @@ def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                 and tuple(bias.shape) == (weight.shape[0],)
             )
         )
-        and weight.stride(1) == 1
-        and weight.stride(0) >= k
+    )
+
+
+def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The rules both checks share (module docstring), all from metadata: the layout the
+    kernel reads (`_layout_ok`), then the speed rules and no gradient recorded."""
+    if not _layout_ok(x, weight, bias):
+        return False
+    k = weight.shape[1]
+    return (
+        k > 0
+        and k % K_MULTIPLE == 0
+        and rows_ok(x.numel() // k, k)
+        and weight.numel() >= MIN_ELEMENTS
         and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
     )
 
@@ -260,38 +282,22 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         and type(weight) in _PLAIN_TYPES
         and (bias is None or type(bias) in _PLAIN_TYPES)
         and _operands_ok(x, weight, bias)
-        and _STATE[0][2] == "available"
+        and _STATE[0].verdict == "available"
     )
 
 
 def _check_memory(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Raise ValueError unless the kernel may read these tensors' memory as it will: float32
-    CPU tensors with storage (not meta, not a subclass without data), a 2-D weight
-    unit-stride along K with rows at least K apart, a matching input width and bias. `linear`
-    checks this on every call, whatever its caller checked, because a wrong pointer here is
-    a crash of the whole process, not an exception."""
+    """Raise ValueError unless the kernel may read these tensors' memory as it will: the
+    layout it reads (`_layout_ok`) on tensors that have storage (not meta). `linear` checks
+    this on every call, whatever its caller checked, because a wrong pointer here is a crash
+    of the whole process, not an exception."""
     tensors = [x, weight] + ([] if bias is None else [bias])
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or t.is_meta:
-            raise ValueError(f"native linear needs float32 CPU tensors, got {t.dtype} {t.device}")
-        if t.numel() and t.data_ptr() == 0:
-            raise ValueError("native linear got a tensor without memory")
-    if (
-        weight.dim() != 2
-        or weight.stride(1) != 1
-        or (weight.shape[0] > 1 and weight.stride(0) < weight.shape[1])
-    ):
-        raise ValueError(
-            f"native linear needs a row-major 2-D weight, got {tuple(weight.shape)} strides {weight.stride()}"
+    stored = all(not t.is_meta and (t.numel() == 0 or t.data_ptr() != 0) for t in tensors)
+    if not (stored and _layout_ok(x, weight, bias)):
+        described = ", ".join(
+            f"{t.dtype} {t.device} {tuple(t.shape)} strides {t.stride()}" for t in tensors
         )
-    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"native linear: input width {tuple(x.shape)} does not match the weight {tuple(weight.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(
-            f"native linear: bias {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}"
-        )
+        raise ValueError(f"native linear cannot read these operands: {described}")
 
 
 def experts_ok(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -322,9 +328,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     the call, so another thread re-pointing a tensor (`set_`) cannot free memory the kernel
     is reading."""
     resolve()
-    function = _STATE[0][0]
+    function = _STATE[0].function
     if function is None:
-        raise RuntimeError(f"the native linear is not built here: {_STATE[0][1]}")
+        raise RuntimeError(f"the native linear is not built here: {_STATE[0].reason}")
     _check_memory(x, weight, bias)
     n, k = weight.shape
     rows = x.reshape(-1, k)

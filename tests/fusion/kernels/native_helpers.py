@@ -12,10 +12,14 @@ def force_native_on(monkeypatch) -> None:
     built (skip where it did not): its size and capability rules are speed rules, tested on
     their own in test_native_gemm.py."""
     if not native_gemm.built():
-        pytest.skip(f"native kernel not built here: {native_gemm._STATE[0][1]}")
+        pytest.skip(f"native kernel not built here: {native_gemm._STATE[0].reason}")
     monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(
         native_gemm,
         "_STATE",
-        [(native_gemm._STATE[0][0], "built", "available", native_gemm.LIMITS["AVX512"])],
+        [
+            native_gemm.Resolved(
+                native_gemm._STATE[0].function, "built", "available", native_gemm.LIMITS["AVX512"]
+            )
+        ],
     )

@@ -4,6 +4,8 @@ takes the backend where oneDNN is not picked but the kernel is on."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -83,7 +85,9 @@ def test_falls_back_to_the_reference(small_weights, monkeypatch) -> None:
         same_as_reference(x[:0], gate_up, down, ids[:0], weights[:0])
         state = native_gemm._STATE[0]
         monkeypatch.setattr(
-            native_gemm, "_STATE", [(*state[:3], native_gemm.RowLimits(3, 1 << 20))]
+            native_gemm,
+            "_STATE",
+            [dataclasses.replace(state, limits=native_gemm.RowLimits(3, 1 << 20))],
         )
         same_as_reference(x, gate_up, down, ids, weights)  # some expert has 4+ rows
     assert taken == []

@@ -4,6 +4,7 @@ write, and taken only where its rules allow."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 
 import numpy as np
@@ -32,9 +33,9 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
         assert not native_gemm.built()
         assert "no C compiler" in native_gemm.status()
         return
-    assert native_gemm.built(), native_gemm._STATE[0][1]
+    assert native_gemm.built(), native_gemm._STATE[0].reason
     capability = native_gemm._capability()
-    if capability in native_gemm.CAPABILITIES:
+    if capability in native_gemm.LIMITS:
         assert native_gemm.status() == "available"
     else:
         assert capability in native_gemm.status()
@@ -150,7 +151,7 @@ def test_narrower_vector_builds_compute_the_same_function(monkeypatch, march: st
     counts that exercise every block remainder."""
     monkeypatch.setenv(native_build.MARCH_ENV, march)
     monkeypatch.setattr(native_gemm, "_STATE", [])
-    assert native_gemm.built(), native_gemm._STATE[0][1]
+    assert native_gemm.built(), native_gemm._STATE[0].reason
     g = torch.Generator().manual_seed(2)
     for rows, n, k in [(1, 7, 16), (3, 5, 272), (16, 33, 1024), (37, 10, 528)]:
         x, weight = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
@@ -188,7 +189,9 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         assert native_gemm.applies(many[1:], weight, None)
         state = native_gemm._STATE[0]  # at most 4 x 64 input elements (input in cache)
         monkeypatch.setattr(
-            native_gemm, "_STATE", [(*state[:3], native_gemm.RowLimits(1000, 4 * 64))]
+            native_gemm,
+            "_STATE",
+            [dataclasses.replace(state, limits=native_gemm.RowLimits(1000, 4 * 64))],
         )
         assert native_gemm.applies(many[:4], weight, None)
         assert not native_gemm.applies(many[:5], weight, None)
@@ -196,7 +199,9 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         assert not native_gemm.applies(x, weight, torch.randn(31))
         assert not native_gemm.applies(x.as_subclass(_Subclass), weight, None)
         monkeypatch.setattr(
-            native_gemm, "_STATE", [(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)]
+            native_gemm,
+            "_STATE",
+            [native_gemm.Resolved(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)],
         )
         assert not native_gemm.applies(x, weight, b)
     monkeypatch.undo()
@@ -313,7 +318,9 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
     with torch.no_grad():
         assert ops.decode_product(x, weight, None) is not None
         monkeypatch.setattr(
-            native_gemm, "_STATE", [(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)]
+            native_gemm,
+            "_STATE",
+            [native_gemm.Resolved(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)],
         )
         fallback = ops.decode_product(x, weight, None)
         assert ops.decode_product(torch.randn(3, 64), weight, None) is None
@@ -354,13 +361,13 @@ def test_first_use_under_a_default_device_or_dtype(monkeypatch, context: str) ->
     want = F.linear(x, weight)
     if context == "meta":
         with torch.device("meta"):
-            assert native_gemm.built(), native_gemm._STATE[0][1]
+            assert native_gemm.built(), native_gemm._STATE[0].reason
             got = native_gemm.linear(x, weight, None)
     else:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
         try:
-            assert native_gemm.built(), native_gemm._STATE[0][1]
+            assert native_gemm.built(), native_gemm._STATE[0].reason
             got = native_gemm.linear(x, weight, None)
         finally:
             torch.set_default_dtype(previous)
