@@ -22,12 +22,26 @@ def has_hooks(module: nn.Module) -> str | None:
 
     Forward hooks can change what a call reads or returns; backward hooks would silently
     stop firing once the call is merged away. Either way the call is not just `forward`,
-    so every caller refuses (or presumes the worst) when this is not None."""
+    so every caller refuses (or presumes the worst) when this is not None. The global
+    registries count as hooks on every module: `register_module_full_backward_hook` fires
+    for each module called through `__call__`, so a fused kernel that stands in for a call
+    (a norm inside `add_rms_norm`) would skip it exactly as it skips a hook of the child.
+    Runtime checks (the residual-norm helper) call this per call, so a global hook added
+    after fusing is seen the next forward."""
     for attr in _HOOK_ATTRS:
         if getattr(module, attr, None):
             return attr.strip("_").replace("_", " ")
+    return global_hooks()
+
+
+def global_hooks() -> str | None:
+    """A description of the module hooks installed globally (`nn.modules.module.
+    register_module_*_hook`), or None: forward, forward-pre, full backward and backward-pre
+    hooks, each of which runs for every module call."""
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "global forward hooks"
+    if nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks:
+        return "global backward hooks"
     return None
 
 
