@@ -22,6 +22,20 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   weight anywhere in the fused model shows here.
 - `deepcopy`, `torch-save`: the copy (`copy.deepcopy`; `torch.save` + `torch.load` of the whole
   model) must still be fused and give the fused model's logits bit for bit.
+- `autocast`: an eval forward under `torch.autocast(<device>, dtype=torch.bfloat16)`. Every
+  module the two models share (same qualified name) must return the dtype the unfused one
+  returns (a kernel that ignores autocast computes in float32 where the unfused op would
+  not: within rounding of the float32 result, so values alone cannot show it), and the
+  logits must agree to bfloat16 rounding.
+- `matmul-precision`: an eval forward under `torch.set_float32_matmul_precision("medium")`.
+  The logits must agree within the allowance plus how far the setting moved the unfused
+  logits; where it moved them at all, the fused logits must move too (a kernel that
+  ignores the setting leaves them bit-identical). On a CPU whose GEMMs ignore the setting
+  both stay put and the detail says so.
+- `train-global-hook`: the `train` check with a global full backward hook
+  (`register_module_full_backward_hook`) that doubles the input gradient of every module
+  whose class name contains "Norm", as a user's gradient-scaling hook would: a fused
+  kernel that runs a norm without `__call__` skips it.
 - `compile`: `torch.compile(fused)` (Dynamo with its `eager` backend: graph capture is what can
   break, and Inductor's C++ build would cost minutes per model on CPU) must give the fused
   logits, and must trace fullgraph wherever the unfused model does. Dynamo costs seconds per architecture (10-20 s on a loaded 2-core machine), so
@@ -45,6 +59,7 @@ import copy
 import inspect
 import io
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +82,9 @@ OPERATIONS = (
     "edit-weights",
     "deepcopy",
     "torch-save",
+    "autocast",
+    "matmul-precision",
+    "train-global-hook",
     "compile",
 )
 
@@ -486,6 +504,121 @@ def _torch_save(ctx: Context) -> str:
     return _same_fused(torch.load(buffer, weights_only=False), ctx, "the reloaded model")
 
 
+def _device_type(model: nn.Module) -> str:
+    first = next(iter(model.parameters()), None)
+    return "cpu" if first is None else first.device.type
+
+
+def _output_dtypes(model: nn.Module, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.dtype]]:
+    """The logits of an eval forward and {qualified name: dtype of the module's first tensor
+    output} of every module the forward called, under whatever state the caller set."""
+    dtypes: dict[str, torch.dtype] = {}
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def record(module: nn.Module, args: Any, output: Any) -> None:
+        first = output if isinstance(output, torch.Tensor) else None
+        if first is None and isinstance(output, (tuple, list)) and output:
+            first = output[0] if isinstance(output[0], torch.Tensor) else None
+        name = names.get(id(module))
+        if first is not None and name is not None:
+            dtypes.setdefault(name, first.dtype)
+
+    handles = [m.register_forward_hook(record) for m in model.modules()]
+    try:
+        return _logits(model, ctx), dtypes
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _autocast(ctx: Context) -> str:
+    device = _device_type(ctx.unfused)
+    unfused, fused = _twins(ctx)
+
+    def run(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.dtype]]:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return _output_dtypes(model, ctx)
+
+    want, want_dtypes = _unfused("a forward under autocast", lambda: run(unfused))
+    got, got_dtypes = run(fused)
+    shared = sorted(set(want_dtypes) & set(got_dtypes))
+    for name in shared:
+        if got_dtypes[name] != want_dtypes[name]:
+            raise _Failed(
+                f"under autocast {name or 'the model'} returns {got_dtypes[name]}, "
+                f"unfused {want_dtypes[name]}"
+            )
+    _replaced_dtypes_agree(want_dtypes, got_dtypes)
+    if got.dtype != want.dtype:
+        raise _Failed(f"under autocast the logits are {got.dtype}, unfused {want.dtype}")
+    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    allowance = ctx.allowance + _FLOOR[torch.bfloat16] * max(scale, 1.0)
+    diff = _compare("logits under autocast", got, want, allowance)
+    return f"{len(shared)} shared modules return the unfused dtypes; logits within {diff:.3g}"
+
+
+def _replaced_dtypes_agree(want: dict[str, torch.dtype], got: dict[str, torch.dtype]) -> None:
+    """Raise _Failed when a module only the fused model has (a merged projection) returns a
+    dtype none of the modules only the unfused model has under the same parent returned
+    (the projections it replaced): its output feeds code the two models share, where a
+    float32 value would be silently rounded or promoted."""
+
+    def parent(name: str) -> str:
+        return name.rpartition(".")[0]
+
+    for name in sorted(set(got) - set(want)):
+        replaced = {
+            dtype
+            for other, dtype in want.items()
+            if other not in got and parent(other) == parent(name)
+        }
+        if replaced and got[name] not in replaced:
+            shown = ", ".join(sorted(str(d) for d in replaced))
+            raise _Failed(
+                f"under autocast {name} returns {got[name]} where the modules it replaced "
+                f"returned {shown}"
+            )
+
+
+def _matmul_precision(ctx: Context) -> str:
+    unfused, fused = _twins(ctx)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        want = _unfused("a forward at matmul precision medium", lambda: _logits(unfused, ctx))
+        got = _logits(fused, ctx)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    moved = float((want.double() - ctx.unfused_logits.double()).abs().max())
+    diff = _compare("logits at matmul precision medium", got, want, ctx.allowance + 4 * moved)
+    if moved == 0.0:
+        return f"logits within {diff:.3g} (the setting changes no unfused logit here)"
+    if torch.equal(got, ctx.fused_logits):
+        raise _Failed(
+            f"the setting moves the unfused logits by {moved:.3g} and leaves the fused ones "
+            "bit-identical: a fused kernel ignores it"
+        )
+    return f"logits within {diff:.3g}; the setting moved both (unfused by {moved:.3g})"
+
+
+def _double_norm_gradients(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
+    if "Norm" not in type(module).__name__:
+        return None
+    return tuple(None if g is None else g * 2.0 for g in grad_input)
+
+
+def _train_global_hook(ctx: Context) -> str:
+    handle = nn.modules.module.register_module_full_backward_hook(_double_norm_gradients)
+    try:
+        with warnings.catch_warnings():
+            # "Full backward hook is firing when gradients are computed with respect to
+            # module outputs since no inputs require gradients": the embedding's output.
+            warnings.simplefilter("ignore", UserWarning)
+            return _train(ctx)
+    finally:
+        handle.remove()
+
+
 def _compile(ctx: Context) -> str:
     """Where the unfused model compiles fullgraph, the fused one must too (a graph break
     the fusion introduced is a defect); otherwise both compile with graph breaks."""
@@ -522,6 +655,9 @@ _OPERATIONS: dict[str, Callable[[Context], str]] = {
     "edit-weights": _edit_weights,
     "deepcopy": _deepcopy,
     "torch-save": _torch_save,
+    "autocast": _autocast,
+    "matmul-precision": _matmul_precision,
+    "train-global-hook": _train_global_hook,
     "compile": _compile,
 }
 assert tuple(_OPERATIONS) == OPERATIONS

@@ -169,3 +169,79 @@ def test_golden_entries_carry_and_compare_verdicts(llama, llama_inputs):
     assert plans.diff_entry(entry, broken) == ["lifecycle torch-save: fail (expected pass)"]
     without = {k: v for k, v in entry.items() if k != "lifecycle"}
     assert plans.diff_entry(entry, without) == []  # a run with lifecycle off compares the rest
+
+
+class _Float32Linear(MergedLinear):
+    """A merged linear that computes in float32 whatever autocast says (issue 24, defect 1,
+    in miniature)."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            return nn.functional.linear(x.float(), self.weight, self.bias)
+
+
+def _autocast_blind_fuse(model):
+    report = fusion.fuse(model)
+    for module in model.modules():
+        if type(module) is MergedLinear:
+            module.__class__ = _Float32Linear
+    return report
+
+
+def test_a_kernel_blind_to_autocast_fails_autocast(llama, llama_inputs):
+    result = _run(llama, llama_inputs, _autocast_blind_fuse)
+    assert _verdicts(result)["autocast"] == "fail", result.lifecycle
+    assert (
+        "returns torch.float32 where the modules it replaced returned torch.bfloat16"
+        in (result.lifecycle["autocast"]["detail"])
+    )
+    # the same fused model without autocast: every other operation still agrees
+    assert _verdicts(result)["edit-weights"] == "pass"
+
+
+def _medium_precision_moves(module, args, output):
+    """Stands for a dense kernel that honours `medium` precision (bf16 passes on AMX)."""
+    if torch.get_float32_matmul_precision() == "medium":
+        output.logits = output.logits + 1e-2
+    return output
+
+
+def _blind_to_precision_fuse(model):
+    """The fused model drops the unfused one's sensitivity to the setting (its hook), as a
+    kernel that ignores `set_float32_matmul_precision` would."""
+    model._forward_hooks.clear()
+    return fusion.fuse(model)
+
+
+def test_a_kernel_blind_to_matmul_precision_fails(llama, llama_inputs):
+    llama.register_forward_hook(_medium_precision_moves)
+    result = _run(llama, llama_inputs, _blind_to_precision_fuse)
+    assert _verdicts(result)["matmul-precision"] == "fail", result.lifecycle
+    assert torch.get_float32_matmul_precision() == "highest"  # restored
+
+
+def test_matmul_precision_passes_where_both_honour_it(llama, llama_inputs):
+    llama.register_forward_hook(_medium_precision_moves)
+    result = _run(llama, llama_inputs, fusion.fuse)
+    assert result.lifecycle["matmul-precision"]["verdict"] == "pass", result.lifecycle
+    assert "moved both" in result.lifecycle["matmul-precision"]["detail"]
+
+
+def _norm_without_call_fuse(model):
+    """residual_norm whose helper runs the norm's kernel even when hooks are installed:
+    the global-backward-hook defect of issue 24 (defect 5)."""
+    from fusion.fusers.residual_norm.runtime import HELPER
+
+    report = fusion.fuse(model)
+    for module in model.modules():
+        if HELPER in module.__dict__:
+            module.__dict__[HELPER] = lambda a, b, norm: norm.add_forward(a, b)
+    return report
+
+
+def test_a_norm_run_without_its_call_fails_train_global_hook(llama, llama_inputs):
+    result = _run(llama, llama_inputs, _norm_without_call_fuse)
+    verdicts = _verdicts(result)
+    assert verdicts["train-global-hook"] == "fail", result.lifecycle
+    assert verdicts["train"] == "pass"  # without the hook the helper computes the same
+    assert not torch.nn.modules.module._global_backward_hooks  # removed again
