@@ -509,9 +509,10 @@ def _device_type(model: nn.Module) -> str:
     return "cpu" if first is None else first.device.type
 
 
-def _output_dtypes(model: nn.Module, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.dtype]]:
-    """The logits of an eval forward and {qualified name: dtype of the module's first tensor
-    output} of every module the forward called, under whatever state the caller set."""
+@contextlib.contextmanager
+def output_dtypes(model: nn.Module):
+    """Yields a dict that fills, while the block runs, with {qualified name: dtype of the
+    module's first tensor output} for every module of `model` called (first call wins)."""
     dtypes: dict[str, torch.dtype] = {}
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -525,47 +526,26 @@ def _output_dtypes(model: nn.Module, ctx: Context) -> tuple[torch.Tensor, dict[s
 
     handles = [m.register_forward_hook(record) for m in model.modules()]
     try:
-        return _logits(model, ctx), dtypes
+        yield dtypes
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _autocast(ctx: Context) -> str:
-    device = _device_type(ctx.unfused)
-    unfused, fused = _twins(ctx)
-
-    def run(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.dtype]]:
-        with torch.autocast(device, dtype=torch.bfloat16):
-            return _output_dtypes(model, ctx)
-
-    want, want_dtypes = _unfused("a forward under autocast", lambda: run(unfused))
-    got, got_dtypes = run(fused)
-    shared = sorted(set(want_dtypes) & set(got_dtypes))
-    for name in shared:
-        if got_dtypes[name] != want_dtypes[name]:
-            raise _Failed(
-                f"under autocast {name or 'the model'} returns {got_dtypes[name]}, "
-                f"unfused {want_dtypes[name]}"
-            )
-    _replaced_dtypes_agree(want_dtypes, got_dtypes)
-    if got.dtype != want.dtype:
-        raise _Failed(f"under autocast the logits are {got.dtype}, unfused {want.dtype}")
-    scale = float(want.double().abs().max()) if want.numel() else 0.0
-    allowance = ctx.allowance + _FLOOR[torch.bfloat16] * max(scale, 1.0)
-    diff = _compare("logits under autocast", got, want, allowance)
-    return f"{len(shared)} shared modules return the unfused dtypes; logits within {diff:.3g}"
-
-
-def _replaced_dtypes_agree(want: dict[str, torch.dtype], got: dict[str, torch.dtype]) -> None:
-    """Raise _Failed when a module only the fused model has (a merged projection) returns a
-    dtype none of the modules only the unfused model has under the same parent returned
-    (the projections it replaced): its output feeds code the two models share, where a
-    float32 value would be silently rounded or promoted."""
+def dtype_mismatch(want: dict[str, torch.dtype], got: dict[str, torch.dtype]) -> str | None:
+    """Where the fused model's module outputs (`got`, from `output_dtypes`) have another
+    dtype than the unfused model's (`want`), or None: a module both have (same name) must
+    return the same dtype; a module only the fused model has (a merged projection) must
+    return a dtype one of the modules only the unfused model has under the same parent (the
+    ones it replaced) returned. Its output feeds code the two models share, where a float32
+    value would be silently promoted or rounded, so values alone may not show it."""
 
     def parent(name: str) -> str:
         return name.rpartition(".")[0]
 
+    for name in sorted(set(want) & set(got)):
+        if got[name] != want[name]:
+            return f"{name or 'the model'} returns {got[name]}, unfused {want[name]}"
     for name in sorted(set(got) - set(want)):
         replaced = {
             dtype
@@ -574,10 +554,29 @@ def _replaced_dtypes_agree(want: dict[str, torch.dtype], got: dict[str, torch.dt
         }
         if replaced and got[name] not in replaced:
             shown = ", ".join(sorted(str(d) for d in replaced))
-            raise _Failed(
-                f"under autocast {name} returns {got[name]} where the modules it replaced "
-                f"returned {shown}"
-            )
+            return f"{name} returns {got[name]} where the modules it replaced returned {shown}"
+    return None
+
+
+def _autocast(ctx: Context) -> str:
+    device = _device_type(ctx.unfused)
+    unfused, fused = _twins(ctx)
+
+    def run(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.dtype]]:
+        with torch.autocast(device, dtype=torch.bfloat16), output_dtypes(model) as dtypes:
+            return _logits(model, ctx), dtypes
+
+    want, want_dtypes = _unfused("a forward under autocast", lambda: run(unfused))
+    got, got_dtypes = run(fused)
+    mismatch = dtype_mismatch(want_dtypes, got_dtypes)
+    if mismatch:
+        raise _Failed(f"under autocast {mismatch}")
+    if got.dtype != want.dtype:
+        raise _Failed(f"under autocast the logits are {got.dtype}, unfused {want.dtype}")
+    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    allowance = ctx.allowance + _FLOOR[torch.bfloat16] * max(scale, 1.0)
+    diff = _compare("logits under autocast", got, want, allowance)
+    return f"{len(got_dtypes)} modules return the unfused dtypes; logits within {diff:.3g}"
 
 
 def _matmul_precision(ctx: Context) -> str:
@@ -604,7 +603,7 @@ def _matmul_precision(ctx: Context) -> str:
 def _double_norm_gradients(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
     if "Norm" not in type(module).__name__:
         return None
-    return tuple(None if g is None else g * 2.0 for g in grad_input)
+    return tuple(g * 2.0 if g is not None and g.is_floating_point() else g for g in grad_input)
 
 
 def _train_global_hook(ctx: Context) -> str:

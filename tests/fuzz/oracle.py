@@ -10,7 +10,16 @@ and fresh random inputs:
 - the fused forward does not raise where the unfused one did not;
 - every output agrees with the unfused output to a relative error of `TOLERANCE`, and so
   does every input the forward mutates (tensors, and the state of objects such as a KV
-  cache passed in).
+  cache passed in);
+- gradients agree (`_gradient_failure`): a second forward with the first floating input
+  requiring grad, backward of a fixed random projection of the outputs; the input's gradient
+  and every parameter's (mapped to unfused names) to `GRAD_TOLERANCE`. A projection moved
+  out of its `no_grad` region computes the same values and a different gradient;
+- the ambient state around the forward is obeyed (`AMBIENT`): under CPU autocast (bfloat16)
+  every output has the unfused dtype and agrees to bfloat16 rounding; under a
+  `__torch_function__` mode that shifts every matrix product's result, outputs agree as
+  without it; in both, every module returns the unfused dtype (`dtype_mismatch`)
+  (a kernel that bypasses the dispatcher misses the shift).
 
 Forwards run with autograd enabled (the default mode a user calls a model in), which is the
 stricter mode: in-place writes to views are checked there.
@@ -39,7 +48,9 @@ from torch import nn
 
 import fusion
 from fusion import numerics, registry
+from fusion.checkpoint import unfused_named
 from fusion.report import FusionReport
+from harness.lifecycle import dtype_mismatch, output_dtypes
 from tests.fuzz.strategies import SHAPES, GeneratedModule
 
 TOLERANCE = 1e-5
@@ -51,7 +62,55 @@ FAILURE_KINDS = (
     "fused-forward-error",  # the fused forward raised where the unfused one did not
     "module-parity",  # an output differs beyond TOLERANCE
     "input-state",  # an input the forward mutates ends in a different state
+    "gradient-parity",  # an input or parameter gradient differs beyond GRAD_TOLERANCE
+    "ambient-state",  # under autocast or a torch-function mode, an output differs
 )
+
+GRAD_TOLERANCE = 1e-4
+"""Largest relative error of a gradient: a backward sums the same terms in another order
+(merged GEMMs), one more rounding step than the forward."""
+
+AUTOCAST_TOLERANCE = 5e-2
+"""Largest relative error of an output under bfloat16 autocast (8 significant bits, a few
+roundings along a small module); a changed dtype is caught exactly, whatever this is."""
+
+
+class ShiftProducts(torch.overrides.TorchFunctionMode):
+    """Adds 0.125 to the result of every matrix product (`F.linear`, `mm`, `matmul`, `bmm`,
+    `addmm`, `@`): a user's `__torch_function__` mode. A merged or grouped product shifts
+    each of its pieces as the separate products were shifted, so the function stays the
+    same; a kernel that computes a product without the dispatcher loses the shift."""
+
+    PRODUCTS = frozenset(
+        {
+            torch.nn.functional.linear,
+            torch.mm,
+            torch.matmul,
+            torch.bmm,
+            torch.addmm,
+            torch.Tensor.__matmul__,
+            torch.Tensor.mm,
+            torch.Tensor.matmul,
+            torch.Tensor.bmm,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in self.PRODUCTS and isinstance(result, torch.Tensor):
+            if kwargs.get("out") is not None:
+                result.add_(0.125)  # the caller reads the `out=` tensor, not the value
+            else:
+                result = result + 0.125
+        return result
+
+
+AMBIENT: dict[str, tuple[Any, float]] = {
+    "autocast-bf16": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), AUTOCAST_TOLERANCE),
+    "torch-function-mode": (ShiftProducts, TOLERANCE),
+}
+"""{name: (context factory, tolerance)}: the ambient states a forward is re-run under."""
 
 _COUNTER = itertools.count()
 
@@ -282,7 +341,146 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
                     tolerance=TOLERANCE,
                 ),
             )
-        return Outcome(status, report)
+        failure = _gradient_failure(module, seed, original, fused)
+        failure = failure or _ambient_failure(module, seed, original, fused)
+        return Outcome(status, report, failure)
+
+
+def _first_float(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """(container, key) of the first floating-point tensor input, or None."""
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return args, index
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return kwargs, key
+    return None
+
+
+def _outputs(value: Any) -> list[torch.Tensor]:
+    """Every floating tensor reachable in an output (tuples, lists, dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _outputs(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _outputs(item)]
+    return []
+
+
+def _backward(model: nn.Module, module: ModuleType, seed: int) -> tuple[Any, dict[str, Any]]:
+    """(input gradient, {parameter: gradient} in unfused names) of a forward on fresh inputs
+    whose first floating input requires grad (a non-leaf, so in-place writes stay legal),
+    backward of the outputs weighted by a fixed random draw."""
+    args, kwargs = make_inputs(module, seed)
+    args = list(args)
+    found = _first_float(args, kwargs)
+    leaf = None
+    if found is not None:
+        container, key = found
+        leaf = container[key].detach().clone().requires_grad_(True)
+        container[key] = leaf * 1.0
+    model.zero_grad(set_to_none=True)
+    outputs = [t for t in _outputs(model(*args, **kwargs)) if t.requires_grad]
+    if not outputs:
+        return None, {}
+    generator = torch.Generator().manual_seed(seed + 7)
+    total = sum(
+        (t * torch.randn(t.shape, generator=generator, dtype=t.dtype)).sum() for t in outputs
+    )
+    total.backward()
+    grads = unfused_named(model, {n: p.grad for n, p in model.named_parameters()})
+    return (None if leaf is None else leaf.grad), grads
+
+
+def gradient_error(
+    want: tuple[Any, dict[str, Any]], got: tuple[Any, dict[str, Any]]
+) -> tuple[float, str]:
+    """The largest absolute gradient difference over the largest unfused gradient magnitude,
+    and where. One scale for all tensors: a gradient that is zero by symmetry (a key bias
+    under softmax) is rounding noise on both sides, which a per-tensor relative error would
+    blow up. Infinite where one side has a gradient the other lacks, or shapes differ."""
+    pairs = [("input", want[0], got[0])]
+    pairs += [(name, grad, got[1].get(name)) for name, grad in sorted(want[1].items())]
+    if set(want[1]) != set(got[1]):
+        return math.inf, f"gradient names {sorted(set(want[1]) ^ set(got[1]))[:3]}"
+    scale = max(
+        (float(w.detach().abs().max()) for _, w, _ in pairs if w is not None and w.numel()),
+        default=0.0,
+    )
+    worst: tuple[float, str] = (0.0, "gradient")
+    for name, w, g in pairs:
+        if (w is None) != (g is None):
+            return math.inf, f"gradient of {name}: {'missing' if g is None else 'extra'}"
+        if w is None:
+            continue
+        if w.shape != g.shape or not torch.equal(torch.isnan(w), torch.isnan(g)):
+            return math.inf, f"gradient of {name}: shape or NaN positions"
+        diff = float((w.double() - g.double()).nan_to_num().abs().max()) if w.numel() else 0.0
+        error = diff / scale if scale > 0 else diff
+        if error > worst[0]:
+            worst = (error, f"gradient of {name}")
+    return worst
+
+
+def _gradient_failure(
+    module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
+) -> Failure | None:
+    """`gradient-parity` when a gradient differs; None when they agree or when the unfused
+    model cannot run backward (nothing to compare)."""
+    try:
+        want = _backward(copy.deepcopy(original), module, seed)
+    except Exception:
+        return None
+    try:
+        got = _backward(copy.deepcopy(fused), module, seed)
+    except Exception as exc:
+        return Failure("fused-forward-error", f"backward: {type(exc).__name__}: {exc}", _tail(exc))
+    error, where = gradient_error(want, got)
+    if error > GRAD_TOLERANCE:
+        return Failure(
+            "gradient-parity",
+            f"{where} differs (relative error {error:.3g})",
+            observed=error,
+            tolerance=GRAD_TOLERANCE,
+        )
+    return None
+
+
+def _ambient_failure(
+    module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
+) -> Failure | None:
+    """`ambient-state` when, under one of `AMBIENT`, the fused output differs (dtype or value)
+    from the unfused output under the same state; None otherwise, and for a state the
+    unfused forward itself cannot run under."""
+    for name, (context, tolerance) in AMBIENT.items():
+        args, kwargs = make_inputs(module, seed)
+        args_fused, kwargs_fused = copy.deepcopy((args, kwargs))
+        unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
+        try:
+            with torch.no_grad(), context(), output_dtypes(unfused_copy) as want:
+                expected = unfused_copy(*args, **kwargs)
+        except Exception:
+            continue
+        try:
+            with torch.no_grad(), context(), output_dtypes(fused_copy) as got:
+                actual = fused_copy(*args_fused, **kwargs_fused)
+        except Exception as exc:
+            return Failure(
+                "fused-forward-error", f"under {name}: {type(exc).__name__}: {exc}", _tail(exc)
+            )
+        mismatch = dtype_mismatch(want, got)
+        if mismatch:
+            return Failure("ambient-state", f"under {name}: {mismatch}")
+        error, where = compare(state(expected), state(actual), "output")
+        if error > tolerance:
+            return Failure(
+                "ambient-state",
+                f"under {name}: {where} differs (relative error {error:.3g})",
+                observed=error,
+                tolerance=tolerance,
+            )
+    return None
 
 
 # -- the tally ------------------------------------------------------------------------------------

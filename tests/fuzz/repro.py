@@ -35,7 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.repro import BUNDLE_FORMAT, source_files, versions
-from tests.fuzz.oracle import TOLERANCE, Outcome, outcome_summary
+from tests.fuzz.oracle import (
+    AUTOCAST_TOLERANCE,
+    GRAD_TOLERANCE,
+    TOLERANCE,
+    Outcome,
+    outcome_summary,
+)
 from tests.fuzz.strategies import GeneratedModule
 
 HARNESS_KIND = {
@@ -44,6 +50,8 @@ HARNESS_KIND = {
     "fused-forward-error": "fused-forward-error",
     "module-parity": "module-parity",
     "input-state": "module-parity",
+    "gradient-parity": "module-parity",
+    "ambient-state": "module-parity",
 }
 """The harness bundle kind closest to each oracle failure kind (the exact one is kept in
 `generated.kind`)."""
@@ -53,7 +61,9 @@ REPRO_SCRIPT = '''\
 
 Imports the generated module from module.py (plain source), builds it with the recorded
 seed, fuses a deep copy with fusion.fuse, runs both on the same fresh inputs with autograd
-on, and compares outputs and the inputs' final state (relative error <= tolerance).
+on, and compares outputs and the inputs' final state (relative error <= tolerance), then
+gradients (a backward of the outputs weighted by a seeded draw) and outputs under CPU
+bfloat16 autocast and under a torch-function mode that shifts every matrix product.
 Exit status: 1 if a failure reproduces, 0 if not, 2 if the bundle cannot be replayed.
 Needs only torch, transformers and the fusion-harness package.
 """
@@ -70,6 +80,8 @@ import torch
 from torch import nn
 
 import fusion
+from fusion.checkpoint import unfused_named
+from harness.lifecycle import dtype_mismatch
 
 
 def load_generated(directory):
@@ -161,7 +173,129 @@ def check(directory, fields):
     observed = error(snapshot((args, kwargs)), snapshot((fused_args, fused_kwargs)))
     if observed > tolerance:
         return "input-state", "inputs end in another state (relative error %.3g)" % observed
-    return None, "outputs and inputs agree"
+    seed = fields["seed"]
+    try:
+        want = backward(copy.deepcopy(original), module, seed)
+    except Exception:
+        want = None
+    if want is not None:
+        try:
+            got = backward(copy.deepcopy(fused), module, seed)
+        except Exception as exc:
+            traceback.print_exc()
+            return "fused-forward-error", "backward: %s: %s" % (type(exc).__name__, exc)
+        observed = gradient_error(want, got)
+        if observed > {grad_tolerance!r}:
+            return "gradient-parity", "gradient relative error %.3g" % observed
+    for name, (context, bound) in AMBIENT.items():
+        args, kwargs = module.make_inputs(torch.Generator().manual_seed(seed + 1))
+        fused_args, fused_kwargs = copy.deepcopy((args, kwargs))
+        unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
+        try:
+            with torch.no_grad(), context():
+                expected, want = run_recording(unfused_copy, args, kwargs)
+        except Exception:
+            continue
+        try:
+            with torch.no_grad(), context():
+                actual, got = run_recording(fused_copy, fused_args, fused_kwargs)
+        except Exception as exc:
+            traceback.print_exc()
+            return "fused-forward-error", "under %s: %s: %s" % (name, type(exc).__name__, exc)
+        mismatch = dtype_mismatch(want, got)
+        if mismatch:
+            return "ambient-state", "under %s: %s" % (name, mismatch)
+        observed = error(snapshot(expected), snapshot(actual))
+        if observed > bound:
+            return "ambient-state", "under %s: relative error %.3g" % (name, observed)
+    return None, "outputs, inputs, gradients and ambient-state outputs agree"
+
+
+class ShiftProducts(torch.overrides.TorchFunctionMode):
+    PRODUCTS = {{
+        torch.nn.functional.linear, torch.mm, torch.matmul, torch.bmm, torch.addmm,
+        torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.matmul, torch.Tensor.bmm,
+    }}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {{}}
+        result = func(*args, **kwargs)
+        if func in self.PRODUCTS and isinstance(result, torch.Tensor):
+            if kwargs.get("out") is not None:
+                result.add_(0.125)
+            else:
+                result = result + 0.125
+        return result
+
+
+AMBIENT = {{
+    "autocast-bf16": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), {autocast_tolerance!r}),
+    "torch-function-mode": (ShiftProducts, {tolerance!r}),
+}}
+
+
+def floats(value):
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in floats(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in floats(item)]
+    return []
+
+
+def run_recording(model, args, kwargs):
+    """The output, and {module name: dtype of its first tensor output} of the forward."""
+    dtypes, names = {{}}, {{id(m): n for n, m in model.named_modules()}}
+
+    def record(module, inputs, output):
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(first, torch.Tensor):
+            dtypes.setdefault(names[id(module)], first.dtype)
+
+    handles = [m.register_forward_hook(record) for m in model.modules()]
+    try:
+        return model(*args, **kwargs), dtypes
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def gradient_error(want, got):
+    """Largest absolute difference over the largest unfused gradient (one scale for all)."""
+    if (want[0] is None) != (got[0] is None) or set(want[1]) != set(got[1]):
+        return math.inf
+    pairs = [(want[0], got[0])] + [(w, got[1][n]) for n, w in want[1].items()]
+    scale = max([float(w.abs().max()) for w, _ in pairs if w is not None and w.numel()] or [0.0])
+    worst = 0.0
+    for w, g in pairs:
+        if (w is None) != (g is None) or (w is not None and w.shape != g.shape):
+            return math.inf
+        if w is not None and w.numel():
+            diff = float((w.double() - g.double()).nan_to_num().abs().max())
+            worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def backward(model, module, seed):
+    args, kwargs = module.make_inputs(torch.Generator().manual_seed(seed + 1))
+    args = list(args)
+    leaf = None
+    for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
+        for key in keys:
+            value = container[key]
+            if leaf is None and isinstance(value, torch.Tensor) and value.is_floating_point():
+                leaf = value.detach().clone().requires_grad_(True)
+                container[key] = leaf * 1.0
+    model.zero_grad(set_to_none=True)
+    outputs = [t for t in floats(model(*args, **kwargs)) if t.requires_grad]
+    if not outputs:
+        return None
+    generator = torch.Generator().manual_seed(seed + 7)
+    total = sum((t * torch.randn(t.shape, generator=generator, dtype=t.dtype)).sum() for t in outputs)
+    total.backward()
+    grads = unfused_named(model, {{n: p.grad for n, p in model.named_parameters()}})
+    return (None if leaf is None else leaf.grad), grads
 
 
 def main(directory):
@@ -254,7 +388,12 @@ def write_bundle(
     files = {
         "bundle.json": json.dumps(fields, indent=2, allow_nan=False) + "\n",
         "module.py": generated.source,
-        "repro.py": REPRO_SCRIPT.format(title=title.replace('"""', "'''")),
+        "repro.py": REPRO_SCRIPT.format(
+            title=title.replace('"""', "'''"),
+            tolerance=TOLERANCE,
+            grad_tolerance=GRAD_TOLERANCE,
+            autocast_tolerance=AUTOCAST_TOLERANCE,
+        ),
         **source_files([r for r in records if r.original_source is not None]),
     }
     root.mkdir(parents=True, exist_ok=True)

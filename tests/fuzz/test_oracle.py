@@ -90,6 +90,23 @@ def _writes_input(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _detached_weight(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
+    """Same values, no weight gradient: a projection moved out of its grad region."""
+    return F.linear(x, self.weight.detach(), self.bias)
+
+
+def _float32_under_autocast(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
+    """A kernel blind to autocast (issue 24, defect 1)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), self.weight, self.bias)
+
+
+def _past_the_dispatcher(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
+    """A kernel that computes the product where no torch-function mode sees it (defect 2)."""
+    with torch._C.DisableTorchFunction():
+        return F.linear(x, self.weight, self.bias)
+
+
 def test_correct_fusion_passes(tmp_path: Path) -> None:
     outcome = check(ATTENTION, 0, tmp_path)
     assert outcome.status == "fused" and outcome.failure is None
@@ -102,6 +119,9 @@ def test_correct_fusion_passes(tmp_path: Path) -> None:
         (_scaled, "module-parity"),
         (_raising, "fused-forward-error"),
         (_writes_input, "input-state"),
+        (_detached_weight, "gradient-parity"),
+        (_float32_under_autocast, "ambient-state"),
+        (_past_the_dispatcher, "ambient-state"),
     ],
 )
 def test_injected_kernel_faults_are_caught(
