@@ -5,7 +5,9 @@ interleaved), optionally an upcast, a few elementwise steps on the gate and on t
 (clamps, scaling, offsets, activations: the shapes of Transformers' SwiGLU variants), a
 product, optionally a cast back; and, sometimes, a hazard the program reader must refuse
 or reproduce exactly: an in-place op, a random op, a parameter read, a write to the
-module's state, a branch on a tensor's value, an op outside the allowed set.
+module's state, a branch on a tensor's value, an op outside the allowed set, a branch on
+the row count or on `self.training`, a read of an attribute a user may change after fusing
+(`self.limit`, as GPT-OSS's gate reads it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ HAZARDS = {
     "value branch": "g = g if bool((g > 1e9).any()) else g * 2",
     "other op": "g = F.softplus(g)",
     "constant tensor": "g = g * torch.ones_like(g)",
+    # Issue 24, defect 6: a program traced once must not freeze what it branches on or reads.
+    "shape branch": "g = g * 2 if g.shape[0] == 1 else g",
+    "training branch": "g = g * 2 if self.training else g",
+    "attribute read": "g = g.clamp(max=self.limit)",
 }
 """Hazard name -> a statement inserted among the gate steps."""
 
