@@ -245,7 +245,7 @@ def floats(value):
 
 
 def run_recording(model, args, kwargs):
-    """The output, and {module name: dtype of its first tensor output} of the forward."""
+    """The output, and {{module name: dtype of its first tensor output}} of the forward."""
     dtypes, names = {{}}, {{id(m): n for n, m in model.named_modules()}}
 
     def record(module, inputs, output):
