@@ -354,13 +354,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = sweep.sweep(sweep_options, on_start=bar.start, on_result=bar.advance)
     finally:
         bar.close()
-    _print_summary(run, options, args.jobs)
-    print(f"results: {results_path}", flush=True)
     status = EXIT_INTERRUPTED if run.interrupted else summary.exit_status(run.results)
     if run.write_error:
         _error(run.write_error)
         status = status or EXIT_USAGE
     if args.json:
+        # Before the table: a reader that closes stdout early (`| head`) must not cost the
+        # summary file.
         document = summary.json_document(
             run.results,
             options={**vars(options), "jobs": args.jobs, "timeout": args.timeout},
@@ -373,6 +373,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         except OSError as exc:
             _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
             status = status or EXIT_USAGE
+    try:
+        _print_summary(run, options, args.jobs)
+        print(f"results: {results_path}", flush=True)
+    except BrokenPipeError:
+        _stdout_closed()
     if run.interrupted:
         missing = len(names) - len(run.results)
         print(
@@ -384,6 +389,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.update_expected:
         _update_expected(run.results, options)
     return status
+
+
+def _stdout_closed() -> None:
+    """The reader of stdout went away (`fusion-harness run | head`): point stdout at
+    /dev/null so later prints and the interpreter's final flush do not raise again; the
+    results file and the JSON summary are written regardless, and the exit status stays
+    the verdict's."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _print_summary(run: Any, options: Any, jobs: int) -> None:

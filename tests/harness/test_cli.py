@@ -353,3 +353,25 @@ def test_two_sweeps_on_one_results_file(tmp_path):
     _, err = first.communicate(timeout=120)
     assert first.returncode == 130, err
     assert [r.architecture for r in read_results(results)] == ["llama"]
+
+
+@pytest.mark.slow  # one sweep process: about ten seconds
+def test_a_closed_stdout_costs_neither_the_json_nor_the_exit_status(tmp_path):
+    """Issue 28: `fusion-harness run --json s.json | head -1` gave a BrokenPipeError
+    traceback, exit 1, and no s.json (the summary was written after the table)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    summary = tmp_path / "s.json"
+    command = [sys.executable, "-m", "harness", "run", "--arch", "llama", "-j", "1"]
+    process = subprocess.Popen(
+        [*command, "--json", str(summary), "--results", str(tmp_path / "r.jsonl")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    process.stdout.close()  # the reader is gone before the table is printed
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr.decode()
+    assert b"Traceback" not in stderr and b"BrokenPipeError" not in stderr
+    assert json.loads(summary.read_text())["results"][0]["architecture"] == "llama"
