@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.kernels import ops, torch_ref
+from fusion.kernels import contract, ops, torch_ref
 from fusion.params import apply_state, common_state
 
 
@@ -101,9 +101,12 @@ class MergedLinear(nn.Module):
     def _per_shard(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `forward` runs one GEMM per shard (`_shard_products`) instead of one
         stacked GEMM: several shards, several float32 rows on a CPU, inference (no gradient
-        recorded); under `torch.compile` too (Inductor runs a CPU float32 GEMM as MKL's
-        `mm` as well: one stacked GEMM was 0.90x the shards at 16 rows, gate_up 2048 ->
-        2 x 8192, one thread).
+        recorded), where PyTorch itself would run its plain dense kernel
+        (`contract.plain_dense`; elsewhere the one stacked `F.linear` runs, the module's
+        reference: e.g. a weight subclass overriding `F.linear` but not `split` would lose
+        its override on the shards); under `torch.compile` too (Inductor runs a CPU float32
+        GEMM as MKL's `mm` as well: one stacked GEMM was 0.90x the shards at 16 rows,
+        gate_up 2048 -> 2 x 8192, one thread).
 
         Why: MKL's float32 GEMM at 2-128 rows runs a stacked weight slower than its pieces
         (on a 2-core Zen 4, one thread: 16 rows, 2048 -> 8192+8192 1.13x faster per shard,
@@ -119,6 +122,7 @@ class MergedLinear(nn.Module):
             and self.weight.dtype == torch.float32
             and x.numel() > x.shape[-1]
             and not torch_ref.records_grad(x, self.weight, *(() if bias is None else (bias,)))
+            and contract.plain_dense("cpu", x, self.weight, bias) is None
         )
 
     def _shard_products(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,15 +11,17 @@ Where `auto` picks it: after oneDNN (whose backend already uses the kernel for i
 AVX-512 machines) and before the reference, when `native_gemm.status()` is 'available' (the
 kernel built and passed its probe, and the CPU is one it was measured on). Fail closed:
 anything the kernel does not take (other dtypes, autograd recording, `torch.compile` tracing,
-too many rows for one expert) runs the reference. Nothing derived from a weight outlives a
-call: each GEMM reads the live expert weights.
+too many rows for one expert) runs the reference, and so does every call where PyTorch itself
+would not run its plain dense kernel (`contract.plain_dense`: autocast, a tensor subclass or
+mode, a functorch transform, a reduced float32 matmul precision). Nothing derived from a
+weight outlives a call: each GEMM reads the live expert weights.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fusion.kernels import native_gemm, torch_ref
+from fusion.kernels import contract, native_gemm, torch_ref
 
 
 class NativeKernels(torch_ref.TorchKernels):
@@ -66,10 +68,15 @@ class NativeKernels(torch_ref.TorchKernels):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> bool:
-        """Whether every expert GEMM of this call may run on the kernel: tokens routed, no
-        gradient recorded (the weights' gradient included), the kernel's operand rules on
-        expert 0's slices (`native_gemm.experts_ok`, which also refuses while compiling), and
-        the busiest expert's rows within its limits (counted before any rows are gathered)."""
+        """Whether every expert GEMM of this call may run on the kernel: PyTorch itself would
+        run its plain dense kernel on these operands (`contract.plain_dense`; asked on the
+        whole call, the routing weights included, before `experts_ok` asks it of expert 0's
+        slices), tokens routed, no gradient recorded (the weights' gradient included), the
+        kernel's operand rules on expert 0's slices (`native_gemm.experts_ok`, which also
+        refuses while compiling), and the busiest expert's rows within its limits (counted
+        before any rows are gathered)."""
+        if contract.plain_dense("cpu", hidden, gate_up, down, topk_ids, topk_weights) is not None:
+            return False
         if hidden.shape[0] == 0 or topk_ids.shape[-1] == 0 or hidden.dim() != 2:
             return False
         if torch_ref.records_grad(topk_weights) or not native_gemm.experts_ok(

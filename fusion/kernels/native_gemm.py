@@ -17,9 +17,11 @@ the tests bound it by MKL's). The order depends only on K: bit-identical results
 thread count and for any batch composition.
 
 Fail closed, always to the caller's PyTorch path (`applies` False): anything but float32 on
-CPU; autograd recording (the kernel has no derivative); operands that are not plain tensors
-or parameters (subclasses compute something else); a weight not unit-stride along K, a K
-that is not a multiple of 16, more rows than `rows_ok` allows, a weight under `MIN_ELEMENTS`;
+CPU; autograd recording (the kernel has no derivative); wherever PyTorch itself would not run
+its plain dense kernel (`contract.plain_dense`: autocast, a tensor subclass or a
+`__torch_function__` / `__torch_dispatch__` mode, a functorch transform, a reduced float32
+matmul precision); a weight not unit-stride along K, a K that is not a multiple of 16, more
+rows than `rows_ok` allows, a weight under `MIN_ELEMENTS`;
 under `torch.compile` (the caller traces the `fusion::decode_linear` operator, which asks
 again when it runs); a machine whose ATen capability is not in `LIMITS`; the library
 unavailable (`status()` says why: no compiler, a build error, a failed probe, the CPU, or
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion.kernels import native_build, torch_ref
+from fusion.kernels import contract, native_build, torch_ref
 
 MIN_ELEMENTS = 1 << 20
 """Smallest weight (N * K elements) the kernel takes: smaller weights sit in cache between
@@ -87,7 +89,6 @@ DISABLE_ENV = "FUSION_NATIVE_KERNELS"
 
 _SOURCE = "rowmajor_gemm"
 _ABI_VERSION = 3
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass(frozen=True)
@@ -224,33 +225,46 @@ def rows_ok(rows: int, k: int) -> bool:
     return 1 <= rows <= limits.max_rows and rows * k <= limits.max_input_elements
 
 
-def _layout_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """What the kernel reads, as it reads it (metadata only, so Dynamo can trace it): float32
-    CPU operands, a 2-D weight unit-stride along K with rows at least K apart, an input of
-    the weight's width, a bias of one value per output."""
+def _on_cpu(t: torch.Tensor, traced: bool) -> bool:
+    """`t` lies in CPU memory. Eager: `t.is_cpu` (`t.device` builds a device object, ~1.5
+    us a tensor); while Dynamo traces, `t.device.type`, which it folds to a constant (it
+    records `is_cpu` as a graph node)."""
+    return t.device.type == "cpu" if traced else t.is_cpu
+
+
+def _layout_ok(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, traced: bool = False
+) -> bool:
+    """What the kernel reads, as it reads it (metadata only, so Dynamo can trace it: pass
+    `traced` then): float32 CPU operands, a 2-D weight unit-stride along K with rows at least
+    K apart, an input of the weight's width, a bias of one value per output."""
     k = weight.shape[-1] if weight.dim() == 2 else -1
     return (
         x.dim() >= 1
         and x.shape[-1] == k
         and x.dtype == weight.dtype == torch.float32
-        and x.device.type == weight.device.type == "cpu"
+        and _on_cpu(x, traced)
+        and _on_cpu(weight, traced)
         and weight.stride(1) == 1
         and weight.stride(0) >= k
         and (
             bias is None
             or (
                 bias.dtype == torch.float32
-                and bias.device.type == "cpu"
+                and _on_cpu(bias, traced)
                 and tuple(bias.shape) == (weight.shape[0],)
             )
         )
     )
 
 
-def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _operands_ok(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, traced: bool
+) -> bool:
     """The rules both checks share (module docstring), all from metadata: the layout the
-    kernel reads (`_layout_ok`), then the speed rules and no gradient recorded."""
-    if not _layout_ok(x, weight, bias):
+    kernel reads (`_layout_ok`), then the speed rules and no gradient recorded. `traced`:
+    Dynamo is tracing."""
+    if not _layout_ok(x, weight, bias, traced=traced):
         return False
     k = weight.shape[1]
     return (
@@ -264,24 +278,30 @@ def _operands_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """While Dynamo traces: may this product go through `fusion::decode_linear` (which makes
-    `applies`' choice again when the compiled code runs)? The operand rules, on a machine
-    where the kernel was already loaded (`resolve`)."""
-    return _operands_ok(x, weight, bias) and known_ok()
+    `applies`' choice again when the compiled code runs)? The operand rules and the
+    dispatcher's contract as far as a trace can ask it (`contract.plain_dense`: no autocast,
+    subclass or mode; the operator asks the rest when it runs), on a machine where the
+    kernel was already loaded (`resolve`)."""
+    return (
+        _operands_ok(x, weight, bias, traced=True)
+        and known_ok()
+        and contract.plain_dense("cpu", x, weight, bias) is None
+    )
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` may compute `F.linear(x, weight, bias)` now: eager (not compiling),
-    plain tensors, the operand rules, the kernel available on this machine. Anything else:
-    False, and the caller keeps its own path. Depends on shapes, dtypes, types and the
-    machine, never on timings."""
+    where PyTorch itself would run its plain dense kernel (`contract.plain_dense`, asked
+    first: it also vouches for the operands' types before any of their metadata is read),
+    the operand rules, the kernel available on this machine. Anything else: False, and the
+    caller keeps its own path. Depends on shapes, dtypes, types, the dispatcher's state and
+    the machine, never on timings."""
     if torch.compiler.is_compiling():
         return False
     resolve()
     return (
-        type(x) in _PLAIN_TYPES
-        and type(weight) in _PLAIN_TYPES
-        and (bias is None or type(bias) in _PLAIN_TYPES)
-        and _operands_ok(x, weight, bias)
+        contract.plain_dense("cpu", x, weight, bias) is None
+        and _operands_ok(x, weight, bias, traced=False)
         and _STATE[0].verdict == "available"
     )
 

@@ -43,6 +43,10 @@ Fail closed, always by falling back to the torch reference (slower, never differ
 - When autograd records (the oneDNN ops have no derivative), when
   `torch.backends.mkldnn` is disabled, or when its float32 math mode allows bf16/tf32
   (`mm` itself then follows that mode, and the reference computes what it computes).
+- Wherever PyTorch itself would not run its plain dense kernel (`contract.plain_dense`:
+  autocast, whose bfloat16 GEMMs the reference then runs as the unfused experts do; a tensor
+  subclass or a `__torch_function__` / `__torch_dispatch__` mode, which the reference's ops
+  are dispatched through; a functorch transform; a reduced float32 matmul precision).
 - Under `torch.compile` (the settings above are Python state Dynamo cannot guard on, and
   the reference's ops are what Inductor optimises).
 - The backend is unavailable (`create()` returns None) when the ops are missing or a probe
@@ -54,7 +58,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusion.kernels import native_gemm, torch_ref
+from fusion.kernels import contract, native_gemm, torch_ref
 
 K_BLOCK = 128
 """Reduction block length: each GEMM sums `K_BLOCK` products in registers, then adds the
@@ -196,24 +200,34 @@ def row_linear_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     `fusion::decode_linear` operator, which makes `row_linear_applies`' run-time choice (the
     oneDNN one-row product or `F.linear`) when the compiled code runs? Only what a trace
     may ask: the operands' shape (`_one_row_shape`), on a machine already checked
-    (`resolve_machine`). The settings (`torch.backends.mkldnn`) are read by the operator at
-    each call, so toggling them after compiling is obeyed; nothing is cached."""
-    return _one_row_shape(x, weight, bias) and row_machine_known_ok()
+    (`resolve_machine`), and the dispatcher's contract as far as a trace can ask it
+    (`contract.plain_dense`). The settings (`torch.backends.mkldnn`, the matmul precision)
+    are read by the operator at each call, so toggling them after compiling is obeyed;
+    nothing is cached."""
+    return (
+        _one_row_shape(x, weight, bias)
+        and row_machine_known_ok()
+        and contract.plain_dense("cpu", x, weight, bias) is None
+    )
 
 
 def row_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `row_linear` may compute `F.linear(x, weight, bias)`: the operands' shape
     (`_one_row_shape`: one float32 row on CPU, a 2-D weight of `ROW_MIN_ELEMENTS` or more,
-    no gradient recorded), the weight contiguous on CPU, a reduction of
+    no gradient recorded), where PyTorch itself would run its plain dense kernel
+    (`contract.plain_dense`: no autocast, subclass, mode or functorch transform, a strict
+    matmul precision), the weight contiguous on CPU, a reduction of
     `ROW_MAX_K_ONE_THREAD` or less when torch runs one thread, not under `torch.compile`
     (the caller traces `fusion::decode_linear` then), oneDNN enabled in strict float32 mode,
     and an AVX-512 machine (`ROW_CAPABILITIES`). Anything else: False (the caller keeps
-    `F.linear`), so the answer depends on shapes, dtypes and settings, never on timings."""
+    `F.linear`), so the answer depends on shapes, dtypes, the dispatcher's state and
+    settings, never on timings."""
     if torch.compiler.is_compiling():
         return False
     return (
         _one_row_shape(x, weight, bias)
-        and weight.device.type == "cpu"
+        and contract.plain_dense("cpu", x, weight, bias) is None
+        and weight.is_cpu
         and _row_width_ok(weight.shape[-1])
         and weight.is_contiguous()
         and _row_machine_ok()
@@ -320,14 +334,17 @@ class OneDnnKernels(torch_ref.TorchKernels):
         return device.type == "cpu"
 
     def uses_onednn(self, *tensors: torch.Tensor) -> bool:
-        """Whether `moe_experts` on these tensors takes the oneDNN path (else the reference).
+        """Whether `moe_experts` on these tensors takes the oneDNN path (else the reference):
+        float32 CPU tensors where PyTorch itself would run its plain dense kernel
+        (`contract.plain_dense`), oneDNN enabled in strict float32 mode, no gradient.
 
         Under `torch.compile` it answers False before reading any `torch.backends` setting,
         so Dynamo traces the reference without a graph break."""
         if torch.compiler.is_compiling():
             return False
         return (
-            all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            contract.plain_dense("cpu", *tensors) is None
+            and all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
             and torch.backends.mkldnn.enabled
             and strict_fp32()
             and not torch_ref.records_grad(*tensors)

@@ -15,6 +15,13 @@ Autograd: every operator has a derivative (`register_autograd`, formulas in
 fused model that trains keeps each kernel one operator. Eager calls that record a gradient
 call the backend's Python code, which autograd differentiates directly.
 
+The dispatcher's contract: a backend's own kernel (not the torch reference's ops, which
+PyTorch dispatches one by one) runs only where `contract.plain_dense` says PyTorch itself would
+run the plain dense kernel; elsewhere (autocast, a tensor subclass or mode, a functorch
+transform, a reduced matmul precision) the torch reference runs, eager or traced
+(`_reference_for`). The CPU decode products and experts ask it where they choose a kernel
+(`native_gemm`, `onednn_backend`, `native_backend`).
+
 Recompiles: the backend name, activation and variant flags are constants of the module that
 calls an operator (Dynamo guards on them once), and `kernels.get` is a dict lookup after
 `fusion.fuse` resolved `auto` ahead, so repeated calls of a compiled fused model with the same
@@ -29,7 +36,7 @@ import torch
 from torch import Tensor
 
 from fusion import kernels
-from fusion.kernels import autograd, native_gemm, onednn_backend, torch_ref
+from fusion.kernels import autograd, contract, native_gemm, onednn_backend, torch_ref
 from fusion.kernels.torch_ref import TorchKernels
 
 
@@ -39,17 +46,38 @@ def _use_operator() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _traced_reference(backend: str, device: torch.device, op: str) -> bool:
-    """While Dynamo traces: does `op` on `backend` compute with the torch reference itself
-    (the reference backend, or one that delegates `op` to it, as the CPU backend does for
-    the norms and act-and-mul)? Then the reference's plain torch code is traced in place of
-    the opaque operator, so Inductor fuses it with its neighbours exactly as it fuses the
-    unfused model's elementwise chains (an opaque operator would cost the fused model that
-    fusion). Same function, same backend as eager; the reference has no Python state that
-    could break the graph. `kernels.get` is a dict lookup once `fusion.fuse` resolved
-    `auto` ahead."""
+_MATMUL_OPS = frozenset({"moe_experts"})
+"""The ops whose kernels are matrix products (the matmul precision settings apply to them)."""
+
+
+def _reference_for(backend: str, device: torch.device, op: str, *tensors: Tensor | None) -> bool:
+    """Does `op` on `backend` compute with the torch reference for these operands now? Where
+    the backend is the reference or delegates `op` to it (as the CPU backends do for the
+    norms and act-and-mul), or where its own kernel would run but the dispatcher's contract
+    refuses one (`contract.plain_dense`: autocast, a subclass or mode, ...): the reference's
+    plain torch ops are what PyTorch then dispatches, with all of that state applied.
+
+    While Dynamo traces, the reference's code is traced in place of the opaque operator, so
+    Inductor fuses it with its neighbours exactly as it fuses the unfused model's
+    elementwise chains (an opaque operator would cost the fused model that fusion), and
+    autocast and modes apply to it as to the unfused ops. Same function, same backend as
+    eager; the reference has no Python state that could break the graph. `kernels.get` is a
+    dict lookup once `fusion.fuse` resolved `auto` ahead."""
     backend_kernels = kernels.get(backend, device)
-    return isinstance(backend_kernels, TorchKernels) or op in backend_kernels.delegated
+    if type(backend_kernels) is TorchKernels or op in backend_kernels.delegated:
+        return True
+    matmul = op in _MATMUL_OPS
+    return contract.plain_dense(device.type, *tensors, matmul=matmul) is not None
+
+
+def _kernels(
+    backend: str, device: torch.device, op: str, *tensors: Tensor | None
+) -> kernels.Kernels:
+    """The backend that computes `op` on these operands in eager mode: `backend`'s own, or
+    the torch reference where `_reference_for` says so."""
+    if _reference_for(backend, device, op, *tensors):
+        return kernels.get("torch", device)
+    return kernels.get(backend, device)
 
 
 def _rms(
@@ -110,10 +138,10 @@ def rms_norm(
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`)."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
     if _use_operator():
-        if _traced_reference(backend, x.device, "rms_norm"):
+        if _reference_for(backend, x.device, "rms_norm", x, weight):
             return _rms(torch_ref.rms_norm, x, weight, eps, *flags)
         return torch.ops.fusion.rms_norm(x, weight, eps, *flags, backend)
-    return _rms(kernels.get(backend, x.device).rms_norm, x, weight, eps, *flags)
+    return _rms(_kernels(backend, x.device, "rms_norm", x, weight).rms_norm, x, weight, eps, *flags)
 
 
 def _add_rms(
@@ -179,10 +207,11 @@ def add_rms_norm(
     """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))`, two new tensors."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
     if _use_operator():
-        if _traced_reference(backend, a.device, "add_rms_norm"):
+        if _reference_for(backend, a.device, "add_rms_norm", a, b, weight):
             return _add_rms(torch_ref.add_rms_norm, a, b, weight, eps, flags)
         return torch.ops.fusion.add_rms_norm(a, b, weight, eps, *flags, backend)
-    return _add_rms(kernels.get(backend, a.device).add_rms_norm, a, b, weight, eps, flags)
+    chosen = _kernels(backend, a.device, "add_rms_norm", a, b, weight)
+    return _add_rms(chosen.add_rms_norm, a, b, weight, eps, flags)
 
 
 @torch.library.custom_op("fusion::act_and_mul", mutates_args=())
@@ -198,10 +227,10 @@ def _act_and_mul_fake(x, activation, backend):
 def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     """`Kernels.act_and_mul` on `backend`."""
     if _use_operator():
-        if _traced_reference(backend, x.device, "act_and_mul"):
+        if _reference_for(backend, x.device, "act_and_mul", x):
             return torch_ref.act_and_mul(x, activation)
         return torch.ops.fusion.act_and_mul(x, activation, backend)
-    return kernels.get(backend, x.device).act_and_mul(x, activation)
+    return _kernels(backend, x.device, "act_and_mul", x).act_and_mul(x, activation)
 
 
 @torch.library.custom_op("fusion::decode_linear", mutates_args=())
@@ -226,6 +255,9 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _eager_decode_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """The eager choice of `decode_product`: each kernel's `applies` asks the dispatcher's
+    contract (`contract.plain_dense`) with its own rules, so neither runs where PyTorch
+    would not run its plain dense kernel."""
     if native_gemm.applies(x, weight, bias):
         return native_gemm.linear(x, weight, bias)
     if onednn_backend.row_linear_applies(x, weight, bias):
@@ -244,9 +276,13 @@ def decode_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | N
     """`F.linear(x, weight, bias)` by a decode-sized CPU kernel where one applies, else None
     (the caller computes it its own way). Eager: the native kernel (`native_gemm`, at the
     rows `native_gemm.rows_ok` allows) first, else oneDNN's one-row product
-    (`onednn_backend.row_linear`, when the native kernel is unavailable). While Dynamo traces: the `fusion::decode_linear`
-    operator when either would apply, which makes the eager choice when the compiled code
-    runs. Both read the live weight and cache nothing."""
+    (`onednn_backend.row_linear`, when the native kernel is unavailable); neither where
+    PyTorch itself would not run its plain dense kernel (`contract.plain_dense`: under
+    autocast, a tensor subclass or mode, a functorch transform, a reduced matmul precision).
+    While Dynamo traces: the `fusion::decode_linear` operator when either would apply by the
+    rules a trace can ask (no autocast, subclass or mode: else the caller traces `F.linear`,
+    which Dynamo handles under all three), which makes the eager choice, settings included,
+    when the compiled code runs. Both read the live weight and cache nothing."""
     out = _eager_decode_product(x, weight, bias)
     if out is not None:
         return out
@@ -286,13 +322,18 @@ def moe_experts(
     topk_weights: Tensor,
     activation: str,
 ) -> Tensor:
-    """`Kernels.moe_experts` on `backend`."""
+    """`Kernels.moe_experts` on `backend`; the torch reference where the dispatcher's
+    contract refuses the backend's kernels (`_reference_for`). While Dynamo traces, that
+    reference is traced in place of the operator: it reads the per-expert row counts, a
+    graph break (as the unfused experts' own loop has), but autocast then applies to its
+    GEMMs as to the unfused ones'; the operator's fake output could not follow autocast."""
+    operands = (hidden, gate_up, down, topk_ids, topk_weights)
     if _use_operator():
-        return torch.ops.fusion.moe_experts(
-            hidden, gate_up, down, topk_ids, topk_weights, activation, backend
-        )
-    return kernels.get(backend, hidden.device).moe_experts(
-        hidden, gate_up, down, topk_ids, topk_weights, activation
+        if contract.plain_dense(hidden.device.type, *operands) is not None:
+            return torch_ref.moe_experts(*operands, activation)
+        return torch.ops.fusion.moe_experts(*operands, activation, backend)
+    return _kernels(backend, hidden.device, "moe_experts", *operands).moe_experts(
+        *operands, activation
     )
 
 

@@ -128,7 +128,10 @@ def moe_experts(
     Function: `out[t] = sum_k (w[t, k] * down[e] @ act_and_mul(gate_up[e] @ hidden[t])).to(D)`
     with `e = ids[t, k]`: each routed product is formed in `promote(D, weights dtype)` and
     rounded to `D` before the sum, exactly as Transformers' eager expert loop does; only the
-    order of the K-term sum may differ (rounding, never the function).
+    order of the K-term sum may differ (rounding, never the function). Under autocast the
+    loop's GEMMs run in the autocast dtype `A` and its products in `promote(A, weights
+    dtype)`, still rounded to `D` and summed in `D`: so do these (the GEMMs are plain `mm`
+    calls, which autocast casts as it casts the loop's `F.linear`).
 
     Computation: the T*K (token, choice) pairs are sorted by expert (stable), so each expert's
     rows form one contiguous slice that takes one GEMM per projection; the activation and
@@ -146,11 +149,18 @@ def moe_experts(
         if count:
             slices.append((expert, start, start + count))
             start += count
-    # `out=` writes into preallocated slices, which autograd cannot differentiate: while it
-    # records (a model called outside no_grad), the same GEMMs are concatenated instead.
-    grouped = (
-        _grouped_mm_out if not records_grad(hidden, gate_up, down, topk_weights) else _grouped_mm
+    # `out=` writes into preallocated slices, which autograd cannot differentiate and
+    # autocast does not cast (an `out=` overload computes in its operands' dtype): while
+    # autograd records (a model called outside no_grad) or autocast is on, the same GEMMs
+    # are concatenated instead.
+    device_type = hidden.device.type
+    autocast = (
+        torch._C._is_any_autocast_enabled()
+        and torch.amp.is_autocast_available(device_type)  # `is_autocast_enabled` raises if not
+        and torch.is_autocast_enabled(device_type)
     )
+    plain = not records_grad(hidden, gate_up, down, topk_weights) and not autocast
+    grouped = _grouped_mm_out if plain else _grouped_mm
     projected = grouped(routed.rows, gate_up, slices, two_inter)
     # act(gate) * up over all rows at once: the activation is rounded to the input dtype
     # and multiplied in it, as `act_and_mul` does, but into the activation's own buffer.
@@ -158,7 +168,7 @@ def moe_experts(
     activated = ACTIVATIONS[activation](projected[:, :inter])
     activated.mul_(projected[:, inter:])
     expert_out = grouped(activated, down, slices, hidden_size)
-    return combine(routed, expert_out, topk_weights, num_tokens)
+    return combine(routed, expert_out, topk_weights, num_tokens, hidden.dtype)
 
 
 @dataclass(frozen=True)
@@ -209,15 +219,21 @@ def expert_chain(
 
 
 def combine(
-    routed: ExpertRows, expert_out: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int
+    routed: ExpertRows,
+    expert_out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_tokens: int,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`out[t] = sum over t's rows of (weight * expert_out row)` as a new `[T, H]` tensor of
-    `expert_out`'s dtype: each product formed in `promote(dtype, weights dtype)` and rounded
+    `dtype` (default `expert_out`'s; the input's, where autocast ran the GEMMs narrower):
+    each product formed in `promote(expert_out dtype, weights dtype)` and rounded to `dtype`
     before the sum (as the eager loop does), added back with one `index_add_`.
     `expert_out` is consumed (scaled in place when the dtypes agree)."""
-    out = expert_out.new_zeros(num_tokens, expert_out.shape[-1])
+    dtype = expert_out.dtype if dtype is None else dtype
+    out = expert_out.new_zeros(num_tokens, expert_out.shape[-1], dtype=dtype)
     weights = topk_weights.reshape(-1).index_select(0, routed.order).unsqueeze(-1)
-    if weights.dtype == expert_out.dtype:
+    if weights.dtype == expert_out.dtype == dtype:
         weighted = expert_out.mul_(weights)
     else:  # the product in the promoted dtype, then rounded (as the eager loop does)
         weighted = torch.mul(expert_out, weights).to(out.dtype)

@@ -1,10 +1,11 @@
-"""Shared by the tests of the native kernel's users: turn it on for test-sized operands."""
+"""Shared by the tests of the CPU fast paths' users: turn one path on (or off) for
+test-sized operands on any machine."""
 
 from __future__ import annotations
 
 import pytest
 
-from fusion.kernels import native_gemm
+from fusion.kernels import native_gemm, onednn_backend
 
 
 def force_native_on(monkeypatch) -> None:
@@ -23,3 +24,26 @@ def force_native_on(monkeypatch) -> None:
             )
         ],
     )
+
+
+def force_native_off(monkeypatch) -> None:
+    """`native_gemm.applies` answers False everywhere, as on a machine without a compiler."""
+    monkeypatch.setattr(
+        native_gemm,
+        "_STATE",
+        [
+            native_gemm.Resolved(
+                None, "off for this test", "off for this test", native_gemm._NO_ROWS
+            )
+        ],
+    )
+
+
+def force_onednn_row_on(monkeypatch) -> None:
+    """Let `onednn_backend.row_linear_applies` answer True for small operands on any machine
+    whose torch has the oneDNN ops (skip where it has not): its AVX-512 and size rules are
+    speed rules (oneDNN's one-row product computes the same function on AVX2)."""
+    if not onednn_backend._ops_available():
+        pytest.skip("oneDNN's linear ops are not in this torch build")
+    monkeypatch.setattr(onednn_backend, "_ROW_OK", [True])
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
