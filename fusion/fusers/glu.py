@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fusion import alias, bound, source
+from fusion import alias, bound, regions, source
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
@@ -29,7 +29,9 @@ from fusion.modules import ActAndMul, MergedLinear
 
 def activation_kind(act: nn.Module) -> str:
     """`silu`, `gelu` or `gelu_tanh` for an activation module we reproduce exactly; else
-    RewriteRefused naming the type."""
+    RewriteRefused naming the type. The known classes are matched exactly; one of any other
+    class must trace to one activation call and provably keep global state
+    (`fusion.regions.module_keeps_state`), the only code that runs between `gate` and `up`."""
     kind = type(act)
     if has_hooks(act):
         raise RewriteRefused(f"activation {kind.__name__} has hooks")
@@ -58,6 +60,15 @@ def activation_kind(act: nn.Module) -> str:
             return "gelu_tanh"
     traced = _traced_kind(act)
     if traced is not None:
+        # A trace records tensor operations only: a grad-mode or autocast switch in the same
+        # forward ran during the trace and left no node. `ActAndMul` would drop it, and
+        # `up`, merged with `gate`, would no longer run after it.
+        if not regions.module_keeps_state(act):
+            raise RewriteRefused(
+                f"activation {kind.__name__} may change global state (grad mode, autocast, "
+                "settings) besides its one call: merging would move up out of the state it "
+                "ran in"
+            )
         return traced
     raise RewriteRefused(f"activation {kind.__name__} is not one ActAndMul reproduces exactly")
 
@@ -170,7 +181,8 @@ def rewrite_glu(
 
     Refuses unless the product is one expression of that exact shape with the same plain
     input on both sides: then the only code between the two projection calls is the
-    activation on a fresh GEMM output, which cannot change the input.
+    activation on a fresh GEMM output, which cannot change the input (nor global state:
+    `activation_kind`, per instance, admits only activations that provably keep it).
     """
     funcdef, fn = source.recover_forward(type(module))
     local = alias.local_names(funcdef)

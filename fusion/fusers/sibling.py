@@ -5,7 +5,10 @@ or another projection of the same input), linear-attention input projections, a 
 activation `ActAndMul` does not reproduce, a cross-attention's k/v pair. Whatever code sits
 between the calls, the merge is exactly as safe as the q/k/v one: `rewrite_stacked` proves
 each projection called once on one side-effect-free input expression that nothing between
-the first and the last call can change (alias analysis), and refuses otherwise.
+the first and the last call can change (alias analysis), and that every call stays in its
+region and global state (`fusion.regions`), and refuses otherwise. Where a region barrier
+splits the group (gated attention's gate, read after the attention call and a cache update
+that cannot be proven to keep global state), the calls before the barrier are merged alone.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import fx, nn
 from fusion.errors import RewriteRefused
 from fusion.fusers.stacked import StackedFuser, linear_inputs, projection_graph, unique_targets
 from fusion.graph import returned_linear
+from fusion.regions import RegionRefused
 
 
 @dataclass
@@ -48,6 +52,23 @@ class SiblingFuser(StackedFuser):
         shards = unique_targets(groups[0])
         if shards is None:
             raise RewriteRefused("a projection is called more than once")
+        try:
+            return cls._prepared(module, graph, decided, shards)
+        except RegionRefused as refused:
+            # A barrier (a grad-mode switch, a call not proven to keep global state, a
+            # `with` around some calls) splits the group: merge the calls before it, if
+            # two or more, with every proof made again for them alone. Gated attention's
+            # gate after the attention call stays a projection of its own.
+            before = tuple(name for name in shards if name in refused.mergeable)
+            if len(before) < 2 or before == shards:
+                raise
+            return cls._prepared(module, graph, decided, before)
+
+    @classmethod
+    def _prepared(
+        cls, module: nn.Module, graph: fx.Graph, decided: bool, shards: tuple[str, ...]
+    ) -> SiblingFuser:
+        """A fuser merging `shards`, its rewrite prepared (`StackedFuser.prepare`)."""
         fuser = cls(
             source_class=type(module).__name__,
             shards=shards,

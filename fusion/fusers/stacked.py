@@ -19,12 +19,13 @@ from typing import Any
 
 from torch import fx, nn
 
-from fusion import bound, source
+from fusion import bound, regions, source
 from fusion.callpath import has_hooks, own_call_path
+from fusion.checkpoint import register_unfused_layout
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.fusers.pure_calls import check_input_stable_reading_calls, self_call_writes_nothing
-from fusion.graph import linear_calls, output_value
+from fusion.graph import is_linear, linear_calls, output_value
 from fusion.modules import MergedLinear
 from fusion.params import common_state
 from fusion.piece_writes import written_pieces
@@ -133,7 +134,10 @@ def rewrite_stacked(
     last (alias analysis, reading the calls between whose callees provably write nothing:
     `pure_calls.check_input_stable_reading_calls`), and, when calls sit inside branches, one
     call is reached unconditionally from the hoisting point, so the hoisted GEMM never runs on
-    a path where its input was not a valid projection input.
+    a path where its input was not a valid projection input, and every call runs in the
+    region and global state it ran in (`fusion.regions.check_same_region`: no `with`
+    around some calls but not all, nothing between that may change grad mode, autocast or
+    other global state).
     """
     funcdef, fn = source.recover_forward(type(module))
     original = source.unparse(funcdef)
@@ -157,6 +161,9 @@ def rewrite_stacked(
         calls[0].args[0],
         block[start : max(indices) + 1],
     )
+    # Regions are barriers: the merged call runs where the first call was, so no `with`
+    # may hold some calls and not others, and nothing between may change global state.
+    state_relied = regions.check_same_region(funcdef, calls, module, getattr(fn, "__globals__", {}))
     anchors = [
         index
         for call, index in zip(calls, indices)
@@ -180,19 +187,21 @@ def rewrite_stacked(
     flags = list(fresh) + [False] * (len(temps) - len(fresh))
     make_fresh(funcdef, [t for t, f, w in zip(temps, flags, written) if f or w])
     compiled = source.compile_forward(funcdef, fn)
-    return StackedRewrite(compiled, original, source.unparse(funcdef), relied)
+    return StackedRewrite(compiled, original, source.unparse(funcdef), relied, state_relied)
 
 
 @dataclass(frozen=True)
 class StackedRewrite:
     """What `rewrite_stacked` returns: the compiled forward, the original and rewritten
-    sources, and the `self.<name>` calls proven to write nothing that the input-stability
-    proof relied on (`fusion.fusers.pure_calls`; proven again per instance)."""
+    sources, the `self.<name>` calls proven to write nothing that the input-stability
+    proof relied on (`fusion.fusers.pure_calls`), and those proven to keep global state
+    that the region proof relied on (`fusion.regions`); both proven again per instance."""
 
     forward: Any
     original: str
     rewritten: str
     relied: tuple[str, ...] = ()
+    state_relied: tuple[str, ...] = ()
 
 
 def make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
@@ -239,6 +248,7 @@ class StackedFuser(Fuser):
     merged_name: str = ""
     forward_fn: Any = field(default=None, repr=False)
     relied: tuple[str, ...] = ()
+    state_relied: tuple[str, ...] = ()
 
     def prepare(self, module: nn.Module, graph: fx.Graph, decided: bool = False) -> None:
         """Rewrite and compile the class's forward (once per class, by `match`).
@@ -274,16 +284,25 @@ class StackedFuser(Fuser):
             fresh=tuple(v == FRESH for v in verdicts),
         )
         self.forward_fn, self.relied = rewrite.forward, rewrite.relied
+        self.state_relied = rewrite.state_relied
         self.original_source, self.rewritten_source = rewrite.original, rewrite.rewritten
 
     def validate(self, module: nn.Module) -> None:
-        """Per instance: the shards stack (`check_stackable`), and every call the class's
-        input-stability proof read as writing nothing still does on this instance (its
-        children's own children, methods and attributes may differ from the first's)."""
+        """Per instance: the shards stack (`check_stackable`), every call the class's
+        input-stability proof read as writing nothing still does on this instance, and
+        every call between the merged ones that the region proof read as keeping global
+        state still does (its children's own children, hooks, methods and attributes may
+        differ from the first's)."""
         check_stackable(module, self.shards, self.merged_name)
         for name in self.relied:
             if not self_call_writes_nothing(module, name):
                 raise RewriteRefused(f"self.{name} may write the projection input on this instance")
+        for name in self.state_relied:
+            if not regions.self_call_keeps_state(module, name):
+                raise RewriteRefused(
+                    f"self.{name} may change global state (grad mode, autocast, settings) "
+                    "between the merged calls on this instance"
+                )
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
         self.validate(module)
@@ -302,8 +321,6 @@ def install_merged(
 ) -> None:
     """Put `merged` on `module`, remove the `shards`, and teach `module` to load the unfused
     checkpoint layout for saving and loading (see `fusion.checkpoint`)."""
-    from fusion.checkpoint import register_unfused_layout
-
     for name in shards:
         delattr(module, name)
     setattr(module, merged_name, merged)
@@ -341,8 +358,6 @@ def projection_graph(graph: fx.Graph | None, module: nn.Module) -> tuple[fx.Grap
 
 def linear_inputs(graph: fx.Graph, module: nn.Module) -> dict[fx.Node, list[fx.Node]]:
     """Linear call nodes grouped by the node they read (single-argument calls only)."""
-    from fusion.graph import is_linear
-
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         if is_linear(node, module) and len(node.args) == 1 and not node.kwargs:

@@ -209,3 +209,59 @@ def test_functional_glu_of_a_corpus_model_with_parity() -> None:
     inputs = corpus.make_inputs(model, seed=0)
     with torch.no_grad():
         torch.testing.assert_close(fused(**inputs).logits, model(**inputs).logits)
+
+
+class AutocastLeakingSiLU(nn.Module):
+    """A SiLU of its own class (read by tracing: one `F.silu` call) that also switches CPU
+    autocast on and leaves it on: `up` runs under autocast after it."""
+
+    def forward(self, x):
+        torch.set_autocast_enabled("cpu", True)
+        return F.silu(x)
+
+
+class GradFreeSiLU(nn.Module):
+    """A SiLU of its own class whose output carries no gradient (grad mode restored after)."""
+
+    def forward(self, x):
+        previous = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        out = F.silu(x)
+        torch.set_grad_enabled(previous)
+        return out
+
+
+class MLPAutocastOff(hazards.MLP):
+    def forward(self, x):
+        out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        torch.set_autocast_enabled("cpu", False)
+        return out
+
+
+def _behaviour(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Output and input gradient under explicit ambient state (grad on, autocast off)."""
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        out = module(x)
+    if out.requires_grad:
+        out.float().square().sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("act", [AutocastLeakingSiLU, GradFreeSiLU])
+def test_activation_changing_global_state_refused(act: type[nn.Module]) -> None:
+    # The trace shows one `F.silu`, but the activation also changes global state: merging
+    # gate and up (and replacing the activation by `ActAndMul`) would drop the change, and
+    # move `up` out of the state it ran in.
+    try:
+        module = MLPAutocastOff(act=act())
+        fused, report = fuse_copy(module)
+        assert not report.applied, str(report)
+        assert "may change global state" in reasons(report), str(report)
+        (out, grad), (fused_out, fused_grad) = _behaviour(module), _behaviour(fused)
+        assert out.dtype == fused_out.dtype and torch.allclose(out, fused_out)
+        assert (grad is None) == (fused_grad is None)
+        assert grad is None or torch.allclose(grad, fused_grad)
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_grad_enabled(True)

@@ -169,3 +169,68 @@ def test_corpus_architectures_fused_with_parity(arch: str, cls: str) -> None:
     inputs = corpus.make_inputs(model, seed=0)
     with torch.no_grad():
         torch.testing.assert_close(fused(**inputs).logits, model(**inputs).logits)
+
+
+def freeze_grad():
+    torch.set_grad_enabled(False)
+
+
+class GatedAfterBarrier(nn.Module):
+    """Gated attention's shape: q/k/v, then a call not proven to keep global state (a cache
+    update of an argument), then the gate read from the same input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(16, 16)
+        self.k_proj = nn.Linear(16, 16)
+        self.v_proj = nn.Linear(16, 16)
+        self.g_proj = nn.Linear(16, 16)
+        self.o_proj = nn.Linear(16, 16)
+
+    def forward(self, x, cache=None):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        gate = torch.sigmoid(self.g_proj(x))
+        return self.o_proj((q + k + v) * gate)
+
+
+class GatedAfterGradSwitch(GatedAfterBarrier):
+    def forward(self, x, cache=None):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        mixed = q + k + v
+        freeze_grad()
+        gate = torch.sigmoid(self.g_proj(x))
+        torch.set_grad_enabled(True)
+        return self.o_proj(mixed * gate)
+
+
+def _output_and_grad(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    with torch.enable_grad():
+        out = module(x)
+        out.square().sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("cls", [GatedAfterBarrier, GatedAfterGradSwitch])
+def test_a_region_barrier_splits_the_group(cls: type[nn.Module]) -> None:
+    # The calls before the barrier merge; the gate after it stays a projection of its own,
+    # run in the state it ran in (without gradient, behind `freeze_grad()`).
+    module = cls()
+    try:
+        fused, report = fuse_copy(module)
+    finally:
+        torch.set_grad_enabled(True)  # tracing runs the forward's `freeze_grad()` too
+    assert report.counts() == {"sibling": 1}, str(report)
+    assert [r.description for r in report.applied] == [
+        "q_proj + k_proj + v_proj -> q_proj_k_proj_v_proj_merged"
+    ]
+    assert isinstance(fused.g_proj, nn.Linear) and not hasattr(fused, "q_proj")
+    (out, grad), (fused_out, fused_grad) = _output_and_grad(module), _output_and_grad(fused)
+    assert torch.allclose(out, fused_out, atol=1e-6)
+    assert torch.allclose(grad, fused_grad, rtol=1e-5, atol=1e-6)
