@@ -632,3 +632,39 @@ def test_none_defaults_make_optional_arguments_concrete() -> None:
     defaults = trace(module, decide_branches=True, none_defaults=True)
     assert defaults is not None and G.output_value(defaults) is not None
     assert not any(n.target == "mask" and n.users for n in defaults.nodes)
+
+
+class _StateTogglingHalfway(nn.Module):
+    """Changes global state, then stops the trace (a branch on a traced value) before the
+    code that would put it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch.set_grad_enabled(False)
+        torch.set_autocast_enabled("cpu", True)
+        torch.set_default_dtype(torch.float64)
+        torch.manual_seed(1234)
+        y = self.proj(x)
+        if y.sum() > 0:  # fx stops here
+            y = y * 2
+        torch.set_default_dtype(torch.float32)
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_grad_enabled(True)
+        return y
+
+
+def test_a_trace_leaves_the_global_state_as_it_was() -> None:
+    """Before: `fusion.plan` of such a forward left CPU autocast on (seen in issue 24's
+    region work), grad mode off, float64 as the default dtype and the RNG reseeded."""
+    module = _StateTogglingHalfway()
+    torch.manual_seed(7)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(7)
+    trace(module)
+    assert torch.is_grad_enabled()
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.equal(torch.rand(3), expected_draw)
