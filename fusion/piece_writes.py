@@ -35,12 +35,14 @@ from fusion.value_roots import (
     PURE,
     Scope,
     Summary,
+    arguments_foreign,
     bind_arguments,
     bound_only_by_assignment,
     call_arguments,
     is_attention_lookup,
     is_builtin,
     is_cache,
+    is_self_call,
     is_tensor_method,
     names_read,
     namespace_of,
@@ -97,8 +99,9 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
             return (roots(call.args[0], scope) if call.args else every), [every]
         return set(), []
     if namespace is not None:
-        chain = alias.func_chain(func)
-        if namespace == "torch" and chain and chain[0] in alias.IMPURE_TORCH_NAMESPACES:
+        if alias.namespace_call_writes(call):
+            # `torch.distributed.all_reduce(q)`, `nn.init.constant(q, v)`,
+            # `F.embedding(ids, q, max_norm=m)`: spelled out of place, yet they write.
             return every, [every]
         return set(), []
     if is_tensor_method(func, scope) and func.attr in CONTAINER_METHODS:
@@ -107,13 +110,13 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
         return set(), [unknown]
     if is_builtin(call, scope, NON_WRITING_BUILTINS) or is_tensor_method(func, scope):
         return set(), []
-    is_self, child = self_attr(func, scope)
-    if is_self and child is None:
+    resolution = self_attr(func, scope)
+    if resolution is not None and resolution.raises_when_called:
         return set(), []  # calling a missing attribute raises before anything is written
     if (
         isinstance(func, ast.Attribute)
         and func.attr in CONTAINER_METHODS
-        and not is_self
+        and not is_self_call(func)
         and _is_box(func.value, scope)
     ):
         return set(), [unknown]  # `kwargs.pop(...)`, `box.append(q)`: holds, never writes
@@ -122,7 +125,9 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
         return unknown, [unknown]
     fn, module, bound = resolved
     summary = _summary(fn, module, scope)
-    binding = bind_arguments(call, fn, bound, scope) if not summary.opaque else None
+    # A summary read presuming tensors does not hold for a numpy view or a module argument.
+    readable = not summary.opaque and not arguments_foreign(call, scope)
+    binding = bind_arguments(call, fn, bound, scope) if readable else None
     if binding is None:
         return unknown, [unknown]
     written = set().union(*(binding.get(param, set()) for param in summary.writes))
@@ -201,6 +206,11 @@ def _summary(fn: Any, module: nn.Module | None, caller: Scope) -> Summary:
         summary = OPAQUE
     else:
         summary = Summary(
+            foreign_return=any(
+                scope.may_be_foreign(node.value)
+                for node in ast.walk(funcdef)
+                if isinstance(node, ast.Return) and node.value is not None
+            ),
             returns=frozenset(param for param in params if held[param] & returned),
             writes=frozenset(param for param in params if held[param] & written),
             joins=tuple(

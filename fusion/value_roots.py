@@ -8,14 +8,19 @@ storage aliases whatever it reads, and a call whose callee cannot be read
 (`resolve_callee`, `bind_arguments`, `Scope.summary`) may return any of its arguments.
 Calls of plain Python functions, of `self`'s methods and of `self`'s children are read
 (to MAX_CALL_DEPTH) instead of presumed, so `apply_rotary_pos_emb(q, k, cos, sin)` or a q/k
-norm does not make every piece alias every other.
+norm does not make every piece alias every other. `self.<name>` is what Python resolves it to
+(`fusion.name_resolution`: a method on the class wins over a child of the same name, and a
+function that rebinds `self` knows nothing of it); a decorated callee is not read (its
+wrapper runs code its source does not show); and a callee's summary, read presuming tensors,
+is not applied to a call passing something that may be none (`alias.may_be_foreign`: a
+numpy view, whose `put` and `sort` write in place).
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 
 from fusion import alias
-from fusion.callpath import has_hooks, own_call_path
+from fusion.name_resolution import Kind, Resolution, self_is_bound_to_owner
 from fusion.pieces import VIEW_OPS
 from fusion.tensor_meta import METADATA_ATTRS, METADATA_METHODS
 from fusion.trace import CACHE_ARGUMENTS
@@ -81,11 +86,15 @@ MAY_RETURN_INPUT = frozenset(
         "getitem",
         "itemgetter",
     }
+    | alias.FOREIGN_VIEWS
+    | {"from_numpy", "from_dlpack", "frombuffer", "as_tensor", "asarray", "as_strided"}
 )
 """Calls besides `VIEW_OPS` and in-place ones that may hand back their receiver or first
 argument, or a view or element of it: a no-op cast or move (`x.cpu()` on a CPU tensor,
 `x.bool()` on a bool one), dropout outside training, an einsum that only permutes, container
-accessors."""
+accessors, the memory of a tensor seen as something else (`x.numpy()`, `x.untyped_storage()`:
+`alias.FOREIGN_VIEWS`) and a tensor over memory it is given (`torch.from_numpy(a)`,
+`torch.from_dlpack(x)`, `torch.asarray(x)`)."""
 
 RESULT_MAY_HOLD_ARGUMENT = frozenset({"tuple", "min", "max", "abs", "sum", "zip", "enumerate"})
 """Builtins in `alias.PURE_BUILTINS` (they write no argument) whose result may still hold
@@ -123,6 +132,9 @@ class Summary:
     """Parameters its result may hold (a view of, or a container with, their value)."""
     opaque: bool = False
     """Unreadable: it may write and return every argument and make them hold one another."""
+    foreign_return: bool = False
+    """Its result may be something no tensor (`alias.may_be_foreign`: a numpy view of an
+    argument, a module), whose methods named like tensor methods may write."""
 
 
 OPAQUE = Summary(opaque=True)
@@ -138,10 +150,12 @@ def names_read(node: ast.AST | None) -> set[str]:
 
 class Scope:
     """One function under analysis: its AST, the module `self` is (None for a plain
-    function), the globals its names resolve in, its depth in the call chain, a memo of
-    callee summaries shared by the whole analysis, so each callee is read once, and the
+    function, and for a method that rebinds `self`: `self = self.other` makes every
+    `self.<name>` unknown), the globals its names resolve in, its depth in the call chain, a
+    memo of callee summaries shared by the whole analysis, so each callee is read once, the
     summariser that reads a callee (`fusion.piece_writes`: roots of a call's result depend
-    on what the callee returns, which only the write analysis reads)."""
+    on what the callee returns, which only the write analysis reads), and the names that
+    may hold something no tensor (`alias.foreign_names`: a numpy view, a module)."""
 
     def __init__(
         self,
@@ -154,7 +168,7 @@ class Scope:
     ) -> None:
         self.summarise = summarise
         self.funcdef = funcdef
-        self.module = module
+        self.module = module if self_is_bound_to_owner(funcdef) else None
         self.namespace = namespace
         self.depth = depth
         self.memo = memo
@@ -171,6 +185,36 @@ class Scope:
                 if isinstance(target, ast.Name):
                     self.local_values.setdefault(target.id, []).append(value)
         self.effects: dict[int, tuple[set[str], list[set[str]]]] = {}
+        # Computed last: it reads the callees (`call_foreign`), which needs the rest of the
+        # scope; until it is done, nothing is taken for foreign by the names alone.
+        self.foreign: frozenset[str] = frozenset()
+        self.foreign = alias.foreign_names(funcdef, self.module, calls=self.call_foreign)
+
+    def call_foreign(self, call: ast.Call, foreign: Collection[str]) -> bool | None:
+        """May the value of `call` be something no tensor, for a callee this analysis reads
+        (`resolve_callee`): when its summary is opaque or says so, or when an argument may
+        be (the summary presumed tensors); None for a callee it does not read
+        (`alias.may_be_foreign` decides)."""
+        func = call.func
+        if not (is_self_call(func) or isinstance(func, ast.Name)):
+            return None
+        resolved = resolve_callee(call, self)
+        if resolved is None:
+            return None
+        fn, module, _ = resolved
+        if fn is no_writes:
+            return False  # a GEMM, a norm, a lookup: a new tensor
+        summary = self.summary(fn, module)
+        if summary.opaque or summary.foreign_return:
+            return True
+        return any(
+            alias.may_be_foreign(argument, self.module, foreign, calls=self.call_foreign)
+            for argument in call_arguments(call)
+        )
+
+    def may_be_foreign(self, node: ast.AST) -> bool:
+        """`alias.may_be_foreign` of `node` in this function, reading its callees."""
+        return alias.may_be_foreign(node, self.module, self.foreign, calls=self.call_foreign)
 
     def summary(self, fn: Any, module: nn.Module | None) -> Summary:
         """What calling `fn` (with `self` = `module`) may do to its parameters: the
@@ -189,26 +233,41 @@ def namespace_of(func: ast.expr, scope: Scope) -> str | None:
     return root if root is not None and scope.is_global(root) else None
 
 
-def self_attr(func: ast.expr, scope: Scope) -> tuple[bool, Any]:
-    """(True, the attribute's value) for a `self.<name>` callee when `self` is known."""
-    if (
+def self_attr(func: ast.expr, scope: Scope) -> Resolution | None:
+    """What a `self.<name>` callee is when `self` is known, resolved as Python resolves it
+    (`fusion.name_resolution.resolve`: a method on the class wins over a child of the same
+    name); None for any other callee."""
+    return alias.self_callee(func, scope.module)
+
+
+def is_self_call(func: ast.expr) -> bool:
+    """Is `func` spelled `self.<name>` (whether or not `self` is known)?"""
+    return (
         isinstance(func, ast.Attribute)
         and isinstance(func.value, ast.Name)
         and func.value.id == "self"
-        and scope.module is not None
-    ):
-        return True, getattr(scope.module, func.attr, None)
-    return False, None
+    )
+
+
+def arguments_foreign(call: ast.Call, scope: Scope) -> bool:
+    """May an argument of `call` be something no tensor (`alias.may_be_foreign`)? A callee's
+    summary was read presuming tensors (`arr.put(0, v)` looks like a tensor op), so it does
+    not hold for such a call."""
+    return any(scope.may_be_foreign(argument) for argument in call_arguments(call))
 
 
 def is_tensor_method(func: ast.expr, scope: Scope) -> bool:
-    """Is `func` spelled as a public `torch.Tensor` method on something other than `self`?"""
+    """Is `func` spelled as a public `torch.Tensor` method on something other than `self`,
+    whose receiver is not `alias.may_be_foreign` (a numpy view's `put` and `sort`, a
+    module's `float`, write in place)?"""
     return (
         isinstance(func, ast.Attribute)
-        and not self_attr(func, scope)[0]
+        and not is_self_call(func)
         and hasattr(torch.Tensor, func.attr)
         and not func.attr.startswith("_")
-        and func.attr not in {"register_hook", "apply_", "map_", "map2_", "data"}
+        and func.attr not in {"register_hook", "apply_", "map_", "map2_"}
+        and func.attr not in alias.NOT_PURE_TENSOR_METHODS
+        and not scope.may_be_foreign(func.value)
     )
 
 
@@ -321,20 +380,23 @@ def call_roots(call: ast.Call, scope: Scope) -> set[str]:
         if viewing:
             return roots(call.args[0], scope) if call.args else every
         return set()  # `torch.cat`, `F.silu`, `torch.matmul`: new storage
-    is_self, child = self_attr(func, scope)
-    if is_self and child is None:
+    resolution = self_attr(func, scope)
+    is_self = is_self_call(func)
+    if resolution is not None and resolution.raises_when_called:
         return set()  # calling a missing attribute raises: nothing is returned
-    if is_self and type(child) in FRESH_CHILD_TYPES and has_hooks(child) is None:
+    child = resolution.child if resolution is not None else None
+    if child is not None and type(child) in FRESH_CHILD_TYPES and alias.runs_class_forward(child):
         return set()  # a GEMM, a norm, a lookup: a new tensor
     resolved = resolve_callee(call, scope) if is_self or isinstance(func, ast.Name) else None
     if resolved is not None and resolved[0] is not no_writes:
         fn, module, bound = resolved
         summary = scope.summary(fn, module)
-        binding = None if summary.opaque else bind_arguments(call, fn, bound, scope)
+        readable = not summary.opaque and not arguments_foreign(call, scope)
+        binding = bind_arguments(call, fn, bound, scope) if readable else None
         if binding is not None:
             return set().union(*(binding.get(param, set()) for param in summary.returns))
         return every | roots(func, scope)
-    if is_self and isinstance(child, nn.Module):
+    if child is not None:
         return every  # `nn.Identity`, `nn.Dropout` in eval return their input
     if isinstance(func, ast.Attribute) and not is_self:
         receiver = roots(func.value, scope)
@@ -413,38 +475,43 @@ def is_attention_lookup(node: ast.expr, scope: Scope, seen: set[str]) -> bool:
 def resolve_callee(call: ast.Call, scope: Scope) -> tuple[Any, nn.Module | None, bool] | None:
     """(function, the module it runs on or None, whether `self` is bound) for a callee that
     can be read: a module-level Python function named directly, a method of `self`, or a
-    hook-free child of `self` with a Python forward and nn.Module's call path; `None` for
-    anything else. A child of a torch layer type that never writes its input (`nn.Linear`,
-    `nn.RMSNorm`, ...: `fusion.alias.SAFE_CHILD_TYPES`) resolves to `no_writes`."""
+    child of `self` whose call runs its class's Python forward and nothing else
+    (`alias.runs_class_forward`); `None` for anything else. `self.<name>` is resolved as
+    Python resolves it (`fusion.name_resolution.resolve`), so a method on the class beside a
+    child of the same name is the method, and an ambiguous name, an instance-level callable
+    or a property is unknown. A decorated function is unknown too: its wrapper runs code the
+    source of the function it wraps does not show. A child that `alias.is_safe_child` (an
+    `nn.Linear`, an `nn.Embedding` without `max_norm`, ...) resolves to `no_writes`."""
     func = call.func
     if isinstance(func, ast.Name):
         fn = scope.namespace.get(func.id) if scope.is_global(func.id) else None
-        return (inspect.unwrap(fn), None, False) if inspect.isfunction(fn) else None
-    is_self, child = self_attr(func, scope)
-    if not is_self or scope.module is None:
+        return (fn, None, False) if _plain_function(fn) else None
+    resolution = self_attr(func, scope)
+    if resolution is None:
         return None
-    if isinstance(child, nn.Module):
-        if has_hooks(child) is not None or "forward" in child.__dict__:
+    child = resolution.child
+    if child is not None:
+        if alias.is_safe_child(child):
+            return no_writes, None, False
+        if resolution.kind is not Kind.CHILD or not alias.runs_class_forward(child):
             return None
-        if type(child) in alias.SAFE_CHILD_TYPES:
-            return None if getattr(child, "inplace", False) else (no_writes, None, False)
-        if own_call_path(child) is not None:
-            return None
-        fn = inspect.unwrap(type(child).forward)
-        return (fn, child, True) if inspect.isfunction(fn) else None
-    method = inspect.getattr_static(type(scope.module), func.attr, None)
-    if isinstance(method, staticmethod):
-        method, bound = method.__func__, False
-    else:
-        bound = True
-    if inspect.isfunction(method) and func.attr not in scope.module.__dict__:
-        return inspect.unwrap(method), (scope.module if bound else None), bound
+        fn = type(child).forward
+        return (fn, child, True) if _plain_function(fn) else None
+    if resolution.kind is Kind.METHOD and _plain_function(resolution.value):
+        return resolution.value, scope.module, True
+    if resolution.kind is Kind.STATIC and _plain_function(resolution.value):
+        return resolution.value, None, False
     return None
 
 
+def _plain_function(fn: object) -> bool:
+    """Is `fn` a Python function that wraps nothing (what its source shows is what runs)?"""
+    return inspect.isfunction(fn) and inspect.unwrap(fn) is fn
+
+
 def no_writes(*args: Any, **kwargs: Any) -> None:
-    """Stands for a callee known to write and keep nothing (a torch layer in
-    `fusion.alias.SAFE_CHILD_TYPES`)."""
+    """Stands for a callee known to write and keep nothing (a child that
+    `fusion.alias.is_safe_child`)."""
 
 
 def bind_arguments(

@@ -147,6 +147,37 @@ WRITES: tuple[Spelling, ...] = (
         needs=("flag", "bump"),
     ),
     _w("exec", "exec('{t}.mul_(0.5)')"),
+    # Writes with no in-place spelling at all (issue 24): a numpy view's methods (`put`,
+    # `sort`), torch functions that write what they are given (`swap_tensors`,
+    # `vector_to_parameters` rebinds `.data`, the deprecated `nn.init.*` without `_`), and
+    # options that make a function write (`max_norm=` renormalises the embedding rows,
+    # `training=True` updates the running statistics).
+    _w("numpy_put", "{t}.detach().numpy().put(0, 4.0)"),
+    _w("numpy_put_kept", "_z_np = {t}.detach().numpy()", "_z_put = _z_np.put(0, 4.0)"),
+    _w("numpy_sort", "_z_sorted = {t}.detach().numpy().sort(axis=-1)"),
+    _w("numpy_item_store", "{t}.detach().numpy()[..., 0] = 4.0"),
+    _w(
+        "swap_tensors",
+        "_z_sw = torch.utils.swap_tensors({t}, {t}.detach() * 0.5)",
+        needs=("no_grad",),
+    ),
+    _w(
+        "vector_to_parameters",
+        "_z_v2p = nn.utils.vector_to_parameters({t}.detach().flatten() * 0.5, [{t}])",
+    ),
+    _w("init_deprecated", "_z_init = nn.init.constant({t}, 0.5)"),
+    _w(
+        "embedding_max_norm",
+        "_z_e = F.embedding(torch.zeros(1, dtype=torch.long), {t}.flatten(0, -2), max_norm=0.01)",
+        needs=("contiguous",),
+    ),
+    _w(
+        "batch_norm_training",
+        "_z_rows = {t}.flatten(0, -2)",
+        "_z_bn = F.batch_norm(torch.ones(2, _z_rows.shape[-1], dtype={t}.dtype), _z_rows[0],"
+        " _z_rows[1], training=True)",
+        needs=("contiguous",),
+    ),
 )
 """Every in-place write spelling, each writing `{t}` (and nothing else)."""
 

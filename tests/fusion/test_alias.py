@@ -9,9 +9,12 @@ The Hypothesis property at the end checks soundness over a generated grammar of 
 from __future__ import annotations
 
 import ast
+import ctypes
 import textwrap
+import warnings
 from collections import Counter
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +26,7 @@ from fusion.errors import RewriteRefused
 from tests.fusion.forward_grammar import (
     NAMESPACE,
     Program,
+    Recorder,
     TwoProjections,
     programs,
     run,
@@ -202,6 +206,62 @@ WRITES = [
     ("match-capture", "", "match x:\n    case h:\n        h.add_(1.0)"),
     ("match-capture-after", "match x:\n    case h:\n        pass", "h.add_(1.0)"),
     ("match-sequence", "", "match (x, 1):\n    case (h, _):\n        h.add_(1.0)"),
+    # no in-place spelling at all (issue 24): functions that write what they are given
+    ("swap-tensors", "", "y = torch.utils.swap_tensors(x, x * 2.0)"),
+    (
+        "vector-to-parameters",
+        "",
+        "y = nn.utils.vector_to_parameters(torch.zeros(16, dtype=torch.float64), [x])",
+    ),
+    ("init-constant", "", "y = nn.init.constant(x, 0.5)"),
+    ("init-normal", "", "y = nn.init.normal(x)"),
+    ("init-uniform", "", "y = nn.init.uniform(x)"),
+    ("init-xavier-uniform", "", "y = nn.init.xavier_uniform(x)"),
+    ("init-kaiming-normal", "", "y = nn.init.kaiming_normal(x)"),
+    ("init-eye-full-path", "", "y = torch.nn.init.eye(x)"),
+    ("embedding-max-norm", "", "y = F.embedding(torch.tensor([0, 1]), x, max_norm=0.1)"),
+    ("embedding-max-norm-positional", "", "y = F.embedding(torch.tensor([0, 1]), x, None, 0.1)"),
+    ("embedding-max-norm-variable", "m = 0.1", "y = F.embedding(torch.tensor([0]), x, max_norm=m)"),
+    ("embedding-bag-max-norm", "", "y = F.embedding_bag(torch.tensor([[0, 1]]), x, max_norm=0.1)"),
+    (
+        "batch-norm-training",
+        "",
+        "y = F.batch_norm(torch.ones(3, 4, dtype=torch.float64), x[0], x[1], training=True)",
+    ),
+    (
+        "batch-norm-training-positional",
+        "",
+        "y = F.batch_norm(torch.ones(3, 4, dtype=torch.float64), x[0], x[1], None, None, True)",
+    ),
+    (
+        "torch-batch-norm",
+        "",
+        "y = torch.batch_norm(torch.ones(3, 4, dtype=torch.float64), None, None, x[0], x[1],"
+        " True, 0.1, 1e-5, False)",
+    ),
+    (
+        "native-batch-norm",
+        "",
+        "y = torch.native_batch_norm(torch.ones(3, 4, dtype=torch.float64), None, None, x[0],"
+        " x[1], True, 0.1, 1e-5)",
+    ),
+    (
+        "instance-norm-default-stats",
+        "",
+        "y = F.instance_norm(torch.randn(3, 4, 5, dtype=torch.float64), x[0], x[1])",
+    ),
+    (
+        "checkpoint-callback",
+        "def f(v):\n    return v.mul_(2.0)",
+        "y = torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)",
+    ),
+    # a numpy view's methods named like out-of-place tensor methods write in place
+    ("numpy-put-kept", "", "y = x.numpy().put(0, 5.0)"),
+    ("numpy-view-put", "a = x.numpy()", "y = a.put(0, 5.0)"),
+    ("numpy-view-sort", "a = x.detach().numpy()", "y = a.sort()"),
+    ("numpy-dunder-array-put", "a = x.__array__()", "y = a.put(0, 5.0)"),
+    ("numpy-view-in-container", "box = [x.numpy()]", "y = box[0].put(0, 5.0)"),
+    ("numpy-view-through-loop", "", "for a in (x.numpy(),):\n    y = a.sort()"),
 ]
 
 # Each case: (id, prelude, region). All must be accepted, and none changes `x` when run.
@@ -233,13 +293,31 @@ SAFE = [
     ("unrelated-out", "h = torch.zeros(4, 4, dtype=torch.float64)", "torch.neg(h, out=h)"),
     ("metadata-statement", "", "x.shape"),
     ("exec-outside-region", 'exec("pass")', ""),
+    # spelled like the writers above, yet out of place
+    ("tolist", "", "y = x.tolist()"),
+    ("tensor-put-out-of-place", "", "y = x.put(torch.tensor([0]), torch.ones(1, dtype=x.dtype))"),
+    (
+        "index-put-out-of-place",
+        "",
+        "y = x.index_put((torch.tensor([0]),), torch.ones(1, dtype=x.dtype))",
+    ),
+    ("embedding-without-max-norm", "", "y = F.embedding(torch.tensor([0, 1]), x)"),
+    ("embedding-max-norm-none", "", "y = F.embedding(torch.tensor([0, 1]), x, max_norm=None)"),
+    (
+        "batch-norm-eval",
+        "",
+        "y = F.batch_norm(torch.ones(3, 4, dtype=x.dtype), x[0], x[1].abs() + 1.0)",
+    ),
+    ("init-calculate-gain", "", "g = nn.init.calculate_gain('relu')"),
 ]
 
 
 @pytest.mark.parametrize(("pre", "mid"), [c[1:] for c in WRITES], ids=[c[0] for c in WRITES])
 def test_write_forms_are_refused(pre: str, mid: str) -> None:
     prog = program(pre, mid)
-    assert actually_changes(prog), "the case must be a real hazard"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated `nn.init.*` say so
+        assert actually_changes(prog), "the case must be a real hazard"
     assert not judged_stable(prog)
 
 
@@ -248,6 +326,125 @@ def test_safe_forms_are_accepted(pre: str, mid: str) -> None:
     prog = program(pre, mid)
     assert not actually_changes(prog)
     assert judged_stable(prog)
+
+
+FOREIGN_NAMESPACE = {**NAMESPACE, "np": numpy, "ctypes": ctypes}
+"""The forward's globals plus numpy and ctypes: writers reached through other libraries."""
+
+
+def run_foreign(prog: Program) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_grammar.run` with `np` and `ctypes` bound: the inputs `p1` and `p2` saw."""
+    namespace = dict(FOREIGN_NAMESPACE)
+    exec(compile(prog.source, "<foreign forward>", "exec"), namespace)
+    module = TwoProjections(Recorder)
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        namespace["forward"](module, x)
+    return module.p1.seen[0], module.p2.seen[0]
+
+
+# Each case: (id, prelude, region), with numpy and ctypes at hand. All write `x` through
+# memory another library shares with it, with no in-place spelling; all must be refused.
+FOREIGN_WRITES = [
+    ("np-put", "", "y = np.put(x.numpy(), [0], [5.0])"),
+    ("np-copyto", "", "y = np.copyto(x.numpy(), 0.5)"),
+    ("np-ufunc-positional-out", "", "y = np.multiply(x.numpy(), 2.0, x.numpy())"),
+    ("np-asarray-view-put", "a = np.asarray(x)", "y = a.put(0, 5.0)"),
+    ("np-from-dlpack-put", "a = np.from_dlpack(x)", "y = a.put(0, 5.0)"),
+    ("np-view-resize-free-sort", "a = x.numpy().reshape(-1)", "y = a.sort()"),
+    ("memoryview-store", "m = memoryview(x.numpy())", "m[0, 0] = 5.0"),
+    ("ctypes-memset", "p = x.data_ptr()", "y = ctypes.memset(p, 0, 8)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("pre", "mid"), [c[1:] for c in FOREIGN_WRITES], ids=[c[0] for c in FOREIGN_WRITES]
+)
+def test_writes_through_other_libraries_are_refused(pre: str, mid: str) -> None:
+    prog = program(pre, mid)
+    assert not unchanged(*run_foreign(prog)), "the case must be a real hazard"
+    assert not judged_stable(prog)
+
+
+@pytest.mark.parametrize(
+    ("text", "writes"),
+    [
+        ("nn.init.constant(x, 0.5)", True),
+        ("torch.nn.init.normal(x)", True),
+        ("torch.utils.swap_tensors(x, y)", True),
+        ("nn.utils.vector_to_parameters(v, [x])", True),
+        ("torch.utils.checkpoint.checkpoint(f, x)", True),
+        ("torch.vmap(f)", True),
+        ("torch.native_batch_norm(x, w, b, m, v, True, 0.1, 1e-5)", True),
+        ("F.embedding(i, w, max_norm=1.0)", True),
+        ("F.embedding(i, w, None, 1.0)", True),
+        ("F.embedding(i, w, *rest)", True),
+        ("F.embedding(i, w, max_norm=m)", True),
+        ("F.embedding(i, w)", False),
+        ("F.embedding(i, w, max_norm=None)", False),
+        ("F.embedding(i, w, 0, None)", False),
+        ("torch.embedding(w, i)", True),  # a builtin: its signature is unreadable
+        ("F.batch_norm(x, m, v)", False),
+        ("F.batch_norm(x, m, v, training=False)", False),
+        ("F.batch_norm(x, m, v, training=True)", True),
+        ("F.batch_norm(x, m, v, None, None, t)", True),
+        ("torch.batch_norm(x, w, b, m, v, False, 0.1, 1e-5, False)", True),  # unreadable
+        ("F.instance_norm(x, m, v)", True),  # use_input_stats defaults to True
+        ("F.instance_norm(x, m, v, use_input_stats=False)", False),
+        ("torch.cat([x, y])", False),
+        ("F.silu(x)", False),
+        ("np.put(a, i, v)", False),  # not a pure namespace: known_pure decides
+    ],
+)
+def test_namespace_call_writes(text: str, writes: bool) -> None:
+    call = expr(text)
+    assert isinstance(call, ast.Call)
+    assert alias.namespace_call_writes(call) is writes
+
+
+@pytest.mark.parametrize(
+    ("text", "foreign"),
+    [
+        ("x", False),
+        ("x.view(-1)", False),
+        ("x.numpy()", True),
+        ("x.detach().numpy()[0]", True),
+        ("x.untyped_storage()", True),
+        ("torch.Tensor.numpy(x)", True),
+        ("np.asarray(x)", True),  # `np` is a global: any callee of it returns anything
+        ("helper(x)", True),
+        ("self.p3(x)", False),  # an nn.Linear returns a tensor
+        ("self.p3", True),  # the module itself: its `float()` casts its parameters
+        ("self.p3.weight", False),
+        ("len(x)", False),
+        ("min(a, x)", True),  # `a` holds a numpy view: `min` may hand it back
+        ("(x.numpy(), 1)", True),
+        ("x.numpy() * 2", False),  # arithmetic makes a new array
+        ("[x.numpy()] + []", True),
+    ],
+)
+def test_may_be_foreign(text: str, foreign: bool) -> None:
+    found = alias.may_be_foreign(expr(text), TwoProjections(), {"a", "np", "helper"})
+    assert found is foreign
+
+
+def test_foreign_names_follow_bindings() -> None:
+    funcdef = funcdef_of(
+        """
+        a = x.numpy()
+        b = a
+        box = []
+        box.append(b)
+        for item in box:
+            pass
+        c = x.view(-1)
+        n = x.numpy().sum()
+        y = np.zeros(3)
+        """
+    )
+    found = alias.foreign_names(funcdef, TwoProjections())
+    assert {"a", "b", "box", "item", "np", "n", "y"} <= found
+    assert not {"x", "c", "self"} & found
 
 
 def test_writes_outside_the_region_do_not_count() -> None:
@@ -348,6 +545,11 @@ def module_with(**children: nn.Module) -> nn.Module:
         (nn.ReLU(inplace=True), False),
         (Doubler(), False),
         (MyLinear(4, 4, dtype=torch.float64), False),
+        (nn.Embedding(4, 4, dtype=torch.float64), True),
+        # renormalises the rows it looks up, in its own weight, in place
+        (nn.Embedding(4, 4, max_norm=1.0, dtype=torch.float64), False),
+        # updates its running statistics in place (training mode)
+        (nn.BatchNorm1d(4, dtype=torch.float64), False),
     ],
     ids=[
         "linear",
@@ -358,10 +560,49 @@ def module_with(**children: nn.Module) -> nn.Module:
         "relu-inplace",
         "custom",
         "linear-subclass",
+        "embedding",
+        "embedding-max-norm",
+        "batchnorm-training",
     ],
 )
 def test_child_calls(child: nn.Module, stable: bool) -> None:
     assert judged_stable(program(mid="y = self.c(x)"), module_with(c=child)) is stable
+
+
+def test_child_with_an_instance_forward_is_a_write() -> None:
+    """`linear.forward = f` makes calling the linear run `f` (nn.Module's call path reads
+    `self.forward`), whatever its class's forward does."""
+    linear = nn.Linear(4, 4, dtype=torch.float64)
+    linear.forward = lambda v: v.mul_(2.0)  # type: ignore[method-assign]
+    x = torch.ones(4, 4, dtype=torch.float64)
+    linear(x)
+    assert torch.equal(x, torch.full((4, 4), 2.0, dtype=torch.float64))
+    assert not judged_stable(program(mid="y = self.c(x)"), module_with(c=linear))
+    # ...nor is its output new storage: it may be the input itself
+    assert not judged_stable(program("h = self.p3(x)", "h.add_(1.0)"), module_with(p3=linear))
+
+
+class WithScale(TwoProjections):
+    """A class method `c` beside a child registered as `c`: Python runs the method."""
+
+    def c(self, v):
+        return v.mul_(2.0)
+
+
+def test_a_method_beside_a_child_of_the_same_name_is_refused() -> None:
+    module = WithScale()
+    module.c = nn.Linear(4, 4, dtype=torch.float64)  # filed under _modules, never looked up
+    assert module.c.__func__ is WithScale.c
+    funcdef = program(mid="y = self.c(x)").funcdef()
+    expr, region = Program.region(funcdef)
+    with pytest.raises(RewriteRefused, match=r"self\.c is ambiguous"):
+        check_input_stable(funcdef, module, expr, region)
+
+
+def test_a_forward_that_rebinds_self_knows_nothing_of_self() -> None:
+    module = module_with(c=nn.Linear(4, 4, dtype=torch.float64))
+    assert judged_stable(program(mid="y = self.c(x)"), module)
+    assert not judged_stable(program(pre="self = self.p3", mid="y = self.c(x)"), module)
 
 
 def test_child_with_hook_is_a_write() -> None:

@@ -164,3 +164,63 @@ def test_unwritten_pieces_stay_views() -> None:
     registry.clear_cache()
     rewritten = _check_same(Attention(), (2, 3, 8))
     assert ".copy_(" not in rewritten, rewritten
+
+
+class Scaler(nn.Module):
+    def scale(self, t):
+        return t.mul_(0.5)
+
+
+class ReboundSelfScale(Attention):
+    """`rescale` rebinds `self`: its `self.scale` is the Scaler's (which writes the piece in
+    place), not this module's own (which does not). On a branch the trace does not take, so
+    only the source analysis can see it (issue 24)."""
+
+    def __init__(self, clip: float | None = None) -> None:
+        super().__init__(clip=clip)
+        self.other = Scaler()
+
+    def scale(self, t):
+        return t * 0.5
+
+    def rescale(self, t):
+        self = self.other
+        return self.scale(t)
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if self.clip is not None:
+            q = self.rescale(q)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class MethodBesideChildScale(ReboundSelfScale):
+    """`self.scale` is the class method (it writes the piece), not the pure child that
+    `_modules` holds under the same name: ambiguous, so presumed to write."""
+
+    def __init__(self, clip: float | None = None) -> None:
+        super().__init__(clip=clip)
+        self._modules["scale"] = nn.Identity()
+
+    def scale(self, t):
+        return t.mul_(0.5)
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if self.clip is not None:
+            q = self.scale(q)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+@pytest.mark.parametrize("cls", [ReboundSelfScale, MethodBesideChildScale])
+def test_a_piece_written_through_another_object_than_self(cls: type[Attention]) -> None:
+    registry.clear_cache()
+    assert fusion.fuse(copy.deepcopy(cls())).applied  # matched where the branch is not taken
+    rewritten = _check_same(cls(clip=1.0), (2, 3, 8))
+    assert ".copy_(_fused" in rewritten, rewritten

@@ -4,13 +4,22 @@ to make new storage must keep its roots (a miss would let a written view go unse
 from __future__ import annotations
 
 import ast
+import functools
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from fusion.value_roots import OPAQUE, PURE, Scope, Summary, roots
+from fusion.value_roots import (
+    OPAQUE,
+    PURE,
+    Scope,
+    Summary,
+    is_tensor_method,
+    resolve_callee,
+    roots,
+)
 
 
 def _scope(
@@ -80,3 +89,73 @@ def test_a_plain_linear_child_returns_new_storage_but_a_hooked_one_does_not() ->
         assert "q" in _roots_of("self.proj(q)", _scope("pass", module))
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        ("q.numpy()", {"q"}),  # a numpy view of q's memory
+        ("q.detach().numpy()[0]", {"q"}),
+        ("q.untyped_storage()", {"q"}),
+        ("torch.from_numpy(k)", {"k"}),
+        ("torch.asarray(q)", {"q"}),
+        ("torch.from_dlpack(q)", {"q"}),
+    ],
+)
+def test_memory_seen_as_something_else_keeps_its_roots(expr: str, expected: set[str]) -> None:
+    assert _roots_of(expr, _scope("pass")) == expected
+
+
+def _writes_first(fn):
+    @functools.wraps(fn)
+    def wrapper(a, *args):
+        a.mul_(2.0)
+        return fn(a, *args)
+
+    return wrapper
+
+
+def test_a_decorated_callee_is_not_read_through_its_wrapper() -> None:
+    """`inspect.unwrap` shows the wrapped function; Python runs the wrapper, which may write
+    or return anything: the callee is unknown."""
+
+    @_writes_first
+    def helper(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+    scope = _scope("pass", summary=PURE, helper=helper)
+    assert resolve_callee(ast.parse("helper(q, k)", mode="eval").body, scope) is None
+    assert {"q", "k"} <= _roots_of("helper(q, k)", scope)
+
+
+class MethodBesideLinear(nn.Module):
+    """`self.proj` is the class method (Python's lookup), not the linear in `_modules`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._modules["proj"] = nn.Linear(2, 2)
+
+    def proj(self, t):
+        return t
+
+
+def test_a_method_beside_a_child_of_the_same_name_is_unknown() -> None:
+    scope = _scope("pass", MethodBesideLinear(), summary=PURE)
+    assert resolve_callee(ast.parse("self.proj(q)", mode="eval").body, scope) is None
+    assert "q" in _roots_of("self.proj(q)", scope)  # not a linear's new tensor
+
+
+def test_a_rebound_self_is_not_the_module() -> None:
+    module = nn.Module()
+    module.proj = nn.Linear(2, 2)
+    assert _roots_of("self.proj(q)", _scope("pass", module)) == set()
+    rebound = _scope("self = k", module)
+    assert rebound.module is None
+    assert "q" in _roots_of("self.proj(q)", rebound)
+
+
+def test_a_numpy_view_has_no_tensor_methods() -> None:
+    scope = _scope("a = q.numpy()")
+    assert "a" in scope.foreign
+    assert not is_tensor_method(ast.parse("a.put", mode="eval").body, scope)
+    assert is_tensor_method(ast.parse("q.put", mode="eval").body, scope)

@@ -5,15 +5,24 @@ every way a callee could still write refused."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import itertools
+import linecache
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from torch import nn
 
 import fusion
+from fusion import registry
 from fusion.fusers import pure_calls
 from tests.fusion.fusers.hazards import eager_attention_forward
 from tests.fusion.fusers.helpers import fuse_copy, outputs_match, reasons
+from tests.write_spellings import Spelling, by_label
 
 STASH: list[torch.Tensor] = []
 F = copy  # not torch.nn.functional: `F.relu` here proves nothing
@@ -269,3 +278,256 @@ def wrapped_rotate(x):
 def test_a_decorated_callee_is_presumed_to_write() -> None:
     assert pure_calls.function_writes_nothing(rotate, None)
     assert not pure_calls.function_writes_nothing(wrapped_rotate, None)
+
+
+# -- writes with no in-place spelling, wherever the proof reads them (issue 24) ----------
+
+WITHOUT_SPELLING = (
+    "numpy_put",
+    "numpy_put_kept",
+    "numpy_sort",
+    "numpy_item_store",
+    "swap_tensors",
+    "vector_to_parameters",
+    "init_deprecated",
+    "embedding_max_norm",
+    "batch_norm_training",
+)
+"""Spellings of the shared table (tests/write_spellings.py) that write with no in-place
+spelling: a numpy view's `put`/`sort`, `swap_tensors`, `vector_to_parameters`, the deprecated
+`nn.init.constant`, `F.embedding(max_norm=)`, `F.batch_norm(training=True)`."""
+
+CONTEXTS = ("forward", "helper", "method", "staticmethod", "child")
+"""Where the write sits: between the projections in the forward itself, or in a module-level
+helper, a method, a static method or a child's forward called there (read by the proof)."""
+
+WRITER_HEADER = """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def eager_attention_forward(module, query, key, value):
+    scores = query @ key.transpose(-1, -2)
+    return torch.softmax(scores, dim=-1) @ value, None
+"""
+
+
+def _writer_source(spelling: Spelling, context: str) -> str:
+    """A q/k/v attention whose `x` is written by `spelling` between the q and k projections,
+    in `context`; the callee returns nothing (so only its write matters)."""
+    callee = [f"    {line}" for line in spelling.on("t")] + ["    return None"]
+    helper = child = method = ""
+    between = "_z = self.writer(x)"
+    if context == "forward":
+        between = "\n        ".join(spelling.on("x"))
+    elif context == "helper":
+        helper = "def writer(t):\n" + "\n".join(callee) + "\n"
+        between = "_z = writer(x)"
+    elif context == "child":
+        child = "class Writer(nn.Module):\n    def forward(self, t):\n"
+        child += "\n".join(f"    {line}" for line in callee) + "\n"
+    else:
+        head = "    @staticmethod\n    def writer(t):\n"
+        if context == "method":
+            head = "    def writer(self, t):\n"
+        method = head + "\n".join(f"    {line}" for line in callee) + "\n"
+    return (
+        f"{WRITER_HEADER}\n\n{helper}\n\n{child}\n\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.q_proj = nn.Linear(8, 8, bias=False)\n"
+        "        self.k_proj = nn.Linear(8, 8, bias=False)\n"
+        "        self.v_proj = nn.Linear(8, 8, bias=False)\n"
+        f"        {'self.writer = Writer()' if context == 'child' else 'pass'}\n\n"
+        f"{method}\n"
+        "    def forward(self, x):\n"
+        "        q = self.q_proj(x)\n"
+        f"        {between}\n"
+        "        k = self.k_proj(x)\n"
+        "        v = self.v_proj(x)\n"
+        "        out, _ = eager_attention_forward(self, q, k, v)\n"
+        "        return out\n"
+    )
+
+
+_LOADED = itertools.count()
+
+
+@pytest.fixture
+def load(tmp_path: Path) -> Iterator[Callable[[str], ModuleType]]:
+    """Write a source to a file, import it (fusion reads forwards with `inspect.getsource`),
+    and forget it (and fusion's per-class cache) afterwards."""
+    loaded: list[tuple[str, Path]] = []
+
+    def _load(text: str) -> ModuleType:
+        name = f"pure_calls_case_{next(_LOADED)}"
+        path = tmp_path / f"{name}.py"
+        path.write_text(text, encoding="utf-8")
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        loaded.append((name, path))
+        return module
+
+    registry.clear_cache()
+    yield _load
+    for name, path in loaded:
+        sys.modules.pop(name, None)
+        linecache.cache.pop(str(path), None)
+    registry.clear_cache()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the deprecated `nn.init.constant`
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("label", WITHOUT_SPELLING)
+def test_a_write_without_an_in_place_spelling_is_a_write_wherever_it_is_read(
+    load, label: str, context: str
+) -> None:
+    """Fused or refused, the fused block computes what the original does (the write really
+    changes `x`: a merged GEMM that read `x` once would see the old value)."""
+    module = load(_writer_source(by_label()[label], context)).Block()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    written = x.clone()
+    with torch.no_grad():
+        module(written)
+    assert not torch.equal(written, x), "the case must really write the input"
+    fused, report = fuse_copy(module)
+    assert outputs_match(module, fused, 2, 5, 8), str(report)
+    assert not report.applied, str(report)
+
+
+class Codebook(nn.Module):
+    """Projections of an embedding's own weight, with the embedding called between them: an
+    `nn.Embedding(max_norm=...)` renormalises the rows it looks up in place."""
+
+    def __init__(self, max_norm: float | None = 1.0) -> None:
+        super().__init__()
+        self.codebook = nn.Embedding(16, 8, max_norm=max_norm)
+        with torch.no_grad():
+            self.codebook.weight.mul_(10.0)  # rows well over the norm
+        self.q_proj = nn.Linear(8, 8)
+        self.k_proj = nn.Linear(8, 8)
+        self.v_proj = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        weight = self.codebook.weight
+        q = self.q_proj(weight)
+        looked_up = self.codebook(ids)
+        k = self.k_proj(weight)
+        v = self.v_proj(weight)
+        return q + k + v + looked_up.sum()
+
+
+def _same_on_ids(module: nn.Module, fused: nn.Module) -> bool:
+    ids = torch.tensor([0, 3, 5])
+    with torch.no_grad():
+        return torch.allclose(module(ids), fused(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_an_embedding_with_max_norm_writes_its_own_weight() -> None:
+    registry.clear_cache()
+    module = Codebook()
+    fused, report = fuse_copy(module)
+    assert not report.applied, str(report)
+    assert "may change between the projection calls" in reasons(report)
+    assert _same_on_ids(module, fused)
+    assert not pure_calls.module_writes_nothing(nn.Embedding(4, 4, max_norm=1.0))
+    assert pure_calls.module_writes_nothing(nn.Embedding(4, 4))
+
+
+def test_an_embedding_without_max_norm_still_merges() -> None:
+    registry.clear_cache()
+    module = Codebook(max_norm=None)
+    fused, report = fuse_copy(module)
+    assert report.applied, str(report)
+    assert _same_on_ids(module, fused)
+
+
+def test_each_instance_proves_its_embedding_again() -> None:
+    """The class is proven on an instance whose embedding has no `max_norm`; the second
+    instance's has one (same child type: the per-class match is shared), and is refused."""
+    registry.clear_cache()
+    model = nn.ModuleList([Codebook(max_norm=None), Codebook(max_norm=1.0)])
+    fused, report = fuse_copy(model)
+    assert [record.qualname for record in report.applied] == ["0"], str(report)
+    assert "self.codebook may write" in reasons(report)
+    for original, merged in zip(model, fused):
+        assert _same_on_ids(original, merged)
+
+
+class RunningStats(nn.Module):
+    """Projections of a batch norm's running mean, the norm called (in training mode, so it
+    updates the mean in place) between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.q_proj = nn.Linear(8, 8)
+        self.k_proj = nn.Linear(8, 8)
+        self.v_proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        mean = self.norm.running_mean
+        q = self.q_proj(mean)
+        normed = self.norm(x)
+        k = self.k_proj(mean)
+        v = self.v_proj(mean)
+        return q + k + v + normed.sum()
+
+
+def test_a_batch_norm_in_training_writes_its_running_stats() -> None:
+    module = RunningStats().train()
+    fused, report = fuse_copy(module)
+    assert not report.applied, str(report)
+    assert not pure_calls.module_writes_nothing(nn.BatchNorm1d(8))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(module(x), fused(x), rtol=1e-5, atol=1e-6)
+
+
+# -- `self` rebound inside a proven method (issue 24) ------------------------------------
+
+
+class Scaler(nn.Module):
+    def scale(self, t):
+        return t.mul_(1.5)
+
+
+class SelfRebinding(nn.Module):
+    """`describe` rebinds `self`: its `self.scale` is the Scaler's (which writes), not this
+    module's own (which does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(8, 8, bias=False)
+        self.k_proj = nn.Linear(8, 8, bias=False)
+        self.v_proj = nn.Linear(8, 8, bias=False)
+        self.other = Scaler()
+
+    def scale(self, t):
+        return t * 1.5
+
+    def describe(self, t):
+        self = self.other
+        return self.scale(t)
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        _unused = self.describe(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return out
+
+
+def test_a_method_that_rebinds_self_proves_nothing_of_self() -> None:
+    module = SelfRebinding()
+    assert not pure_calls.self_call_writes_nothing(module, "describe")
+    assert pure_calls.self_call_writes_nothing(module, "scale")
+    fused, report = fuse_copy(module)
+    assert not report.applied, str(report)
+    assert outputs_match(module, fused, 2, 5, 8)
