@@ -303,6 +303,9 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
                 report,
                 Failure("refused-but-changed", "nothing was applied but the module changed"),
             )
+        # Copies for the gradient and ambient passes, taken before any forward: a forward may
+        # store a non-leaf tensor on the module (`self.last = x`), which deepcopy refuses.
+        pristine = copy.deepcopy((original, fused)) if status == "fused" else None
         args, kwargs = make_inputs(module, seed)
         args_fused, kwargs_fused = copy.deepcopy((args, kwargs))
         try:
@@ -341,11 +344,12 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
                     tolerance=TOLERANCE,
                 ),
             )
-        if status == "refused":
-            # checked above to be the module as it was: the same function in every state
+        if pristine is None:
+            # refused: checked above to be the module as it was, the same function in every
+            # state
             return Outcome(status, report)
-        failure = _gradient_failure(module, seed, original, fused)
-        failure = failure or _ambient_failure(module, seed, original, fused)
+        failure = _gradient_failure(module, seed, *pristine)
+        failure = failure or _ambient_failure(module, seed, *pristine)
         return Outcome(status, report, failure)
 
 
