@@ -35,11 +35,26 @@ def _restore(module: nn.Module, snapshot: dict[str, Any]) -> None:
     module.__dict__.update(snapshot)
 
 
+def module_at(model: nn.Module, qualname: str) -> nn.Module:
+    """The module registered at `qualname` (a name `named_modules` gives), found through each
+    parent's `_modules`: never by attribute lookup, where a class attribute of the same name
+    (a method `scale` beside a child registered as `scale`) wins over the child and
+    `get_submodule` raises "is not an nn.Module". Raises AttributeError when no module is
+    registered there."""
+    module = model
+    for part in qualname.split(".") if qualname else ():
+        child = module._modules.get(part)
+        if child is None:
+            raise AttributeError(f"no module registered at {qualname!r}")
+        module = child
+    return module
+
+
 def _parent_slot(model: nn.Module, qualname: str) -> tuple[nn.Module | None, str]:
     if not qualname:
         return None, ""
     parent_name, _, child_name = qualname.rpartition(".")
-    return model.get_submodule(parent_name), child_name
+    return module_at(model, parent_name), child_name
 
 
 def _applied(qualname: str, fuser: Fuser) -> Applied:
@@ -166,7 +181,7 @@ def _detached(model: nn.Module, qualname: str, module: nn.Module) -> bool:
     """Is `module` no longer at `qualname` (a replacement kept some old children, e.g. a
     shared expert, but not this one)?"""
     try:
-        return model.get_submodule(qualname) is not module
+        return module_at(model, qualname) is not module
     except AttributeError:
         return True
 
@@ -175,9 +190,11 @@ def parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]
     """{id(parameter): [(full name, module holding it directly), ...]} over every path of
     `model`, duplicates included: a parameter with two distinct holders is tied."""
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        holder = model.get_submodule(name.rpartition(".")[0])
-        owners.setdefault(id(param), []).append((name, holder))
+    for prefix, holder in model.named_modules(remove_duplicate=False):
+        for name, param in holder._parameters.items():
+            if param is not None:
+                full = f"{prefix}.{name}" if prefix else name
+                owners.setdefault(id(param), []).append((full, holder))
     return owners
 
 

@@ -297,3 +297,29 @@ def test_a_forward_that_rebinds_self_resolves_nothing_on_it(cls: type[nn.Module]
     report = fusion.fuse(fused)
     assert outputs_match(module, fused, 2, 5, 8), str(report)
     assert not report.applied, str(report)
+
+
+class _BesideAFusableNorm(nn.Module):
+    """The shadowed module next to something that does fuse (an RMSNorm), so `fuse` walks
+    the parameters of the whole model (`apply.parameter_owners`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = MethodBesideChild(PureWithParameter, "modules")
+        self.norm = nn.RMSNorm(8, eps=1e-6)
+
+    def forward(self, x):
+        return self.attention(self.norm(x))
+
+
+def test_a_shadowed_child_with_a_parameter_does_not_break_fusing_the_rest() -> None:
+    """`fusion.fuse` raised `AttributeError: scale is not an nn.Module` whenever anything
+    else in the model fused: the tied-parameter walk found each parameter's holder by
+    attribute lookup, where the class method `scale` wins over the child."""
+    registry.clear_cache()
+    model = _BesideAFusableNorm()
+    fused = copy.deepcopy(model)
+    report = fusion.fuse(fused)
+    assert any(a.fuser == "rmsnorm" for a in report.applied), str(report)
+    assert not any(a.qualname == "attention" for a in report.applied)
+    assert outputs_match(model, fused, 2, 5, 8)
