@@ -45,6 +45,7 @@ from torch import nn
 from fusion import alias, source
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
+from fusion.name_resolution import Kind, resolve, self_is_bound_to_owner
 
 MAX_DEPTH = 3
 """Deepest chain of callees read (a norm calling its `_norm` method calling a helper)."""
@@ -306,7 +307,11 @@ class StateProof:
         depth: int = 0,
     ) -> StateProof:
         """The proof context of `funcdef` (a method of `owner`'s class when `owner` is
-        given, so `self` is the owner rather than a local)."""
+        given, so `self` is the owner rather than a local). A method that rebinds `self`
+        (or whose first parameter is not `self`) gets no owner: `self.<name>` is then any
+        object's attribute, a local the proof cannot resolve."""
+        if owner is not None and not self_is_bound_to_owner(funcdef):
+            owner = None
         local = alias.local_names(funcdef) - ({"self"} if owner is not None else set())
         proof = cls(owner, globals_, local, depth)
         proof.aliases = global_aliases(funcdef, proof)
@@ -573,21 +578,26 @@ def self_call_keeps_state(owner: nn.Module, name: str, depth: int = 0) -> bool:
     """Does `owner.<name>(...)` provably keep global state: a child proven so, a method of
     the class (a plain function or staticmethod) proven so on `owner`, an instance-held
     callable proven so (`callable_keeps_state`), or nothing at all (calling a missing or
-    None attribute raises before anything runs)?"""
-    if name in owner.__dict__:
-        held = owner.__dict__[name]
-        return held is None or callable_keeps_state(held, depth)
-    if name in owner._modules:
-        child = owner._modules[name]
-        return child is None or module_keeps_state(child, depth)
-    method = inspect.getattr_static(type(owner), name, None)
-    if isinstance(method, staticmethod):
-        return inspect.isfunction(method.__func__) and function_keeps_state(
-            method.__func__, None, depth
-        )
-    if inspect.isfunction(method):
-        return function_keeps_state(method, owner, depth)
-    return method is None and getattr(owner, name, None) is None
+    None attribute raises before anything runs)?
+
+    `self.<name>` is resolved as Python looks it up (`name_resolution.resolve`: a method of
+    the class wins over a child registered under the same name); a name that resolves to
+    code (a property, a `__getattr__` of the class's own) or is ambiguous proves nothing."""
+    resolved = resolve(owner, name)
+    if resolved.raises_when_called:
+        return True
+    value = resolved.value
+    if resolved.kind is Kind.CHILD:
+        return module_keeps_state(value, depth)
+    if resolved.kind is Kind.INSTANCE:
+        return callable_keeps_state(value, depth)
+    if resolved.kind is Kind.STATIC:
+        return inspect.isfunction(value) and function_keeps_state(value, None, depth)
+    if resolved.kind is Kind.METHOD:
+        return inspect.isfunction(value) and function_keeps_state(value, owner, depth)
+    if resolved.kind is Kind.CLASS_VALUE and isinstance(value, nn.Module):
+        return module_keeps_state(value, depth)
+    return False
 
 
 def _is_descriptor(cls: type, attr: str) -> bool:

@@ -774,3 +774,46 @@ def test_region_hazard_by_execution(body: list[Any]) -> None:
     partial = any(0 < sum(source.contains(w, c) for c in calls) < 3 for w in withs)
     if "flip()" not in text and "ctx()" not in text and not partial:
         assert reason is None, (text, reason)
+
+
+class ShadowedQuiet(Attention):
+    """`quiet` is both a class method that switches grad mode off and a child registered
+    under that name (an Identity that keeps state): Python runs the method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._modules["quiet"] = nn.Identity()
+
+    def quiet(self, x):
+        torch._C._set_grad_enabled(False)
+        return x
+
+
+class _HoldsAToggle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = Toggle()
+
+
+class ReboundSelf(Attention):
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = _HoldsAToggle()
+
+    def helper(self, x):
+        self = self.other
+        return self.q_proj(x)
+
+
+def test_a_method_beside_a_same_named_child_is_not_read_as_the_child() -> None:
+    """Before: `self_call_keeps_state` looked in `_modules` first and proved the Identity,
+    while Python runs the method that switches grad mode off."""
+    assert not self_call_keeps_state(ShadowedQuiet(), "quiet")
+    assert self_call_keeps_state(Attention(), "q_proj")
+
+
+def test_a_method_that_rebinds_self_proves_nothing() -> None:
+    """Before: `self` stayed the owner after `self = self.other`, so `self.q_proj(x)` was
+    read as the owner's linear (keeps state) while it calls the other module's Toggle."""
+    module = ReboundSelf()
+    assert not function_keeps_state(type(module).helper, module)
