@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fusion.callpath import has_hooks
+from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.fusers.decode_linear import DecodeLinearFuser
@@ -58,18 +58,28 @@ _CACHE: dict[CacheKey, tuple[Candidate, ...]] = {}
 
 
 def cache_key(module: nn.Module) -> CacheKey:
-    """The class, and for each child its name, exact type, `inplace` flag and whether it
-    carries hooks.
+    """The class, and for each child its name, exact type, `inplace` flag, `max_norm`
+    (`nn.Embedding` renormalises its own weight in place when set), whether it carries
+    hooks, a call path of its own, or an instance-level `forward`.
 
     Matching reads the forward (per class) and asks of each child whether calling it can
-    write its input (its type, `inplace=True`, hooks), so all of that is in the key: two
-    instances share a cached verdict only if the analysis would say the same of both.
-    Widths, biases, dtypes and devices vary per instance and are checked by `validate`.
+    write its input or state (its type, `inplace=True`, `max_norm`, hooks, what runs instead
+    of the class forward), so all of that is in the key: two instances share a cached
+    verdict only if the analysis would say the same of both. Widths, biases, dtypes and
+    devices vary per instance and are checked by `validate`.
     """
     return (
         type(module),
         tuple(
-            (name, type(child), getattr(child, "inplace", None), has_hooks(child) is not None)
+            (
+                name,
+                type(child),
+                getattr(child, "inplace", None),
+                getattr(child, "max_norm", None),
+                has_hooks(child) is not None,
+                own_call_path(child),
+                "forward" in child.__dict__,
+            )
             for name, child in module.named_children()
         ),
     )
