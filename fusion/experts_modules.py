@@ -29,6 +29,24 @@ fusing, and another experts implementation than at fuse time
 (`model.set_experts_implementation`). Before it runs, its parameters are re-pointed to this
 module's (a parameter replaced on the fused module, e.g. by `load_state_dict(assign=True)`,
 is never read stale from the original).
+
+Guards (the premises the fuser's proof used, checked every call; a failed one runs the
+original and counts in `guard_failures`): the original's class, its class `forward` and
+`_apply_gate` (the functions proven), the set of its instance attributes (an instance
+`forward` or `_apply_gate` set later), every attribute the gating program was traced with
+(`AttributeGuard`: `limit`, `alpha`, `act_fn` and what it reads, by value or identity),
+the interface flags the experts function reads (`num_experts`, `has_bias`, ...), the
+configured implementation and what Transformers' interface resolves it to, hooks on the
+modules inside the original (its activation: the replayed program does not call it) or
+global module hooks, and the routed ids: an id outside `[0, E)` other than the dropped id
+`E` runs the original (which raises, wraps or skips exactly as it does), and so does `E`
+when the configured implementation is the eager loop; under the other implementations `E`
+is skipped (`gated_experts`), its defined meaning (the eager loop skips it, the grouped
+implementation reads uninitialised rows for it). Under `torch.compile` the ids are not read
+(a data-dependent branch would break the graph): the gated kernel still skips `E` and raises
+on other ids, the default-gating kernel assumes ids in range. Attribute writes on this module that name one of the original's attributes or
+children (`experts.limit = 0.1`, `experts.act_fn = ...`) reach the original, and reads fall
+back to it, so the fused model is edited as the unfused one is.
 """
 
 from __future__ import annotations
@@ -36,16 +54,157 @@ from __future__ import annotations
 import functools
 import json
 import operator
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from fusion.callpath import has_hooks
 from fusion.kernels import ops, torch_ref
 
 PARAMETER_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 """The parameters of a Transformers experts module, in the names `FusedExperts` keeps."""
+
+INTERFACE_ATTRIBUTES = (
+    "num_experts",
+    "has_gate",
+    "has_bias",
+    "is_transposed",
+    "is_concatenated",
+    "has_post_expert_norm",
+    "_is_expert_parallel",
+)
+"""Attributes of an experts instance that Transformers' experts functions read (the
+`use_experts_implementation` flags and the expert count): guarded per call."""
+
+_MODULE_BOOKKEEPING = frozenset(vars(nn.Module()))
+"""`nn.Module`'s own per-instance state: never forwarded to the original."""
+
+
+class Missing:
+    """The value of an attribute that does not exist (a guard key; equal to any other)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Missing)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def is_plain(value: Any) -> bool:
+    """Is `value` an immutable plain value (compared by value in a guard)?"""
+    if isinstance(value, (tuple, frozenset)):
+        return all(is_plain(v) for v in value)
+    return value is None or isinstance(
+        value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+    )
+
+
+def guard_key(value: Any) -> tuple:
+    """What a guard compares of an attribute's value: `("value", type, value)` for plain
+    values, `("method", function, instance)` for bound methods (a new object per read),
+    `("missing",)`, else `("object", value)` (compared by identity: `AttributeGuard`)."""
+    if isinstance(value, Missing):
+        return ("missing",)
+    if isinstance(value, types.MethodType):
+        return ("method", value.__func__, value.__self__)
+    if is_plain(value):
+        return ("value", type(value), value)
+    return ("object", value)
+
+
+_ABSENT = Missing()
+"""What `getattr` answers for an attribute that does not exist (compared by identity)."""
+
+
+@dataclass(frozen=True)
+class AttributeGuard:
+    """Attributes read by what the fused path replays, with their values at fuse time.
+
+    `checks`: one `(owner, name, kind, a, b)` per read (owners are the original's modules:
+    a deep copy or a pickle of the fused module carries them along), `kind` and `(a, b)`
+    from `guard_key`: `value` (type, value), `object` (the object, None), `method`
+    (function, instance) or `missing` (None, None); `child` (the module, None) for a child
+    module the read resolved to, read from `_modules` (what `nn.Module.__getattr__` reads,
+    without its frame)."""
+
+    checks: tuple[tuple[Any, str, str, Any, Any], ...]
+
+    @property
+    def reads(self) -> tuple[tuple[Any, str], ...]:
+        return tuple((owner, name) for owner, name, *_ in self.checks)
+
+    @classmethod
+    def record(cls, reads: tuple[tuple[Any, str], ...]) -> AttributeGuard:
+        """A guard on `reads` holding for their current values."""
+        checks = []
+        for owner, name in reads:
+            value = getattr(owner, name, _ABSENT)
+            modules = owner.__dict__.get("_modules") if isinstance(owner, nn.Module) else None
+            if modules is not None and name in modules and modules[name] is value:
+                checks.append((owner, name, "child", value, None))
+                continue
+            kind, *rest = guard_key(value)
+            a, b = [*rest, None, None][:2]
+            checks.append((owner, name, kind, a, b))
+        return cls(tuple(checks))
+
+    def holds(self) -> bool:
+        """True when every read attribute has its fuse-time value: plain values by type and
+        value, anything else by identity (never `==` on an arbitrary object, which a tensor
+        answers elementwise). Cost: one attribute read and one comparison per read."""
+        for owner, name, kind, a, b in self.checks:
+            if kind == "child":
+                if owner._modules.get(name) is not a or name in owner.__dict__:
+                    return False
+                continue
+            value = getattr(owner, name, _ABSENT)
+            if kind == "value":
+                if type(value) is not a or value != b:
+                    return False
+            elif kind == "object":
+                if value is not a:
+                    return False
+            elif kind == "method":
+                if getattr(value, "__func__", None) is not a:
+                    return False
+                if getattr(value, "__self__", None) is not b:
+                    return False
+            elif value is not _ABSENT:
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What an experts class's dispatcher (`use_experts_implementation`'s `forward`) runs:
+    it calls `interface.get(config._experts_implementation, <the class's eager forward>)`
+    with `interface` from its closure, which at fuse time gave `configured`, a function
+    proven to compute the experts function, or the eager forward itself (`configured` None:
+    the interface answering nothing is what selects it). A pickle or deep copy holds only
+    the dispatcher and `configured` (both found again by name) and reads the interface from
+    the dispatcher's closure when rebuilt: always the live interface, never a copy."""
+
+    dispatcher: Callable
+    interface: Any
+    configured: Callable | None
+
+    @classmethod
+    def of(cls, dispatcher: Callable, configured: Callable | None) -> Dispatch:
+        """The dispatch of `dispatcher` (its closure's `experts_interface`)."""
+        code, cells = dispatcher.__code__, dispatcher.__closure__ or ()
+        interface = cells[code.co_freevars.index("experts_interface")].cell_contents
+        return cls(dispatcher, interface, configured)
+
+    def __reduce__(self) -> tuple:
+        return (Dispatch.of, (self.dispatcher, self.configured))
+
+    def holds(self, implementation: str | None) -> bool:
+        """Does the dispatcher still run what it ran at fuse time for `implementation`?"""
+        return self.interface.get(implementation) is self.configured
 
 
 class Ref(NamedTuple):
@@ -173,11 +332,20 @@ def gated_experts(
     Each routed product is formed in `promote(dtype, weights dtype)` and rounded to the
     dtype before the sum (`torch_ref.combine`), as Transformers' expert loop does; a
     projection's bias is added to its GEMM's output, as every Transformers implementation
-    does. Only the order of the K-term sum may differ from theirs (rounding)."""
-    num_tokens = hidden.shape[0]
+    does. Only the order of the K-term sum may differ from theirs (rounding).
+
+    Ids: a (token, choice) routed to `E` (Transformers' "dropped" id) contributes nothing,
+    as the eager loop skips it; a negative id or one above `E` raises a RuntimeError, as the
+    eager loop does (`bincount` refuses negative ids; never a silent read of another
+    expert)."""
+    num_tokens, num_experts = hidden.shape[0], gate_up.shape[0]
     if num_tokens == 0 or topk_ids.shape[-1] == 0:
         return hidden.new_zeros(hidden.shape)
-    routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
+    routed = torch_ref.sort_by_expert(hidden, topk_ids, num_experts)
+    if len(routed.counts) > num_experts + 1:
+        raise RuntimeError(f"expert ids above the dropped id {num_experts}")
+    if len(routed.counts) > num_experts:
+        routed = _without_dropped(routed, num_experts)
     slices, start = [], 0
     for expert, count in enumerate(routed.counts):
         if count:
@@ -189,6 +357,19 @@ def gated_experts(
     activated = run_gate(program, projected).to(down.dtype)
     expert_out = _grouped(activated, down, down_bias, slices)
     return torch_ref.combine(routed, expert_out.to(hidden.dtype), topk_weights, num_tokens)
+
+
+def _without_dropped(routed: torch_ref.ExpertRows, num_experts: int) -> torch_ref.ExpertRows:
+    """`routed` without its rows routed to the dropped id `num_experts`: the stable sort put
+    them last, so the first `sum(counts[:E])` rows (and their order and tokens) are the
+    rest, unchanged; `combine` then adds nothing for the dropped ones."""
+    kept = sum(routed.counts[:num_experts])
+    return torch_ref.ExpertRows(
+        routed.rows[:kept],
+        routed.order[:kept],
+        routed.token_of_row[:kept],
+        routed.counts[:num_experts],
+    )
 
 
 @torch.library.custom_op("fusion::gated_experts", mutates_args=())
@@ -263,7 +444,33 @@ class FusedExperts(nn.Module):
     `transposed`: the parameters are stored `[E, H, 2I]` / `[E, I, H]` (Transformers'
     `is_transposed`); the kernels read transposed views of them, never copies.
     `shapes`: (gate_up, down) shapes at fuse time; a call with other shapes runs the original.
+    `reads`: `(module, name)` of every attribute the gating program was traced with (modules
+    of `original`'s tree), guarded with the interface flags by `attributes`.
+    `dispatch`: what the class's dispatcher resolved the configured implementation to at
+    fuse time (None: only the implementation's name is guarded).
+    `guard_failures`: calls that ran the original because a guard failed.
     """
+
+    OWN = frozenset(
+        {
+            "original",
+            "program",
+            "program_json",
+            "transposed",
+            "backend",
+            "fused_with",
+            "shapes",
+            "original_class",
+            "proven",
+            "instance_names",
+            "attributes",
+            "dispatch",
+            "eager_configured",
+            "inner_modules",
+            "guard_failures",
+        }
+    )
+    """This module's own attributes: never forwarded to the original."""
 
     def __init__(
         self,
@@ -272,15 +479,17 @@ class FusedExperts(nn.Module):
         program: GateProgram,
         transposed: bool,
         backend: str = "auto",
+        reads: tuple[tuple[nn.Module, str], ...] = (),
+        dispatch: Dispatch | None = None,
     ) -> None:
         super().__init__()
-        # Not a submodule: its parameters are ours (the same objects), registered below.
-        object.__setattr__(self, "original", original)
         for name in PARAMETER_NAMES:
             param = original._parameters.get(name)
             if param is not None:
                 self.register_parameter(name, param)
-        self.config = getattr(original, "config", None)
+        # Not a submodule: its parameters are ours (the same objects), registered above
+        # (first: `register_parameter` asks `hasattr`, which the original would answer).
+        object.__setattr__(self, "original", original)
         self.program = program
         self.program_json = program.to_json()
         self.transposed = transposed
@@ -288,17 +497,57 @@ class FusedExperts(nn.Module):
         self.fused_with = _implementation(original)
         self.shapes = (tuple(original.gate_up_proj.shape), tuple(original.down_proj.shape))
         self.original_class = type(original).__name__
+        cls = type(original)
+        self.proven = (cls, cls.forward, getattr(cls, "_apply_gate", None))
+        self.instance_names = frozenset(original.__dict__)
+        interface = tuple((original, name) for name in INTERFACE_ATTRIBUTES)
+        self.attributes = AttributeGuard.record(interface + tuple(reads))
+        self.dispatch = dispatch
+        self.eager_configured = dispatch is not None and dispatch.configured is None
+        # The modules the gating calls (its activation, ...): the replayed program skips
+        # their calls, so a hook on one (or a global hook) added after fusing runs the
+        # original, where it fires as it does unfused.
+        self.inner_modules = tuple(m for m in original.modules() if m is not original)
+        self.guard_failures = 0
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters first; then the original's attributes (`experts.limit` reads what the
+        unfused module holds)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None or (name.startswith("__") and name.endswith("__")):
+                raise
+            return getattr(original, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A write naming one of the original's own attributes or children (not one of this
+        module's) goes to the original: the edit the user makes to the experts is the one
+        they see, and the guards see it."""
+        original = self.__dict__.get("original")
+        if (
+            original is not None
+            and name not in self.OWN
+            and name not in self.__dict__
+            and name not in self._parameters
+            and name not in _MODULE_BOOKKEEPING
+            and (name in original.__dict__ or name in original._modules)
+        ):
+            setattr(original, name, value)
+            return
+        super().__setattr__(name, value)
 
     def _weights(self) -> tuple[Tensor, Tensor]:
-        gate_up, down = self.gate_up_proj, self.down_proj
+        # `_parameters` directly: every call reads them, `__getattr__` would add a frame.
+        gate_up, down = self._parameters["gate_up_proj"], self._parameters["down_proj"]
         if self.transposed:
             return gate_up.transpose(1, 2), down.transpose(1, 2)
         return gate_up, down
 
     def _covered(self, args: tuple, kwargs: dict) -> bool:
-        """Is this call one the fused path computes: `(hidden [T, H], ids [T, K] integer,
-        weights [T, K] floating)` positionally, hidden in the weights' dtype, shapes and
-        implementation as at fuse time?"""
+        """Is this call of the form the fused path computes: `(hidden [T, H], ids [T, K]
+        integer, weights [T, K] floating)` positionally, hidden in the weights' dtype?"""
         if kwargs or len(args) != 3 or not all(isinstance(a, Tensor) for a in args):
             return False
         hidden, ids, weights = args
@@ -313,9 +562,45 @@ class FusedExperts(nn.Module):
             and ids.dtype != torch.bool
             and weights.is_floating_point()
             and hidden.dtype == gate_up.dtype
-            and (tuple(self.gate_up_proj.shape), tuple(self.down_proj.shape)) == self.shapes
-            and _implementation(self) == self.fused_with
         )
+
+    def guards_hold(self) -> bool:
+        """Do the premises of the fuser's proof still hold (see the module docstring)?
+        Each is an identity or value comparison: a few microseconds per call."""
+        original = self.original
+        cls, forward, gate = self.proven
+        if (
+            type(original) is not cls
+            or cls.forward is not forward
+            or getattr(cls, "_apply_gate", None) is not gate
+            or original.__dict__.keys() != self.instance_names
+            or self._parameters["gate_up_proj"].shape != self.shapes[0]
+            or self._parameters["down_proj"].shape != self.shapes[1]
+        ):
+            return False
+        implementation = _implementation(original)
+        if implementation != self.fused_with:
+            return False
+        dispatch = self.dispatch
+        if dispatch is not None and not dispatch.holds(implementation):
+            return False
+        if any(has_hooks(module) for module in self.inner_modules):
+            return False
+        return self.attributes.holds()
+
+    def _ids_route(self, ids: Tensor) -> str:
+        """Where a call with these ids goes: `"fused"` (every id in `[0, E)`), `"gated"`
+        (some are the dropped id `E`, which the gated kernel skips, and none other is out of
+        range) or `"original"` (a negative id, one above `E`, or `E` under the eager loop,
+        whose own handling is what the original runs). Under `torch.compile` nothing is read
+        (see the module docstring): `"fused"`."""
+        if torch.compiler.is_compiling() or ids.numel() == 0:
+            return "fused"
+        low, high = torch.stack(torch.aminmax(ids)).tolist()  # one device sync
+        num_experts = self.shapes[0][0]
+        if low < 0 or high > num_experts or (high == num_experts and self.eager_configured):
+            return "original"
+        return "fused" if high < num_experts else "gated"
 
     def run_original(self, *args: Any, **kwargs: Any) -> Any:
         """The original module on this call, with this module's current parameters."""
@@ -326,17 +611,33 @@ class FusedExperts(nn.Module):
         original.train(self.training)
         return original(*args, **kwargs)
 
+    def _guard_failed(self, *args: Any) -> Any:
+        self.guard_failures += 1
+        return self.run_original(*args)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._covered(args, kwargs):
             return self.run_original(*args, **kwargs)
+        if not self.guards_hold():
+            return self._guard_failed(*args)
         hidden, ids, weights = args
+        route = self._ids_route(ids)
+        if route == "original":
+            return self._guard_failed(*args)
         gate_up, down = self._weights()
         gate_up_bias = self._parameters.get("gate_up_proj_bias")
         down_bias = self._parameters.get("down_proj_bias")
-        if self.program.activation is not None and gate_up_bias is None and down_bias is None:
+        if (
+            route == "fused"
+            and self.program.activation is not None
+            and gate_up_bias is None
+            and down_bias is None
+        ):
             return ops.moe_experts(
                 self.backend, hidden, gate_up, down, ids, weights, self.program.activation
             )
+        # The gated kernel replays the same program on the same rows (so the same bits as
+        # the activation kernel), and skips the dropped id.
         return gated_experts_call(
             hidden, gate_up, gate_up_bias, down, down_bias, ids, weights, self.program_json
         )

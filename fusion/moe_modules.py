@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion.callpath import has_hooks
+from fusion.experts_modules import INTERFACE_ATTRIBUTES, AttributeGuard
 from fusion.kernels import ops
 from fusion.params import apply_state, common_state
 
@@ -182,6 +184,28 @@ def experts_implementation(experts: nn.Module) -> str | None:
     return getattr(config, "_experts_implementation", None) if config is not None else None
 
 
+_BOOKKEEPING = frozenset(vars(nn.Module()))
+"""`nn.Module`'s per-instance bookkeeping: not an activation's settings."""
+
+
+def experts_reads(
+    block: nn.Module, name: str, experts: nn.Module
+) -> tuple[tuple[object, str], ...]:
+    """What the fused experts kernel took from a Transformers experts module at fuse time:
+    which module the block holds, its interface flags and count, its class's `forward` and
+    `_apply_gate` (read as bound methods: a class patch or an instance override shows), and
+    its activation: the object, its class, `forward` and settings (e.g. GELU's
+    `approximate`). Empty for repacked Transformers 4 experts (no activation module)."""
+    act = getattr(experts, "act_fn", None)
+    if not isinstance(act, nn.Module):
+        return ()
+    reads: list[tuple[object, str]] = [(block, name), (experts, "act_fn")]
+    reads += [(experts, attribute) for attribute in INTERFACE_ATTRIBUTES]
+    reads += [(experts, "forward"), (experts, "_apply_gate"), (act, "__class__"), (act, "forward")]
+    reads += [(act, key) for key in sorted(act.__dict__) if key not in _BOOKKEEPING]
+    return tuple(reads)
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(
         module._forward_hooks
@@ -261,7 +285,11 @@ class FusedMoE(nn.Module):
     fuse time is recorded (`fused_with`); when the model's choice differs from it later, the
     block calls the experts module itself, `experts(x, ids, weights)` (the calling convention
     the match proved), so the user's choice of implementation is honoured; routing stays
-    fused and bit-identical. Setting it back returns to the fused kernel.
+    fused and bit-identical. Setting it back returns to the fused kernel. The same happens
+    when anything else the kernel took from the experts at fuse time changed
+    (`experts_guard`, `experts_reads`: the experts module, its activation module and that
+    module's settings, its flags, its class's functions) or a hook was put on them (or a
+    global one), counted in `guard_failures`.
     """
 
     def __init__(
@@ -305,6 +333,11 @@ class FusedMoE(nn.Module):
             setattr(self, shared_name, shared)
         if shared_gate_name is not None:
             setattr(self, shared_gate_name, shared_gate)
+        self.experts_guard = AttributeGuard.record(experts_reads(self, experts_name, experts))
+        # Hooks are looked for on these (the experts and their activation): replacing either
+        # fails `experts_guard` first, so the tuple never goes stale while it is read.
+        self.hooked_modules = tuple(experts.modules()) if self.experts_guard.checks else ()
+        self.guard_failures = 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, routing weights [T, K], expert ids [T, K]) for 2-D `x`.
@@ -328,6 +361,15 @@ class FusedMoE(nn.Module):
         buffers = dict(router.named_buffers(recurse=False))
         return route(self.spec, x, getattr(router, self.router_weight), buffers=buffers)
 
+    def _experts_hold(self, experts: nn.Module) -> bool:
+        """May the fused kernel stand for `experts(x, ids, weights)`: the implementation
+        and everything the kernel took from the experts as at fuse time, and no hook on
+        them (or inside, or global) that the kernel would skip?"""
+        if experts_implementation(experts) != self.fused_with or not self.experts_guard.holds():
+            return False
+        # (None for repacked Transformers 4 experts: the block never called them.)
+        return not any(has_hooks(module) for module in self.hooked_modules)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.training and self.training_sensitive:
             if self.eager is None:
@@ -341,8 +383,11 @@ class FusedMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         logits, weights, ids = self.route(x)
         experts = getattr(self, self.experts_name)
-        if experts_implementation(experts) != self.fused_with:
-            out = experts(x, ids, weights)  # the implementation chosen after fusing
+        if not self._experts_hold(experts):
+            # The implementation chosen after fusing, or experts edited or hooked since:
+            # their own call, which dispatches, reads and fires as unfused.
+            self.guard_failures += 1
+            out = experts(x, ids, weights)
         else:
             out = ops.moe_experts(
                 self.backend,

@@ -76,3 +76,36 @@ def test_program_json_round_trip(case: str) -> None:
     assert back.steps == prog.steps
     x = torch.randn(3, 2 * INTER).bfloat16()
     assert torch.equal(run_gate(back, x), run_gate(prog, x))
+
+
+def routed_case(seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * INTER, H, generator=g), torch.randn(E, H, INTER, generator=g)
+    ids = torch.randn(T, E, generator=g).topk(K, dim=-1).indices
+    return x, gate_up, down, ids, torch.rand(T, K, generator=g)
+
+
+def test_gated_experts_skips_the_dropped_id() -> None:
+    """id == E is Transformers' dropped id: the eager loop skips it, so it contributes 0."""
+    x, gate_up, down, ids, weights = routed_case()
+    ids[::2, 0] = E
+    ids[1, :] = E  # a token all of whose choices are dropped
+    fn, attributes, _ = CASES["gpt_oss"]
+    module = Gating(fn, **attributes)
+    actual = gated_experts(x, gate_up, None, down, None, ids, weights, program("gpt_oss"))
+    kept = ids != E
+    expected = loop(
+        x, gate_up, None, down, None, ids.where(kept, 0), weights * kept, module._apply_gate
+    )
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(actual[1], torch.zeros(H))
+
+
+@pytest.mark.parametrize("bad", [E + 1, -1])
+def test_gated_experts_raises_on_other_out_of_range_ids(bad: int) -> None:
+    """Any other id outside [0, E) raises, as the eager loop does: never another expert."""
+    x, gate_up, down, ids, weights = routed_case()
+    ids[0, 1] = bad
+    with pytest.raises(RuntimeError):
+        gated_experts(x, gate_up, None, down, None, ids, weights, program("silu"))

@@ -4,8 +4,10 @@ Matched by dataflow in the block's traced forward, never by name:
 
 - Transformers 5 (packed experts): the block returns `experts(x, ids, weights) [+ shared]`
   where `_, weights, ids = router(x)` and `x` is the block's input up to reshapes. The
-  experts child must be a Transformers experts class (`use_experts_implementation`) in the
-  standard layout: `gate_up_proj [E, 2I, H]` (gate rows, then up), `down_proj [E, H, I]`,
+  experts child must be a Transformers experts class in the standard layout, proven by the
+  identity of its functions (`provenance`: Transformers' dispatcher over a Transformers
+  model's own eager forward, the configured implementation a known one), never by the
+  numeric check alone: `gate_up_proj [E, 2I, H]` (gate rows, then up), `down_proj [E, H, I]`,
   no bias, not transposed, the default `act(gate) * up` gating with an activation
   `ActAndMul` reproduces. Its semantics are then fixed by Transformers' experts interface,
   whichever implementation (eager loop, `grouped_mm`) the config selects.
@@ -31,8 +33,11 @@ taken on their contract rather than traced, every match is also checked numerica
 kind of instance, on the module's own weights: the fused block must reproduce the router's
 indices and weights bit for bit and the block's output to rounding, or it refuses.
 
-Layout: `router` reads the routing program, `experts` checks the experts child, `block`
-matches the block, `build` builds the `FusedMoE`, `selfcheck` runs the numeric check and
+Layout: `router` reads the routing program, `experts` checks the experts child,
+`provenance` proves what an experts class computes, `block` matches the block, `build`
+builds the `FusedMoE`, `selfcheck` runs the numeric check, `experts_only` matches experts
+fused alone, `gate` reads and proves their gating program, `reads` records what it reads
+(for `FusedExperts`'s guards), `logits_return` handles blocks returning router logits, and
 `fuser` holds `MoEFuser`.
 """
 

@@ -5,12 +5,14 @@ Transformers 4 `ModuleList` of gated MLPs `down(act(gate(x)) * up(x))`)."""
 from __future__ import annotations
 
 import inspect
+import sys
 
 from torch import fx, nn
 
 from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
 from fusion.fusers.glu import activation_kind
+from fusion.fusers.moe.provenance import INTERFACE_MODULE, experts_dispatch
 from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
 from fusion.params import common_state
 from fusion.trace import trace
@@ -66,11 +68,11 @@ def packed_experts_activation(child: nn.Module) -> str:
         value = getattr(child, flag, _FLAGS_IMPLIED_WHEN_ABSENT.get(flag))
         if value != expected:
             raise RewriteRefused(f"experts {flag}={value!r} (need {expected})")
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError as exc:  # pragma: no cover - Transformers 5 always has it
-        raise RewriteRefused("Transformers' experts interface is unavailable") from exc
-    if getattr(type(child), "_apply_gate", None) is not _default_apply_gate:
+    # What the experts compute is proven by the identity of their functions, never by the
+    # block's numeric sample alone (a decorated loop of its own may drop rows).
+    experts_dispatch(child)
+    moe = sys.modules[INTERFACE_MODULE]  # loaded: the dispatcher was proven to be its own
+    if getattr(type(child), "_apply_gate", None) is not moe._default_apply_gate:
         raise RewriteRefused(f"{name} has its own gating (_apply_gate)")
     params = dict(child.named_parameters(recurse=False))
     if set(params) != {"gate_up_proj", "down_proj"} or list(child.buffers()):
@@ -83,6 +85,9 @@ def packed_experts_activation(child: nn.Module) -> str:
         raise RewriteRefused(f"expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)}")
     if gate_up.dtype != down.dtype or gate_up.device != down.device:
         raise RewriteRefused("expert weights differ in dtype or device")
+    count = getattr(child, "num_experts", experts)
+    if count != experts:  # what the eager loop and grouped_mm count experts by
+        raise RewriteRefused(f"experts num_experts={count!r} but {experts} expert weights")
     act = getattr(child, "act_fn", None)
     if not isinstance(act, nn.Module):
         raise RewriteRefused(f"{name} has no activation module")

@@ -5,28 +5,31 @@ convention); only its experts child is replaced by a `FusedExperts`, which compu
 same experts function for every call it covers and runs the original module on any other.
 What must hold, each checked by structure, never by a class name:
 
-- the child is a Transformers experts-interface module: its class's `forward` is the
-  experts-implementation dispatcher (it wraps the class's own forward) and the instance
-  carries the interface's flags; gated (`has_gate`), no post-expert norm, not
-  expert-parallel;
+- the child computes Transformers' experts function, proven by identity, never by a sample
+  (`fusion.fusers.moe.provenance`): its class's `forward` is Transformers' experts
+  dispatcher over a Transformers model's own eager forward, and the configured
+  implementation resolves to a known Transformers experts function (or that eager forward,
+  with the gating it was written with); the instance carries the interface's flags: gated
+  (`has_gate`), no post-expert norm, not expert-parallel, `num_experts` the weights' count;
 - it holds exactly `gate_up_proj` and `down_proj` (and their `_bias` rows iff `has_bias`)
   in the shapes of its `is_transposed` layout, no buffer and no other state, one dtype;
-- its gating `_apply_gate` is a proven `GateProgram` (`fusion.fusers.moe.gate`);
+- its gating `_apply_gate` is a proven `GateProgram`, the same at every row count and in
+  both modes, and every attribute its traces read can be guarded (`fusion.fusers.moe.gate`);
+  `FusedExperts` guards them, the functions proven and the flags per call;
 - nothing else runs when it is called: no hooks on it or inside it, no call path or
   instance `forward` of its own;
 - the block reaches it only by calling it: every `self.<experts>` in the block's forward
   source is a call, and the name is never used as a string (an attribute read of the
-  experts would fail on, or bypass, the fused module);
-- numerically, once per kind of instance, on the module's own weights: the fused module
-  agrees to rounding with the module under its configured implementation *and* under its
-  class's own (eager) forward, so both of Transformers' readings of the layout agree with
-  ours.
+  experts would fail on, or bypass, the fused module).
+
+As extra evidence (not the acceptance), the fused module is also run once per kind of
+instance on the module's own weights and must agree to rounding with the module under its
+configured implementation.
 """
 
 from __future__ import annotations
 
 import ast
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +38,10 @@ from torch import nn
 from fusion import numerics
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import FusedExperts, GateProgram
-from fusion.fusers.moe.gate import gate_program
+from fusion.experts_modules import Dispatch, FusedExperts, GateProgram
+from fusion.fusers.moe.gate import proven_gate
+from fusion.fusers.moe.provenance import experts_dispatch
+from fusion.fusers.moe.reads import portable_keys
 from fusion.source import method_source, self_refs
 
 _REQUIRED_FLAGS = {"has_gate": True, "has_post_expert_norm": False, "_is_expert_parallel": False}
@@ -55,6 +60,19 @@ class ExpertsMatch:
     bias: bool
     block_reason: str
     """Why the block was not fused as a whole (kept for the report)."""
+    reads: tuple[tuple[str, str], ...] = ()
+    """`(module path in the experts, attribute)` the gating's traces read (guarded)."""
+    read_keys: tuple = ()
+    """Their values on the matched instance (`portable_keys`): the program's constants."""
+
+    def check_instance(self, experts: nn.Module) -> None:
+        """Refuse an instance whose read attributes differ from the matched one's (its
+        program would have other constants)."""
+        if portable_keys(experts, self.reads) != self.read_keys:
+            raise RewriteRefused(
+                "the experts' gating attributes differ from the instance the program was "
+                f"read from ({', '.join(f'{p}.{n}'.lstrip('.') for p, n in self.reads)})"
+            )
 
     def describe(self) -> str:
         layout = ", transposed" if self.transposed else ""
@@ -65,9 +83,9 @@ class ExpertsMatch:
         )
 
 
-def check_interface(experts: nn.Module) -> None:
-    """Refuse unless `experts`'s class is an experts-interface class computing the gated
-    experts function (class-level: what one instance's match may stand for)."""
+def check_interface(experts: nn.Module) -> Dispatch:
+    """The proven dispatch of `experts` after checking it computes the gated experts
+    function (its functions by identity, its flags by value); RewriteRefused otherwise."""
     name = type(experts).__name__
     wrapped = getattr(type(experts).forward, "__wrapped__", None)
     if wrapped is None or not hasattr(experts, "config") or not hasattr(experts, "has_bias"):
@@ -78,6 +96,13 @@ def check_interface(experts: nn.Module) -> None:
         value = getattr(experts, flag, expected)
         if value != expected:
             raise RewriteRefused(f"experts {flag}={value!r} (need {expected})")
+    dispatch = experts_dispatch(experts)
+    count = getattr(experts, "num_experts", None)
+    if count != experts.gate_up_proj.shape[0]:
+        raise RewriteRefused(
+            f"experts num_experts={count!r} but {experts.gate_up_proj.shape[0]} expert weights"
+        )
+    return dispatch
 
 
 def instance_hazard(experts: nn.Module, name: str) -> str | None:
@@ -146,17 +171,33 @@ def match_experts_only(module: nn.Module, experts_name: str, block_reason: str) 
     check_interface(experts)
     transposed, bias, width = expert_layout(experts)
     _block_only_calls(module, experts_name)
-    program = gate_program(experts, width)
-    found = ExpertsMatch(experts_name, program, transposed, bias, block_reason)
+    gate = proven_gate(experts, width)
+    found = ExpertsMatch(
+        experts_name,
+        gate.program,
+        transposed,
+        bias,
+        block_reason,
+        gate.reads,
+        portable_keys(experts, gate.reads),
+    )
     check_experts(experts, found)
     return found
 
 
 def build_fused_experts(experts: nn.Module, found: ExpertsMatch, backend: str) -> FusedExperts:
     """The `FusedExperts` for `experts` (sharing its parameter objects: nothing is copied,
-    so the state dict and every later weight edit are the unfused module's)."""
+    so the state dict and every later weight edit are the unfused module's), guarding the
+    attributes the program was read with on this instance, and its proven dispatch."""
+    found.check_instance(experts)
+    reads = tuple((experts.get_submodule(path), name) for path, name in found.reads)
     fused = FusedExperts(
-        experts, program=found.program, transposed=found.transposed, backend=backend
+        experts,
+        program=found.program,
+        transposed=found.transposed,
+        backend=backend,
+        reads=reads,
+        dispatch=check_interface(experts),
     )
     fused.train(experts.training)
     return fused
@@ -176,26 +217,26 @@ def _sample(experts: nn.Module, found: ExpertsMatch) -> tuple[torch.Tensor, ...]
 
 
 def check_experts(experts: nn.Module, found: ExpertsMatch) -> None:
-    """Refuse unless the fused module (torch reference kernels) agrees to rounding with
-    `experts` as configured and with its class's own forward, on random routed inputs."""
+    """Extra evidence, after the proof: refuse unless the fused module (torch reference
+    kernels) agrees to rounding with `experts` as configured, on random routed inputs. (The
+    eager forward is not compared: a call under another implementation than the configured
+    one runs the original module itself.)"""
     if experts.gate_up_proj.device.type == "meta":
         return  # nothing to compute on; the structure was proven
     fused = build_fused_experts(experts, found, "torch")
-    # The class's forwards, never the instance's call path: the match stands for the class.
+    # The class's forward, never the instance's call path: the match stands for the class.
     configured = type(experts).forward
-    eager = inspect.unwrap(configured)
     x, ids, weights = _sample(experts, found)
     try:
         with torch.no_grad():
             actual = fused.forward(x, ids, weights)
-            references = [configured(experts, x, ids, weights), eager(experts, x, ids, weights)]
+            expected = configured(experts, x, ids, weights)
     except Exception as exc:
         raise RewriteRefused(f"experts check failed to run: {type(exc).__name__}: {exc}") from exc
-    for label, expected in zip(("configured", "own forward"), references):
-        if not torch.is_tensor(expected) or expected.shape != actual.shape:
-            raise RewriteRefused(f"experts ({label}) do not return one [T, H] tensor")
-        if expected.dtype != actual.dtype:
-            raise RewriteRefused(f"experts ({label}) return {expected.dtype}, fused {actual.dtype}")
-        error = numerics.relative_error(actual, expected)
-        if not numerics.self_check_passes(error, actual.dtype):  # NaN refuses too
-            raise RewriteRefused(f"fused experts differ from the experts ({label}) by {error:.2e}")
+    if not torch.is_tensor(expected) or expected.shape != actual.shape:
+        raise RewriteRefused("experts do not return one [T, H] tensor")
+    if expected.dtype != actual.dtype:
+        raise RewriteRefused(f"experts return {expected.dtype}, fused {actual.dtype}")
+    error = numerics.relative_error(actual, expected)
+    if not numerics.self_check_passes(error, actual.dtype):  # NaN refuses too
+        raise RewriteRefused(f"fused experts differ from the experts by {error:.2e}")

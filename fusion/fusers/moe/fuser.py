@@ -39,13 +39,20 @@ Match = MoEMatch | ExpertsMatch
 
 def _signature(module: nn.Module, names: tuple[str | None, ...]) -> tuple:
     """Plain attributes of the block and the named children that could change what a trace
-    shows (top-k, flags, scaling factors; objects count by identity), and the shapes and
-    dtypes of the children's parameters (a gating program holds the experts' width)."""
+    shows (top-k, flags, scaling factors; objects count by identity), the class and plain
+    attributes of every module inside those children (a gating reads its activation's, e.g.
+    a soft-cap), and the shapes and dtypes of the children's parameters (a gating program
+    holds the experts' width)."""
     owners = (module, *(module.get_submodule(n) for n in names if n))
     return tuple(
         (
             plain_attributes(owner, keep_private=PACKED_FLAGS),
             tuple((n, tuple(p.shape), p.dtype) for n, p in owner.named_parameters()),
+            tuple(
+                (path, type(inner), plain_attributes(inner))
+                for path, inner in owner.named_modules()
+                if path and owner is not module
+            ),
         )
         for owner in owners
     )
@@ -194,6 +201,7 @@ class MoEFuser(Fuser):
         if isinstance(found, ExpertsMatch):
             check_interface(experts)
             expert_layout(experts)
+            found.check_instance(experts)
             self.last_match = found
             return found
         if found.style == "packed":

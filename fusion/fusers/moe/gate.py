@@ -9,6 +9,15 @@ must equal the module's, op for op and constant for constant, at bfloat16, float
 float32 inputs (a cast that is a no-op at one dtype is visible at another). Two equal ATen
 traces run the same kernels on the same values: the same bits. Anything else refuses.
 
+A trace is one path through the gating's Python: the program is replayed for every call,
+so it must be the same path at every row count and in both modes. The gating is traced at
+one row (decode) and at many, in eval and in training mode, and accepted only when the four
+traces are structurally equal (`canonical`); a gating that branches on `x.shape[0] == 1`
+or on `self.training` is refused with the reason. What the traces read of the module
+(`self.limit`, `self.act_fn` and what it reads) is recorded (`fusion.fusers.moe.reads`) and
+returned with the program, for `FusedExperts` to guard per call: a value changed after
+fusing runs the original.
+
 `GateProgram.activation` names the default gating `act(gate) * up` when the program is
 proven equal to it for one of `torch_ref.ACTIVATIONS` (the backend kernels then run it).
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusion.errors import RewriteRefused
 from fusion.experts_modules import GateProgram, GateStep, Ref, run_gate
+from fusion.fusers.moe.reads import guarded_reads, recording
 from fusion.kernels.torch_ref import ACTIVATIONS
 
 _aten = torch.ops.aten
@@ -59,12 +70,25 @@ COMMUTATIVE = frozenset({_aten.mul.Tensor, _aten.add.Tensor})
 
 TRACE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+TRACE_ROWS = (1, 16)
+"""Row counts the gating is traced at: one row (a decode step of one token routed to one
+expert) and many; the program must be the same at both."""
+
+
+@dataclass(frozen=True)
+class ProvenGate:
+    """A gating's proven program and what its traces read: `reads` are `(module path in the
+    experts, attribute name)` pairs (`fusion.fusers.moe.reads.guarded_reads`)."""
+
+    program: GateProgram
+    reads: tuple[tuple[str, str], ...]
+
 
 def trace_gate(
-    fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype
+    fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype, rows: int = 4
 ) -> fx.Graph:
-    """The ATen graph of `fn` on a `[4, width]` meta tensor of `dtype`."""
-    example = torch.empty(4, width, dtype=dtype, device="meta")
+    """The ATen graph of `fn` on a `[rows, width]` meta tensor of `dtype`."""
+    example = torch.empty(rows, width, dtype=dtype, device="meta")
     # make_fx reads the callable's signature: a bound method would count `self`.
     return make_fx(lambda x: fn(x))(example).graph
 
@@ -177,13 +201,45 @@ def _default_gate(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return gate
 
 
-def _traces(fn: Callable[[torch.Tensor], torch.Tensor], width: int) -> list[str]:
-    return [canonical(trace_gate(fn, width, dtype)) for dtype in TRACE_DTYPES]
+def _traces(fn: Callable[[torch.Tensor], torch.Tensor], width: int, rows: int = 4) -> list[str]:
+    return [canonical(trace_gate(fn, width, dtype, rows)) for dtype in TRACE_DTYPES]
 
 
-def gate_program(experts: nn.Module, width: int) -> GateProgram:
-    """The proven program of `experts._apply_gate` on `[rows, width]` inputs (see the
-    module docstring); RewriteRefused naming what is not reproduced."""
+def _set_training(experts: nn.Module, mode: bool) -> None:
+    for module in experts.modules():
+        module.training = mode
+
+
+def _module_traces(
+    apply_gate: Callable[[torch.Tensor], torch.Tensor], experts: nn.Module, width: int
+) -> list[str]:
+    """The gating's traces (one per dtype), after requiring them equal at every row count
+    of `TRACE_ROWS` and in both modes; RewriteRefused naming what they depend on. Each
+    module's mode is restored, whatever happens."""
+    modes = {module: module.training for module in experts.modules()}
+    by_mode: dict[bool, list[str]] = {}
+    try:
+        for mode in (False, True):
+            _set_training(experts, mode)
+            by_rows = [_traces(apply_gate, width, rows) for rows in TRACE_ROWS]
+            if any(traces != by_rows[-1] for traces in by_rows):
+                raise RewriteRefused(
+                    f"gating depends on the row count (traced at {TRACE_ROWS} rows it runs "
+                    "other ops): one replayed program cannot stand for it"
+                )
+            by_mode[mode] = by_rows[-1]
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+    if by_mode[False] != by_mode[True]:
+        raise RewriteRefused("gating depends on training mode (eval and training trace apart)")
+    return by_mode[False]
+
+
+def proven_gate(experts: nn.Module, width: int) -> ProvenGate:
+    """The proven program of `experts._apply_gate` on `[rows, width]` inputs and the
+    attributes its traces read (see the module docstring); RewriteRefused naming what is
+    not reproduced, what the gating depends on, or what it reads that cannot be guarded."""
     # The class's gating, bound to the instance: an instance-level override is a hazard
     # `validate` refuses per instance, never something a class-level match may read.
     gating = type(experts)._apply_gate
@@ -193,8 +249,9 @@ def gate_program(experts: nn.Module, width: int) -> GateProgram:
 
     before = {id(m): dict(m.__dict__) for m in experts.modules()}
     try:
-        module_traces = _traces(apply_gate, width)
-        graph = trace_gate(apply_gate, width, TRACE_DTYPES[0])
+        with recording(experts) as reads:
+            module_traces = _module_traces(apply_gate, experts, width)
+            graph = trace_gate(apply_gate, width, TRACE_DTYPES[0], TRACE_ROWS[-1])
     except RewriteRefused:
         raise
     except Exception as exc:
@@ -207,9 +264,15 @@ def gate_program(experts: nn.Module, width: int) -> GateProgram:
     ):
         raise RewriteRefused("gating writes module state")
     program = read_program(graph, TRACE_DTYPES[0])
-    if _traces(lambda x: run_gate(program, x), width) != module_traces:
+    if _traces(lambda x: run_gate(program, x), width, TRACE_ROWS[-1]) != module_traces:
         raise RewriteRefused("gating is not reproduced op for op by its program")
+    guarded = guarded_reads(experts, reads)
     for name in ACTIVATIONS:
-        if _traces(_default_gate(name), width) == module_traces:
-            return GateProgram(program.steps, activation=name)
-    return program
+        if _traces(_default_gate(name), width, TRACE_ROWS[-1]) == module_traces:
+            return ProvenGate(GateProgram(program.steps, activation=name), guarded)
+    return ProvenGate(program, guarded)
+
+
+def gate_program(experts: nn.Module, width: int) -> GateProgram:
+    """The proven program of `experts._apply_gate` (`proven_gate` without its reads)."""
+    return proven_gate(experts, width).program

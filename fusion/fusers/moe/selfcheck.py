@@ -1,10 +1,11 @@
 """The numeric self-check every MoE match passes before it is used.
 
-The expert loop (Transformers 4) and the experts interface (Transformers 5) are taken on their
-contract rather than traced, so each match is run once per kind of instance, on the module's
-own weights: the fused block must reproduce the router's indices and weights bit for bit and
-the block's output to rounding (`fusion.numerics.relative_error`, NaN never passing), or it
-refuses."""
+The expert loop (Transformers 4) is taken on its contract rather than traced; the experts
+interface (Transformers 5) is proven by the identity of its functions
+(`fusion.fusers.moe.provenance`), never by this sample, which is extra evidence for it. Each
+match is run once per kind of instance, on the module's own weights: the fused block must
+reproduce the router's indices and weights bit for bit and the block's output to rounding
+(`fusion.numerics.relative_error`, NaN never passing), or it refuses."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from torch import nn
 import fusion
 from fusion.checkpoint import unfused_state_dict
 from fusion.experts_modules import FusedExperts
-from fusion.kernels import torch_ref
+from fusion.kernels import ops, torch_ref
 from fusion.moe_modules import FusedMoE, PackedExperts
 from tests.fusion.fusers.helpers import reasons
 from tests.fusion.tiny_models import randomize_, relative_error, tiny_model, token_ids
@@ -654,38 +654,75 @@ def test_moe_experts_kernel_empty_input() -> None:
     assert out.shape == (0, HIDDEN)
 
 
-def test_set_experts_implementation_is_honoured_after_fusing() -> None:
+def test_set_experts_implementation_is_honoured_after_fusing(monkeypatch) -> None:
     """`set_experts_implementation` on a fused model: each FusedMoE then calls the experts
     module (which dispatches to the chosen implementation), routing still fused, outputs
     identical to the unfused model's on that implementation; setting the fuse-time choice
-    back returns to the fused kernel."""
+    back returns to the fused kernel. (The kernel is what is spied on: patching the experts
+    class's `forward` is itself an edit the fused block honours, see below.)"""
     unfused = tiny_model("qwen3_moe", seed=3)
     fused = copy.deepcopy(unfused)
     fusion.fuse(fused)
     block = fused.model.layers[0].mlp
     assert block.fused_with == unfused.config._experts_implementation == "grouped_mm"
-    experts_type = type(block.experts)
     calls = []
-    original = experts_type.forward
+    kernel = ops.moe_experts
 
-    def spy(self, *args, **kwargs):
-        calls.append(self)
-        return original(self, *args, **kwargs)
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return kernel(*args, **kwargs)
 
+    monkeypatch.setattr(ops, "moe_experts", spy)
     ids = token_ids()
-    try:
-        experts_type.forward = spy
-        with torch.no_grad():
-            fused(ids)
-            assert calls == []  # the fused kernel
-            for model in (fused, unfused):
-                model.set_experts_implementation("eager")
-            calls.clear()
-            assert torch.equal(fused(ids).logits, unfused(ids).logits)
-            assert block.experts in calls
-            fused.set_experts_implementation("grouped_mm")
-            calls.clear()
-            fused(ids)
-            assert calls == []
-    finally:
-        experts_type.forward = original
+    with torch.no_grad():
+        fused(ids)
+        assert len(calls) == 2  # the fused kernel, once per block
+        for model in (fused, unfused):
+            model.set_experts_implementation("eager")
+        calls.clear()
+        assert torch.equal(fused(ids).logits, unfused(ids).logits)
+        assert calls == [] and block.guard_failures == 1
+        fused.set_experts_implementation("grouped_mm")
+        fused(ids)
+        assert len(calls) == 2 and block.guard_failures == 1
+
+
+def edit_act_fn(model: nn.Module) -> None:
+    for layer in model.model.layers:
+        layer.mlp.experts.act_fn = nn.GELU()
+
+
+def edit_class_forward(model: nn.Module) -> None:
+    experts = model.model.layers[0].mlp.experts
+    base = type(experts)
+
+    def halved(self, *args, **kwargs):
+        return base.forward(self, *args, **kwargs) * 0.5
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = type("Halved", (base,), {"forward": halved})
+
+
+def hook_experts(model: nn.Module) -> None:
+    for layer in model.model.layers:
+        layer.mlp.experts.register_forward_hook(lambda module, args, out: out * 0.5)
+
+
+@pytest.mark.parametrize("edit", [edit_act_fn, edit_class_forward, hook_experts])
+def test_experts_edited_after_fusing_are_called_by_the_fused_block(edit) -> None:
+    """What the experts kernel took from the experts module at fuse time (its activation,
+    class, hooks: none) is guarded per call: an edit after fusing makes the fused block call
+    the experts module itself, as the unfused block does (routing still fused)."""
+    unfused = tiny_model("qwen3_moe", seed=3)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    ids = token_ids()
+    with torch.no_grad():
+        before = unfused(ids).logits
+        assert relative_error(before, fused(ids).logits) <= 1e-5
+        edit(unfused)
+        edit(fused)
+        expected, actual = unfused(ids).logits, fused(ids).logits
+    assert relative_error(before, expected) > 1e-4  # the edit changes the function
+    assert relative_error(expected, actual) <= 1e-5
+    assert fused.model.layers[0].mlp.guard_failures == 1

@@ -12,7 +12,9 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.moe import use_experts_implementation
 
 import corpus
 import fusion
@@ -295,8 +297,8 @@ def test_gating_writing_module_state_is_refused() -> None:
 
 
 def test_eager_forward_other_than_the_interface_is_refused() -> None:
-    """The configured implementation reads the layout as Transformers' grouped_mm does; a
-    class whose own forward computes something else is caught by the second check."""
+    """A class whose `forward` is a dispatcher of its own (even one wrapping Transformers'
+    forward, `__wrapped__` included) is not proven to compute the experts function."""
     block = first_block("afmoe")
     base = type(block.experts)
     eager = inspect.unwrap(base.forward)
@@ -315,7 +317,7 @@ def test_eager_forward_other_than_the_interface_is_refused() -> None:
     dispatch.__wrapped__ = doubled
     Doubled.forward = dispatch
     block.experts.__class__ = Doubled
-    assert "differ from the experts (own forward)" in refusal(block)
+    assert "Doubled.forward is not Transformers' experts dispatcher" in refusal(block)
 
 
 def test_an_instance_hazard_refuses_that_instance_only() -> None:
@@ -342,3 +344,259 @@ def test_whole_block_fusion_refuses_experts_with_an_instance_forward() -> None:
     report = fusion.plan(nn.Sequential(block))
     assert "moe" not in report.counts()
     assert "forward or gating on the instance" in reasons(report)
+
+
+# --- replayed programs are proven, not sampled (issue 24) ------------------------------------
+
+
+def routed(experts: nn.Module, tokens: int, top_k: int = 2, seed: int = 0) -> tuple:
+    """(hidden [tokens, H], distinct top-k ids, weights) for a direct experts call."""
+    hidden = experts.gate_up_proj.shape[1 if experts.is_transposed else 2]
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=generator)
+    ids = torch.randn(tokens, experts.num_experts, generator=generator).topk(top_k, dim=-1).indices
+    return x, ids, torch.rand(tokens, top_k, generator=generator)
+
+
+def fuse_alone(block: nn.Module) -> tuple[nn.Module, str]:
+    """A fused copy of `block` (alone in a Sequential) and the plan's refusal reasons."""
+    fused = copy.deepcopy(block)
+    return fused, reasons(fusion.fuse(nn.Sequential(fused)))
+
+
+def with_gate(block: nn.Module, gate) -> nn.Module:
+    """`block` with its experts' class replaced by a subclass gating with `gate`."""
+    base = type(block.experts)
+    block.experts.__class__ = type(f"Gated{base.__name__}", (base,), {"_apply_gate": gate})
+    return block
+
+
+def row_branch(self, gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    if gate_up.shape[0] == 1:  # a "decode" variant the 4-row trace never saw
+        return self.act_fn(gate) * up * 2
+    return self.act_fn(gate) * up
+
+
+def mode_branch(self, gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    if self.training:
+        return self.act_fn(gate) * up * 0.5
+    return self.act_fn(gate) * up
+
+
+def test_gating_branching_on_the_row_count_is_refused_or_exact() -> None:
+    block = with_gate(first_block("afmoe"), row_branch)
+    fused, why = fuse_alone(block)
+    if not isinstance(fused.experts, FusedExperts):
+        assert "row count" in why
+        return
+    for tokens, top_k in ((1, 1), (8, 2)):  # one gated row (grouped_mm gates T*K rows at once)
+        x, ids, weights = routed(block.experts, tokens, top_k)
+        with torch.no_grad():
+            expected, actual = block.experts(x, ids, weights), fused.experts(x, ids, weights)
+        assert relative_error(expected, actual) <= 1e-5, (tokens, top_k)
+
+
+def test_gating_branching_on_training_is_refused_or_exact() -> None:
+    block = with_gate(first_block("afmoe"), mode_branch)
+    fused, why = fuse_alone(block)
+    if not isinstance(fused.experts, FusedExperts):
+        assert "training" in why
+        return
+    x, ids, weights = routed(block.experts, 6)
+    for training in (False, True):
+        block.train(training)
+        fused.train(training)
+        with torch.no_grad():
+            expected, actual = block.experts(x, ids, weights), fused.experts(x, ids, weights)
+        assert relative_error(expected, actual) <= 1e-5, training
+
+
+@pytest.mark.parametrize(
+    ("arch", "name", "value"),
+    [
+        ("deepseek_v4", "limit", 0.1),  # clamped SiLU reads self.limit
+        ("gpt_oss", "limit", 0.1),
+        ("gpt_oss", "alpha", 0.5),
+        ("afmoe", "act_fn", nn.GELU()),  # the default gating's activation module
+    ],
+)
+def test_attribute_changed_after_fusing_runs_the_original(arch: str, name: str, value) -> None:
+    block = first_block(arch)
+    fused, _ = fuse_alone(block)
+    assert isinstance(fused.experts, FusedExperts)
+    x, ids, weights = routed(block.experts, 6)
+    with torch.no_grad():
+        before = block.experts(x, ids, weights)
+        assert relative_error(before, fused.experts(x, ids, weights)) <= 1e-5
+        assert fused.experts.guard_failures == 0
+        old, fused_old = getattr(block.experts, name), getattr(fused.experts, name)
+        setattr(block.experts, name, value)
+        setattr(fused.experts, name, copy.deepcopy(value))
+        expected, actual = block.experts(x, ids, weights), fused.experts(x, ids, weights)
+        assert relative_error(before, expected) > 1e-3  # the change changes the function
+        assert torch.equal(actual, expected)  # the original module ran, on the new value
+        assert fused.experts.guard_failures == 1
+        # Set back (a module: the same object): the fused path again, no further fallback.
+        setattr(block.experts, name, old)
+        setattr(fused.experts, name, fused_old)
+        assert relative_error(before, fused.experts(x, ids, weights)) <= 1e-5
+    assert fused.experts.guard_failures == 1
+
+
+CAPACITY = 20
+"""Rows per expert past which the capacity-dropping experts below drop a routed row."""
+
+
+def capacity_forward(self, hidden_states, top_k_index, top_k_weights):
+    """An eager loop that drops every row past `CAPACITY` per expert (not the experts
+    function: at 16 tokens no expert reaches the capacity, at 64 most do)."""
+    final = torch.zeros_like(hidden_states)
+    for expert in range(self.num_experts):
+        token_idx, top_k_pos = torch.where(top_k_index == expert)
+        token_idx, top_k_pos = token_idx[:CAPACITY], top_k_pos[:CAPACITY]
+        gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
+        current = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+        current = current * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, current.to(final.dtype))
+    return final
+
+
+def with_capacity(block: nn.Module) -> nn.Module:
+    """`block` whose experts carry Transformers' experts decorator over a capacity-dropping
+    forward of their own, run eagerly (the configured implementation)."""
+    base = type(block.experts)
+    capacity = type(f"Capacity{base.__name__}", (base,), {"forward": capacity_forward})
+    block.experts.__class__ = use_experts_implementation(capacity)
+    block.experts.config._experts_implementation = "eager"
+    return block
+
+
+def test_decorated_experts_with_their_own_computation_are_refused_or_exact() -> None:
+    block = with_capacity(first_block("afmoe"))
+    fused, why = fuse_alone(block)
+    if not isinstance(fused.experts, FusedExperts):
+        assert "not a Transformers experts forward" in why
+        return
+    for tokens in (16, 64):
+        x, ids, weights = routed(block.experts, tokens)
+        with torch.no_grad():
+            expected, actual = block.experts(x, ids, weights), fused.experts(x, ids, weights)
+        assert relative_error(expected, actual) <= 1e-5, tokens
+
+
+def test_whole_block_with_decorated_capacity_experts_is_refused_or_exact() -> None:
+    """The whole-block fusion (`FusedMoE`) computes the experts itself: the same proof."""
+    model = build("qwen3_moe")
+    block = with_capacity(next(iter(blocks(model).values())))
+    fused, why = fuse_alone(block)
+    if type(fused) is type(block) and not isinstance(fused.experts, FusedExperts):
+        assert "not a Transformers experts forward" in why
+        return
+    hidden = block.experts.gate_up_proj.shape[2]
+    x = torch.randn(1, 64, hidden, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert relative_error(first(block(x.clone())), first(fused(x.clone()))) <= 1e-5
+
+
+def test_the_class_forward_of_a_transformers_experts_class_is_proven() -> None:
+    """A subclass that only changes the gating keeps Transformers' forward (the function
+    object itself): accepted, and its gating replayed."""
+
+    def doubled_up(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * (up * 2)
+
+    block = with_gate(first_block("afmoe"), doubled_up)
+    fused, why = fuse_alone(block)
+    assert isinstance(fused.experts, FusedExperts), why
+    x, ids, weights = routed(block.experts, 9)
+    with torch.no_grad():
+        assert (
+            relative_error(block.experts(x, ids, weights), fused.experts(x, ids, weights)) <= 1e-5
+        )
+
+
+def outcome(experts: nn.Module, *args: torch.Tensor) -> torch.Tensor | type:
+    """The experts' output, or the type of the exception they raise."""
+    try:
+        with torch.no_grad():
+            return experts(*args)
+    except Exception as exc:  # the exception type is the outcome compared
+        return type(exc)
+
+
+@pytest.mark.parametrize("arch", ["afmoe", "gpt_oss", "deepseek_v4"])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_out_of_range_ids_behave_as_unfused(arch: str, implementation: str) -> None:
+    """id == num_experts is Transformers' "dropped" id (its eager loop skips it); other ids
+    outside [0, E) raise in the eager loop, wrap (batched_mm) or read uninitialised rows
+    (grouped_mm). Fused: never raises where unfused works; the eager implementation
+    exactly; `E` skipped under every implementation; anything else runs the original."""
+    block = first_block(arch)
+    block.experts.config._experts_implementation = implementation
+    fused, why = fuse_alone(block)
+    assert isinstance(fused.experts, FusedExperts), why
+    experts = block.experts
+    num = experts.num_experts
+    x, ids, weights = routed(experts, 6)
+    calls: list[int] = []
+    fused.experts.original.register_forward_pre_hook(lambda *args: calls.append(1))
+    for bad in (num, num + 1, -1):
+        bad_ids = ids.clone()
+        bad_ids[::2, 1] = bad
+        expected = outcome(experts, x, bad_ids, weights)
+        actual = outcome(fused.experts, x, bad_ids, weights)
+        if isinstance(actual, type):  # fused raises only where unfused raises, alike
+            assert expected is actual, (bad, actual)
+        elif implementation == "eager":
+            assert isinstance(expected, torch.Tensor) and torch.equal(actual, expected), bad
+        elif bad == num:  # skipped: the contribution of those (token, choice) pairs is 0
+            kept = bad_ids != num
+            skipped = outcome(experts, x, ids.where(kept, 0), weights.where(kept, 0))
+            assert relative_error(skipped, actual) <= 1e-5, bad
+        else:  # the original ran: its result is whatever the implementation computes
+            assert calls, bad
+            if implementation == "batched_mm" and isinstance(expected, torch.Tensor):
+                assert torch.equal(actual, expected), bad  # wraps around, deterministically
+        calls.clear()
+
+
+def patch_gate_class(block: nn.Module, fused: nn.Module) -> None:
+    """A class-level edit after fusing: the gating function replaced on the class (which
+    the fused module's original shares: a deep copy keeps the class)."""
+
+    def halved(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up * 0.5
+
+    type(block.experts)._apply_gate = halved
+
+
+def hook_activation(block: nn.Module, fused: nn.Module) -> None:
+    """A hook on the activation, read through the fused module as the user would."""
+    for owner in (block, fused):
+        owner.experts.act_fn.register_forward_hook(lambda module, args, out: out * 0.5)
+
+
+@pytest.mark.parametrize("edit", [patch_gate_class, hook_activation])
+def test_gating_edited_after_fusing_runs_the_original(edit) -> None:
+    """The replayed program stands for the class's gating and its activation's call: a
+    class patch or a hook on the activation after fusing runs the original."""
+    block = with_gate(first_block("afmoe"), _default_gate)  # a class of the test's own
+    fused, why = fuse_alone(block)
+    assert isinstance(fused.experts, FusedExperts), why
+    x, ids, weights = routed(block.experts, 6)
+    with torch.no_grad():
+        before = block.experts(x, ids, weights)
+        edit(block, fused)
+        expected, actual = block.experts(x, ids, weights), fused.experts(x, ids, weights)
+    assert relative_error(before, expected) > 1e-3
+    assert relative_error(expected, actual) <= 1e-5
+    assert fused.experts.guard_failures == 1
+
+
+def _default_gate(self, gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return self.act_fn(gate) * up

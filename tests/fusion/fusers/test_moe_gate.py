@@ -4,6 +4,8 @@ replayable program is refused."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from torch import nn
 
 from fusion.errors import RewriteRefused
 from fusion.experts_modules import run_gate
-from fusion.fusers.moe.gate import canonical, gate_program, trace_gate
+from fusion.fusers.moe.gate import canonical, gate_program, proven_gate, trace_gate
 
 WIDTH = 16
 
@@ -131,3 +133,74 @@ def test_gatings_that_are_not_replayable_programs_are_refused(fn, reason: str) -
     module = Gating(fn, scale=nn.Parameter(torch.ones(WIDTH // 2)))
     with pytest.raises(RewriteRefused, match=reason):
         gate_program(module, WIDTH)
+
+
+# --- one program for every call (issue 24): rows, modes and what the gating reads ------------
+
+
+def decode_only(self, x):
+    gate, up = x.chunk(2, dim=-1)
+    if x.shape[0] == 1:
+        return F.silu(gate) * up * 2
+    return F.silu(gate) * up
+
+
+def sliced_by_rows(self, x):
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate) * up)[: max(1, x.shape[0] // 2)].repeat(2, 1)[: x.shape[0]]
+
+
+def training_only(self, x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up * (0.5 if self.training else 1.0)
+
+
+@pytest.mark.parametrize(
+    ("fn", "reason"),
+    [
+        (decode_only, "depends on the row count"),
+        (sliced_by_rows, "depends on the row count"),
+        (training_only, "depends on training mode"),
+    ],
+)
+def test_gatings_that_are_not_one_program_are_refused(fn, reason: str) -> None:
+    for training in (False, True):
+        module = Gating(fn).train(training)
+        with pytest.raises(RewriteRefused, match=reason):
+            gate_program(module, WIDTH)
+        assert module.training is training  # the mode is restored
+
+
+def reads_namespace(self, x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=self.settings.limit)) * up
+
+
+def test_gating_reading_an_object_a_guard_cannot_see_is_refused() -> None:
+    module = Gating(reads_namespace, settings=types.SimpleNamespace(limit=7.0))
+    with pytest.raises(RewriteRefused, match=r"settings \(SimpleNamespace\).*cannot see"):
+        gate_program(module, WIDTH)
+
+
+class Softcap(nn.Module):
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x / self.cap) * self.cap
+
+
+def softcapped(self, x):
+    gate, up = x.chunk(2, dim=-1)
+    return self.act_fn(gate) * self.capped(up)
+
+
+def test_what_the_gating_reads_is_recorded_through_its_modules() -> None:
+    gpt = Gating(gpt_oss, limit=7.0, alpha=1.702)
+    assert {("", "limit"), ("", "alpha"), ("", "fn")} <= set(proven_gate(gpt, WIDTH).reads)
+    module = Gating(softcapped, act_fn=nn.SiLU(), capped=Softcap(9.0))
+    reads = set(proven_gate(module, WIDTH).reads)
+    assert {("", "act_fn"), ("", "capped"), ("capped", "cap")} <= reads
+    assert not any(name in ("training", "_forward_hooks", "_call_impl") for _, name in reads)
+    assert type(module) is Gating and type(module.capped) is Softcap  # classes restored
