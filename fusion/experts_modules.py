@@ -161,6 +161,14 @@ class AttributeGuard:
                 if owner._modules.get(name) is not a or name in owner.__dict__:
                     return False
                 continue
+            if kind == "method" and b is owner:
+                # The owner's own method: still the class's function, not shadowed on the
+                # instance. Read through the class because Dynamo answers `__func__` of a
+                # bound method it traces with another object (the guard failed in every
+                # compiled call, and counting it recompiled the graph).
+                if name in owner.__dict__ or getattr(type(owner), name, None) is not a:
+                    return False
+                continue
             value = getattr(owner, name, _ABSENT)
             if kind == "value":
                 if type(value) is not a or value != b:
