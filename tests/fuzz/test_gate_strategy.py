@@ -1,9 +1,10 @@
 """Fuzzing the gating-program reader (`fusion.fusers.moe.gate`) with generated `_apply_gate`
 functions (tests/fuzz/gate_strategy.py) on a real Transformers experts module.
 
-Property: `gate_program` refuses, or its program replays the gating bit for bit (NaNs in
+Property: `proven_gate` refuses, or its program replays the gating bit for bit (NaNs in
 the same places) on random inputs of every float dtype, and the `FusedExperts` built on it
-agrees with the experts' own forward to float32 rounding. A fixed batch also checks the
+(guarding the attributes the gating reads) agrees with the experts' own forward to float32
+rounding at one row and at many, in train and eval mode, and after `limit` changes. A fixed batch also checks the
 generator: it yields programs that are accepted and hazards that are refused."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fusion import numerics
 from fusion.errors import RewriteRefused
 from fusion.experts_modules import FusedExperts, run_gate
 from fusion.fusers.moe.experts import experts_child
-from fusion.fusers.moe.gate import gate_program
+from fusion.fusers.moe.gate import proven_gate
 from tests.fuzz.gate_strategy import GeneratedGate, generated_gates
 from tests.fuzz.profiles import FUZZ_SETTINGS
 
@@ -46,6 +47,7 @@ def with_gate(generated: GeneratedGate) -> nn.Module:
     exec(compile(generated.source, "<generated gate>", "exec"), namespace)
     experts = base_experts()
     experts.__class__ = type("GeneratedExperts", (type(experts),), dict(namespace))
+    experts.limit = 7.0  # read by the "attribute read" hazard, as GPT-OSS's gate reads it
     return experts
 
 
@@ -54,9 +56,10 @@ def check(generated: GeneratedGate) -> str:
     experts = with_gate(generated)
     width = experts.gate_up_proj.shape[1]
     try:
-        program = gate_program(experts, width)
+        proven = proven_gate(experts, width)
     except RewriteRefused:
         return "refused"
+    program = proven.program
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = (6 * torch.randn(11, width, generator=generator)).to(dtype)
@@ -64,20 +67,33 @@ def check(generated: GeneratedGate) -> str:
         actual = run_gate(program, x)
         assert actual.dtype == expected.dtype, (dtype, actual.dtype, expected.dtype)
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
-    fused = FusedExperts(experts, program=program, transposed=False, backend="torch")
+    reads = tuple((experts.get_submodule(path), name) for path, name in proven.reads)
+    fused = FusedExperts(experts, program=program, transposed=False, backend="torch", reads=reads)
     hidden = experts.gate_up_proj.shape[2]
-    x = torch.randn(9, hidden, generator=generator)
-    ids = torch.randn(9, experts.num_experts, generator=generator).topk(2, dim=-1).indices
-    weights = torch.rand(9, 2, generator=generator)
-    with torch.no_grad():
-        expected = type(experts).forward(experts, x, ids, weights)
-        actual = fused(x, ids, weights)
-    # The expert sums are reordered (rounding, relative to the output's scale); the gating
-    # itself was required bit for bit above.
-    error = numerics.relative_error(actual, expected)
-    assert error <= 1e-5 or (
-        expected.isnan().any() and torch.equal(expected.isnan(), actual.isnan())
-    ), error
+    # What one trace cannot show (issue 24, defect 6): one row and many, train and eval,
+    # an attribute the gating reads changed after fusing. Each must match the experts' own
+    # forward, by a program that holds there or by the guard's fallback.
+    for rows, training, limit in (
+        (9, False, 7.0),
+        (1, False, 7.0),
+        (9, True, 7.0),
+        (9, False, 0.5),
+    ):
+        experts.train(training)
+        fused.train(training)
+        experts.limit = limit
+        x = torch.randn(rows, hidden, generator=generator)
+        ids = torch.randn(rows, experts.num_experts, generator=generator).topk(2, dim=-1).indices
+        weights = torch.rand(rows, 2, generator=generator)
+        with torch.no_grad():
+            expected = type(experts).forward(experts, x, ids, weights)
+            actual = fused(x, ids, weights)
+        # The expert sums are reordered (rounding, relative to the output's scale); the
+        # gating itself was required bit for bit above.
+        error = numerics.relative_error(actual, expected)
+        assert error <= 1e-5 or (
+            expected.isnan().any() and torch.equal(expected.isnan(), actual.isnan())
+        ), (rows, training, limit, error)
     return "fused"
 
 
