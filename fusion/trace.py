@@ -349,11 +349,20 @@ def _preserved_state(module: nn.Module) -> Iterator[None]:
 
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
-"""Device types whose autocast state a trace puts back (`_preserved_globals`)."""
+"""Device types whose autocast state a trace puts back (`preserved_globals`)."""
+
+
+def _matmul_precision() -> str | None:
+    """`torch.get_float32_matmul_precision()`, or None where it cannot be read: after the
+    legacy and the per-backend precision APIs were both used, PyTorch refuses to answer."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
 
 
 @contextlib.contextmanager
-def _preserved_globals() -> Iterator[None]:
+def preserved_globals() -> Iterator[None]:
     """Put back the global state a forward's Python code can change on exit: grad mode,
     autocast (enabled and dtype per device), the default dtype, the float32 matmul
     precision, deterministic-algorithms mode and the CPU random generator.
@@ -361,14 +370,17 @@ def _preserved_globals() -> Iterator[None]:
     Tracing runs a forward's non-tensor code, and a forward can stop half-way (an op fx
     cannot follow, a branch on a traced value): a `torch.set_grad_enabled(False)` or
     `torch.set_autocast_enabled("cpu", True)` that ran without its counterpart would outlive
-    `fusion.plan` and silently change every later computation of the caller's."""
+    `fusion.plan` and silently change every later computation of the caller's. Each setting
+    is written back only where it changed, so a caller's own spelling of it (the legacy or
+    the per-backend precision API) is left as it was; a precision that could not be read on
+    entry (the two APIs mixed) is not touched."""
     grad = torch.is_grad_enabled()
     autocast = [
         (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         for device in AUTOCAST_DEVICES
     ]
     default_dtype = torch.get_default_dtype()
-    precision = torch.get_float32_matmul_precision()
+    precision = _matmul_precision()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     rng = torch.get_rng_state()
@@ -380,9 +392,13 @@ def _preserved_globals() -> Iterator[None]:
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
         torch.set_default_dtype(default_dtype)
-        if torch.get_float32_matmul_precision() != precision:
+        if precision is not None and _matmul_precision() != precision:
             torch.set_float32_matmul_precision(precision)
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        if (deterministic, warn_only) != (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ):
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.set_rng_state(rng)
 
 
@@ -391,7 +407,7 @@ def trace(
 ) -> fx.Graph | None:
     """The fx graph of `module.forward`: complete, partial, or None if nothing was recorded.
 
-    Never raises, and leaves `module` and the global torch state (`_preserved_globals`) as
+    Never raises, and leaves `module` and the global torch state (`preserved_globals`) as
     it was. The KV-cache argument (any spelling in
     `CACHE_ARGUMENTS`) is made a concrete `None`, as serving engines never pass it to the
     module; `**kwargs` iterate as empty; attention interfaces are opaque leaves. On any
@@ -428,7 +444,7 @@ def trace(
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_preserved_state(module))
-            stack.enter_context(_preserved_globals())
+            stack.enter_context(preserved_globals())
             for patch in _attention_patches(getattr(forward, "__globals__", {})):
                 stack.enter_context(patch)
             return tracer.trace(module, concrete_args=concrete or None)

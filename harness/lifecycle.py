@@ -68,6 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion.trace import preserved_globals
 from harness import localise
 
 MODES = ("off", "quick", "full", "all")
@@ -581,13 +582,10 @@ def _autocast(ctx: Context) -> str:
 
 def _matmul_precision(ctx: Context) -> str:
     unfused, fused = _twins(ctx)
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("medium")
-    try:
+    with preserved_globals():  # puts the caller's precision back, whichever API set it
+        torch.set_float32_matmul_precision("medium")
         want = _unfused("a forward at matmul precision medium", lambda: _logits(unfused, ctx))
         got = _logits(fused, ctx)
-    finally:
-        torch.set_float32_matmul_precision(before)
     moved = float((want.double() - ctx.unfused_logits.double()).abs().max())
     diff = _compare("logits at matmul precision medium", got, want, ctx.allowance + 4 * moved)
     if moved == 0.0:

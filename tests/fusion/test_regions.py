@@ -32,6 +32,7 @@ from fusion.regions import (
     region_barrier,
     self_call_keeps_state,
 )
+from fusion.trace import preserved_globals
 from tests.fusion.fusers.helpers import fuse_copy, reasons
 
 WIDTH = 16
@@ -399,15 +400,12 @@ def same_behaviour(
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """Every hazard forward restores what it sets; this guards the other tests if one does
-    not (a failing assertion midway)."""
-    dtype, precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
-    grad, tf32 = torch.is_grad_enabled(), torch.backends.cuda.matmul.allow_tf32
-    yield
-    torch.set_default_dtype(dtype)
-    torch.set_float32_matmul_precision(precision)
-    torch.set_grad_enabled(grad)
-    torch.set_autocast_enabled("cpu", False)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+    not (a failing assertion midway), the legacy TF32 flag too."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    with preserved_globals():
+        yield
+    if torch.backends.cuda.matmul.allow_tf32 != tf32:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 REGION = "merging would move it out of its region"

@@ -246,7 +246,9 @@ def test_a_shadowed_namespace_proves_nothing() -> None:
 
 
 def test_every_instance_is_proven_again() -> None:
-    safe = NormedAttention(lambda w: NestedNorm(w, Norm(w)))
+    # (An Identity grandchild: a Norm there is three callees deep, past what the region
+    # proof reads, and would be refused for that on both instances.)
+    safe = NormedAttention(lambda w: NestedNorm(w, nn.Identity()))
     unsafe = NormedAttention(lambda w: NestedNorm(w, InplaceNorm(w)))
     model = nn.ModuleList([safe, unsafe])
     reference = copy.deepcopy(model)
@@ -454,7 +456,11 @@ def test_each_instance_proves_its_embedding_again() -> None:
     model = nn.ModuleList([Codebook(max_norm=None), Codebook(max_norm=1.0)])
     fused, report = fuse_copy(model)
     assert [record.qualname for record in report.applied] == ["0"], str(report)
-    assert "self.codebook may write" in reasons(report)
+    # refused by the write proof of the call, or earlier by the input-stability proof that
+    # sees the call may write `self` (what the embedding holds)
+    assert "self.codebook may write" in reasons(report) or (
+        "projection input may change between the projection calls" in reasons(report)
+    )
     for original, merged in zip(model, fused):
         assert _same_on_ids(original, merged)
 
