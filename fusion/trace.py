@@ -352,13 +352,27 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 """Device types whose autocast state a trace puts back (`preserved_globals`)."""
 
 
-def _matmul_precision() -> str | None:
-    """`torch.get_float32_matmul_precision()`, or None where it cannot be read: after the
-    legacy and the per-backend precision APIs were both used, PyTorch refuses to answer."""
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        return None
+FP32_PRECISION_KEYS = (
+    ("generic", "all"),
+    ("mkldnn", "all"),
+    ("cuda", "all"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "conv"),
+    ("mkldnn", "rnn"),
+    ("cuda", "matmul"),
+    ("cuda", "conv"),
+    ("cuda", "rnn"),
+)
+"""Every float32 precision setting (backend, op), parents first: writing a parent resets
+its children, so they are written back in this order."""
+
+
+def _fp32_precisions() -> list[str]:
+    """The float32 precision settings (`FP32_PRECISION_KEYS`), read at the level ATen keeps
+    them: never refused, unlike `torch.get_float32_matmul_precision()` after the legacy and
+    per-backend APIs were mixed, and exact (`set_float32_matmul_precision("highest")` writes
+    'ieee' where the default is 'none', which later parent settings no longer override)."""
+    return [torch._C._get_fp32_precision_getter(b, op) for b, op in FP32_PRECISION_KEYS]
 
 
 @contextlib.contextmanager
@@ -371,16 +385,15 @@ def preserved_globals() -> Iterator[None]:
     cannot follow, a branch on a traced value): a `torch.set_grad_enabled(False)` or
     `torch.set_autocast_enabled("cpu", True)` that ran without its counterpart would outlive
     `fusion.plan` and silently change every later computation of the caller's. Each setting
-    is written back only where it changed, so a caller's own spelling of it (the legacy or
-    the per-backend precision API) is left as it was; a precision that could not be read on
-    entry (the two APIs mixed) is not touched."""
+    is written back only where it changed; the precision settings exactly as they were
+    (`_fp32_precisions`), whichever API set them."""
     grad = torch.is_grad_enabled()
     autocast = [
         (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         for device in AUTOCAST_DEVICES
     ]
     default_dtype = torch.get_default_dtype()
-    precision = _matmul_precision()
+    precision = _fp32_precisions()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     rng = torch.get_rng_state()
@@ -392,8 +405,9 @@ def preserved_globals() -> Iterator[None]:
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
         torch.set_default_dtype(default_dtype)
-        if precision is not None and _matmul_precision() != precision:
-            torch.set_float32_matmul_precision(precision)
+        if _fp32_precisions() != precision:
+            for (backend, op), value in zip(FP32_PRECISION_KEYS, precision):
+                torch._C._set_fp32_precision_setter(backend, op, value)
         if (deterministic, warn_only) != (
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),

@@ -30,7 +30,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fusion.trace import preserved_globals
+from fusion.trace import FP32_PRECISION_KEYS, preserved_globals
 
 DEFAULT_SELECTION = "not slow and not conformance"
 
@@ -98,10 +98,12 @@ def _global_torch_state() -> Iterator[None]:
         yield
     try:
         torch.get_float32_matmul_precision()
+        _ = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     except RuntimeError:
         # The legacy and per-backend precision APIs were mixed (PyTorch then refuses to
-        # answer either): the parent setting resets every backend's to its default.
-        torch.backends.fp32_precision = "none"
+        # answer either): every setting back to its default, as in a new process.
+        for backend, op in FP32_PRECISION_KEYS:
+            torch._C._set_fp32_precision_setter(backend, op, "none")
 
 
 @pytest.fixture(scope="package")

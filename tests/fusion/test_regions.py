@@ -240,10 +240,12 @@ class ManualSeed(Attention):
 class BackendsAssignment(Attention):
     def forward(self, h):
         q = self.q_proj(h)
-        previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
+        # (a flag with no legacy/per-backend API pair: reading the TF32 flags raises once
+        # another test mixed those APIs)
+        previous = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True
         k = self.k_proj(h)
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        torch.backends.cudnn.benchmark = previous
         v = self.v_proj(h)
         return self.o_proj(eager_attention_forward(self, q + 2.0 * k + 3.0 * v))
 
@@ -400,12 +402,9 @@ def same_behaviour(
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """Every hazard forward restores what it sets; this guards the other tests if one does
-    not (a failing assertion midway), the legacy TF32 flag too."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    not (a failing assertion midway)."""
     with preserved_globals():
         yield
-    if torch.backends.cuda.matmul.allow_tf32 != tf32:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 REGION = "merging would move it out of its region"
@@ -440,7 +439,7 @@ def test_a_with_around_some_calls_refuses(cls: type[nn.Module], reason: str) -> 
         (SetAutocastEnabled, "`torch.set_autocast_enabled('cpu', True)`"),
         (SetDefaultDtype, "`torch.set_default_dtype(torch.float64)`"),
         (ManualSeed, "`torch.manual_seed(0)`"),
-        (BackendsAssignment, "`torch.backends.cuda.matmul.allow_tf32` stores into state"),
+        (BackendsAssignment, "`torch.backends.cudnn.benchmark` stores into state"),
         (MatmulPrecision, "`torch.set_float32_matmul_precision('medium')`"),
         (UnknownManagerBetween, "`with LeakyAutocast()` is a context manager not known"),
         (HelperToggles, "`freeze()`"),

@@ -201,7 +201,7 @@ def test_a_kernel_blind_to_autocast_fails_autocast(llama, llama_inputs):
 
 def _medium_precision_moves(module, args, output):
     """Stands for a dense kernel that honours `medium` precision (bf16 passes on AMX)."""
-    if torch.get_float32_matmul_precision() == "medium":
+    if torch.backends.mkldnn.matmul.fp32_precision == "bf16":  # what "medium" sets on CPU
         output.logits = output.logits + 1e-2
     return output
 
@@ -217,7 +217,7 @@ def test_a_kernel_blind_to_matmul_precision_fails(llama, llama_inputs):
     llama.register_forward_hook(_medium_precision_moves)
     result = _run(llama, llama_inputs, _blind_to_precision_fuse)
     assert _verdicts(result)["matmul-precision"] == "fail", result.lifecycle
-    assert torch.get_float32_matmul_precision() == "highest"  # restored
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # restored
 
 
 def test_matmul_precision_passes_where_both_honour_it(llama, llama_inputs):
