@@ -24,21 +24,13 @@ The modules are written to files (fusion reads forwards with `inspect.getsource`
 from __future__ import annotations
 
 import copy
-import importlib.util
-import itertools
-import linecache
-import sys
 import textwrap
-from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 from torch import nn
 
 import fusion
-from fusion import registry
 from tests.write_spellings import HELPERS, Spelling, by_label
 
 HEADER = (
@@ -160,34 +152,6 @@ def _source(
         *(f"        {line}" for line in body),
     ]
     return HEADER + "\n\n" + "\n".join(lines) + "\n"
-
-
-_COUNTER = itertools.count()
-
-
-@pytest.fixture
-def load(tmp_path: Path) -> Iterator:
-    """Write a source to a file, import it, and forget it (and fusion's cache) after."""
-    loaded: list[tuple[str, Path]] = []
-
-    def _load(text: str) -> ModuleType:
-        name = f"piece_write_case_{next(_COUNTER)}"
-        path = tmp_path / f"{name}.py"
-        path.write_text(text, encoding="utf-8")
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        loaded.append((name, path))
-        return module
-
-    registry.clear_cache()
-    yield _load
-    for name, path in loaded:
-        sys.modules.pop(name, None)
-        linecache.cache.pop(str(path), None)
-    registry.clear_cache()
 
 
 def _fused(module: nn.Module, traced: nn.Module, fuser: str) -> nn.Module:
