@@ -33,7 +33,6 @@ import functools
 import inspect
 import math
 import re
-import textwrap
 import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -542,16 +541,8 @@ def function_keeps_state(fn: Any, owner: nn.Module | None, depth: int = 0) -> bo
     runs code its source does not show) and no closure, its source readable, and every node
     of it must pass `_node_hazard` (so every call it makes is proven in turn, to
     `MAX_DEPTH`)."""
-    if depth > MAX_DEPTH or inspect.unwrap(fn) is not fn:
-        return False
-    code = getattr(fn, "__code__", None)
-    if code is None or code.co_freevars:
-        return False
-    try:
-        funcdef = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return False
-    if not isinstance(funcdef, ast.FunctionDef):
+    funcdef = None if depth > MAX_DEPTH else source.plain_function_def(fn)
+    if funcdef is None:
         return False
     proof = StateProof.of(funcdef, owner, fn.__globals__, depth)
     managers: set[int] = set()

@@ -459,3 +459,19 @@ def _stub_defaults(funcdef: ast.FunctionDef, fn: Callable) -> bool:
 def unparse(funcdef: ast.FunctionDef) -> str:
     """Readable source of `funcdef` (for reports, diffs and repro bundles)."""
     return ast.unparse(funcdef) + "\n"
+
+
+def plain_function_def(fn: Callable) -> ast.FunctionDef | None:
+    """The AST of `fn`'s own source when what runs is exactly that source: no wrapper
+    (`inspect.unwrap`: a wrapper runs code of its own), no closure (free variables the
+    source does not bind), a readable `def`; else None, and the caller proves nothing."""
+    if inspect.unwrap(fn) is not fn:
+        return None
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_freevars:
+        return None
+    try:
+        funcdef = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    return funcdef if isinstance(funcdef, ast.FunctionDef) else None

@@ -31,7 +31,6 @@ import builtins
 import copy
 import inspect
 import math
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -115,16 +114,8 @@ def function_writes_nothing(fn: Callable, owner: nn.Module | None, depth: int = 
     `self.<name>` is read on `owner` only while `self` is its first parameter and never
     rebound (`name_resolution.self_is_bound_to_owner`); otherwise `self` is one more local
     (and may be any object)."""
-    if inspect.unwrap(fn) is not fn:
-        return False  # a wrapper runs code of its own around what the source shows
-    code = getattr(fn, "__code__", None)
-    if code is None or code.co_freevars or depth > MAX_DEPTH:
-        return False
-    try:
-        funcdef = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return False
-    if not isinstance(funcdef, ast.FunctionDef):
+    funcdef = None if depth > MAX_DEPTH else source.plain_function_def(fn)
+    if funcdef is None:
         return False
     rebound = owner is not None and not self_is_bound_to_owner(funcdef)
     if rebound:
