@@ -7,32 +7,64 @@ the report while fusing continues elsewhere.
 
 A model that is already (partly) fused is walked the same way: a fused module (a class of
 this package: MergedLinear, FusedRMSNorm, FusedMoE, ...) or a module whose forward was
-rewritten around fused children is reported as skipped, "already fused", and left alone.
+rewritten around fused children is reported as skipped, "already fused", and left alone,
+except that a merged projection whose Parameters stopped viewing its stacked weight is
+merged again where that is unobservable (`MergedLinear.restack`).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from fusion import placement, registry
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
+from fusion.modules import MergedLinear
 from fusion.report import Applied, FusionReport, Skipped
 
 
-def _snapshot(module: nn.Module) -> dict[str, Any]:
-    return {
-        key: (type(value)(value) if isinstance(value, dict) else value)
-        for key, value in module.__dict__.items()
-    }
+@dataclass
+class _Snapshot:
+    """What a fuser may change on a module, to restore exactly: the module's own attribute
+    dict (one level of its dicts copied), and for every module below it its class (a
+    `decode_linear`-style class swap) and every Parameter's memory address (a merge makes
+    each Parameter a view of a stacked weight). Addresses, not the tensors: holding an
+    alias of each Parameter's memory would itself make the memory shared, which a merge
+    refuses (`MergedLinear.restack` moves only memory nothing else uses)."""
+
+    attributes: dict[str, Any]
+    classes: list[tuple[nn.Module, type]]
+    addresses: list[tuple[nn.Parameter, int]]
 
 
-def _restore(module: nn.Module, snapshot: dict[str, Any]) -> None:
+def _snapshot(module: nn.Module) -> _Snapshot:
+    return _Snapshot(
+        {
+            key: (type(value)(value) if isinstance(value, dict) else value)
+            for key, value in module.__dict__.items()
+        },
+        [(m, type(m)) for m in module.modules()],
+        [(p, p.data_ptr()) for p in module.parameters()],
+    )
+
+
+def _restore(module: nn.Module, snapshot: _Snapshot) -> None:
     module.__dict__.clear()
-    module.__dict__.update(snapshot)
+    module.__dict__.update(snapshot.attributes)
+    for m, cls in snapshot.classes:
+        if type(m) is not cls:
+            m.__class__ = cls
+    with torch.no_grad():
+        for p, address in snapshot.addresses:
+            if p.data_ptr() != address:
+                # moved into a stacked weight, from memory it alone used: memory of its own
+                # again, same values (only the address differs, which nothing else saw)
+                p.data = p.data.clone()
 
 
 def module_at(model: nn.Module, qualname: str) -> nn.Module:
@@ -100,6 +132,10 @@ def run(
             continue  # dropped by a replacement that kept some children (FusedMoE)
         cls_name = type(module).__name__
         already = _already_fused(module)
+        if already is not None and isinstance(module, MergedLinear) and not dry_run:
+            # fusing again re-merges what is provable: Parameters converted or replaced
+            # since, each the only user of its memory, become views of a new stacked weight
+            module.restack()
         if already is not None:
             inner = any(f"{qualname}.".startswith(prefix) for prefix in fused_parts)
             if _is_fused_module(module):

@@ -20,6 +20,15 @@ the fusion.
 the original source it was derived from, and the rewritten AST. On load the class's current
 forward source must be the one that was rewritten; otherwise loading raises instead of
 grafting an old rewrite onto a changed forward.
+
+Guards (`fusion.guards`): the children, methods and global names a fuser's proof relied on
+are checked before every call; when one no longer holds (a child replaced or hooked, a
+helper monkeypatched), the call runs the class's *original* forward instead, counted in
+`guard_failures`. The fused state never removes what the original forward needs (merged
+projections keep their children, `fusion.modules.MergedLinear`), so the original always
+computes the unfused function. While Dynamo traces, the child guards are traced with the
+forward (Dynamo then guards what they read, and recompiles when it changes); the global
+names are left to Dynamo's own guards on the globals it reads.
 """
 
 from __future__ import annotations
@@ -32,10 +41,12 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from fusion import source
 from fusion.errors import RewriteRefused
+from fusion.guards import GlobalsGuard, Guard, first_failure
 
 
 class BoundForward:
@@ -48,12 +59,18 @@ class BoundForward:
         original: str,
         rewritten: ast.FunctionDef,
         fn: Callable[..., Any],
+        guards: tuple[Guard, ...] = (),
+        globals_guard: GlobalsGuard | None = None,
     ) -> None:
         self.module = module
         self.cls = cls
         self.original = original
         self.rewritten = rewritten
         self.fn = fn
+        self.guards = tuple(guards)
+        self.globals_guard = GlobalsGuard.of(fn) if globals_guard is None else globals_guard
+        self.guard_failures = 0
+        self.last_failure: str | None = None
         self.call = rewrap(cls.forward, fn)
         # The class's own signature (the rewrite keeps the parameters, minus annotations).
         signature = inspect.signature(inspect.unwrap(cls.forward))
@@ -63,7 +80,20 @@ class BoundForward:
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(self.module, *args, **kwargs)
+        reason = self.failure()
+        if reason is None:
+            return self.call(self.module, *args, **kwargs)
+        if not torch.compiler.is_compiling():
+            self.guard_failures += 1
+            self.last_failure = reason
+        return self.cls.forward(self.module, *args, **kwargs)
+
+    def failure(self) -> str | None:
+        """Why the rewrite may not run now (a guard that no longer holds), or None."""
+        reason = first_failure(self.module, self.guards)
+        if reason is None and not torch.compiler.is_compiling():
+            reason = self.globals_guard.failure()
+        return reason
 
     @property
     def __self__(self) -> nn.Module:
@@ -74,12 +104,16 @@ class BoundForward:
         return self.fn
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_rebuild, (self.module, self.cls, self.original, self.rewritten))
+        return (_rebuild, (self.module, self.cls, self.original, self.rewritten, self.guards))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BoundForward:
-        # The compiled function is immutable and shared; only the instance is copied.
+        # The compiled function and the global names are shared; the instance and the
+        # children its guards watch are copied (memo: the copy's own children).
         module = copy.deepcopy(self.module, memo)
-        return BoundForward(module, self.cls, self.original, self.rewritten, self.fn)
+        guards = copy.deepcopy(self.guards, memo)
+        return BoundForward(
+            module, self.cls, self.original, self.rewritten, self.fn, guards, self.globals_guard
+        )
 
     def __repr__(self) -> str:
         return f"<fused forward of {type(self.module).__name__} (rewritten by fusion)>"
@@ -133,7 +167,11 @@ def _contents(cell: types.CellType) -> Any:
 
 
 def _rebuild(
-    module: nn.Module, cls: type, original: str, rewritten: ast.FunctionDef
+    module: nn.Module,
+    cls: type,
+    original: str,
+    rewritten: ast.FunctionDef,
+    guards: tuple[Guard, ...] = (),
 ) -> BoundForward:
     """Recompile the rewrite against `cls`'s current forward (unpickling).
 
@@ -147,12 +185,14 @@ def _rebuild(
             "changed since the model was fused and saved (another Transformers version?); "
             "load the model where it was saved, or save its state_dict and fuse again"
         )
-    return BoundForward(module, cls, original, rewritten, source.compile_forward(rewritten, fn))
+    compiled = source.compile_forward(rewritten, fn)
+    return BoundForward(module, cls, original, rewritten, compiled, guards)
 
 
-def bind(module: nn.Module, fn: Callable[..., Any]) -> None:
+def bind(module: nn.Module, fn: Callable[..., Any], guards: tuple[Guard, ...] = ()) -> None:
     """Install `fn`, a rewrite compiled by `source.compile_forward`, as `module.forward`
-    (this instance only)."""
+    (this instance only), guarded by `guards` (what the fuser's proof relied on that the
+    user can change) and by the global names `fn` reads."""
     rewritten, original_fn = fn.__fusion_rewrite__  # type: ignore[attr-defined]
     cls = type(module)
     if inspect.unwrap(cls.forward) is not original_fn:
@@ -161,4 +201,4 @@ def bind(module: nn.Module, fn: Callable[..., Any]) -> None:
     if original is None:  # parsed once per compiled rewrite, not per instance
         original = source.unparse(source.recover_forward(cls)[0])
         fn.__fusion_original__ = original  # type: ignore[attr-defined]
-    module.forward = BoundForward(module, cls, original, rewritten, fn)
+    module.forward = BoundForward(module, cls, original, rewritten, fn, tuple(guards))

@@ -5,33 +5,37 @@ A fused model must be a drop-in replacement for saving and loading: `state_dict(
 *unfused* keys, so a stock Transformers class (or vLLM) loads what a fused model saved; and
 `load_state_dict` accepts the unfused keys (and, for older fused saves, the merged ones).
 
-How, for a module holding a merged child (`qkv_proj`, `gate_up_proj`, a repacked
-Transformers 4 `experts`):
+Merged projections (`MergedLinear`) need no translation: the projections stay children under
+their names, with their own Parameters (views of the stacked weight), so `state_dict()`
+has the unfused keys, order and bits and `load_state_dict` writes into the stacked weight
+in place. One thing remains: the entries would share one storage (the stacked weight's),
+and tools that group state-dict entries by storage (accelerate's and safetensors'
+`save_model`, safetensors' `save_file`, Transformers' tied-weight checks) would see
+weights "tied" to each other, which the unfused model's are not. A state-dict hook on the
+parent gives each shard's entry a storage object of its own over the same memory
+(`_own_storage`).
 
-- a state-dict hook on that module replaces the merged tensors by their exact slices under
-  the original keys (aliases of the merged tensor's memory: bit-identical, no copy, and
-  writing through them writes the model, as writing through a stock state dict's tensors
-  does). Each slice gets a storage object of its own over that memory (`_own_storage`), so
-  tools that group state-dict entries by storage (accelerate's and safetensors'
-  `save_model`, Transformers' tied-weight checks) see separate tensors, as they do on the
-  unfused model, instead of weights "tied" to each other that they would drop. Zero bias
-  shards synthesised for bias-less projections are dropped.
-- a load pre-hook stacks the unfused keys back into the merged key before the module checks
-  its own keys. A partial checkpoint loads what it has, as stock PyTorch does: shards it
+A Transformers 4 `experts` ModuleList repacked into `PackedExperts` does need translation:
+
+- a state-dict hook on that module replaces the packed tensors by their exact slices under
+  the original keys (aliases of the packed tensor's memory, each with its own storage
+  object, as above);
+- a load pre-hook stacks the unfused keys back into the packed key before the module checks
+  its own keys. A partial checkpoint loads what it has, as stock PyTorch does: experts it
   lacks keep their current values and are reported in `missing_keys` under their unfused
   names (so `strict=True` raises the stock error, `strict=False` returns them).
 
-Hooks sit on the parent of the merged child: a parent checks its own keys for unexpected
+Hooks sit on the parent of the packed child: a parent checks its own keys for unexpected
 entries before its children load, so the keys must be rewritten before that check. Each hook
 touches only keys under its own prefix, so a same-named projection elsewhere (an unfused
-expert's `gate_proj`) is never touched. Hooks are module-level dataclasses (picklable), so
+module's `q_proj`) is never touched. Hooks are module-level dataclasses (picklable), so
 `torch.save(model)` and `copy.deepcopy` keep them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,26 +48,6 @@ from fusion.moe_modules import PackedExperts
 
 _LAYOUT_ATTR = "_fusion_unfused_layouts"
 """Instance attribute listing the merged child names a module already has hooks for."""
-
-
-# --------------------------------------------------------------------------------------------
-# Merged projections (`MergedLinear`).
-
-
-def _merged_pieces(
-    merged: MergedLinear, leaf: str, tensor: torch.Tensor | None
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """(original child name, exact slice) of a merged `weight`/`bias`, skipping synthetic
-    zero biases. None (an absent gradient, see `unfused_named`) splits into Nones."""
-    if tensor is None:
-        pieces: tuple[torch.Tensor | None, ...] = (None,) * len(merged.output_sizes)
-    else:
-        with torch.no_grad():
-            pieces = tensor.split(merged.output_sizes, dim=0)
-    for name, has_bias, piece in zip(merged.shard_names, merged.shard_bias, pieces):
-        if leaf == "bias" and not has_bias:
-            continue
-        yield name, piece
 
 
 def _own_storage(piece: torch.Tensor | None) -> torch.Tensor | None:
@@ -109,24 +93,21 @@ def _replace_in_place(
 
 
 @dataclass
-class MergedStateDictHook:
-    """`state_dict` post-hook: `<prefix><merged>.weight|bias` -> the original shard keys."""
+class OwnStoragesHook:
+    """`state_dict` post-hook: each entry of a `MergedLinear`'s shards gets a storage object
+    of its own (`_own_storage`) while they view its stacked weight."""
 
     merged_name: str
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
         merged = getattr(module, self.merged_name, None)
-        if not isinstance(merged, MergedLinear):
+        if not isinstance(merged, MergedLinear) or not merged.views_hold():
             return
-        for leaf in ("weight", "bias"):
-            key = f"{prefix}{self.merged_name}.{leaf}"
-            if key not in state_dict:
-                continue
-            pieces = [
-                (f"{prefix}{name}.{leaf}", piece)
-                for name, piece in _merged_pieces(merged, leaf, state_dict[key])
-            ]
-            _replace_in_place(state_dict, key, pieces)
+        for name in merged.shard_names:
+            for leaf in ("weight", "bias"):
+                key = f"{prefix}{name}.{leaf}"
+                if key in state_dict:
+                    state_dict[key] = _own_storage(state_dict[key])
 
 
 class _LoadPreHook:
@@ -149,37 +130,6 @@ class _LoadPreHook:
         self, module: nn.Module, state_dict: dict, prefix: str, missing_keys: list[str]
     ) -> None:
         raise NotImplementedError
-
-
-@dataclass
-class MergedLoadHook(_LoadPreHook):
-    """`load_state_dict` pre-hook: the original shard keys -> `<prefix><merged>.<leaf>`."""
-
-    merged_name: str
-
-    def load(
-        self, module: nn.Module, state_dict: dict, prefix: str, missing_keys: list[str]
-    ) -> None:
-        merged = getattr(module, self.merged_name, None)
-        if not isinstance(merged, MergedLinear):
-            return
-        for leaf in ("weight", "bias"):
-            current = getattr(merged, leaf)
-            if current is None:
-                continue
-            has = merged.shard_bias if leaf == "bias" else (True,) * len(merged.shard_names)
-            shard_keys = [
-                f"{prefix}{name}.{leaf}" if own else None
-                for name, own in zip(merged.shard_names, has)
-            ]
-            _stack_into(
-                state_dict,
-                f"{prefix}{self.merged_name}.{leaf}",
-                shard_keys,
-                current.detach().split(merged.output_sizes, dim=0),
-                missing_keys,
-                lambda parts: torch.cat(parts, dim=0),
-            )
 
 
 def _stack_into(
@@ -307,10 +257,13 @@ def _register(module: nn.Module, name: str, state_hook: Any, load_hook: Any) -> 
     module.register_load_state_dict_pre_hook(load_hook)
 
 
-def register_unfused_layout(module: nn.Module, merged_name: str) -> None:
-    """Make `module`'s state dict use the unfused keys of the projections merged into
-    `module.<merged_name>` (a `MergedLinear`), for saving and for loading. Per instance."""
-    _register(module, merged_name, MergedStateDictHook(merged_name), MergedLoadHook(merged_name))
+def register_own_storages(module: nn.Module, merged_name: str) -> None:
+    """Give the state-dict entries of the projections merged into `module.<merged_name>`
+    (a `MergedLinear`) storage objects of their own. Per instance."""
+    done = module.__dict__.setdefault(_LAYOUT_ATTR, [])
+    if merged_name not in done:
+        done.append(merged_name)
+        module.register_state_dict_post_hook(OwnStoragesHook(merged_name))
 
 
 def register_packed_experts_layout(module: nn.Module, experts_name: str) -> None:
@@ -322,7 +275,8 @@ def register_packed_experts_layout(module: nn.Module, experts_name: str) -> None
 def unfused_state_dict(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
     """The state dict an unfused twin of `model` has: keys, shapes and bits.
 
-    Since fused modules register `register_unfused_layout` hooks, this is `model.state_dict()`
+    Since merged projections keep their Parameters and repacked experts register their
+    layout hooks, this is `model.state_dict()`
     itself; kept as the explicit name for callers that want to say what they rely on."""
     return model.state_dict()
 
@@ -331,14 +285,14 @@ def unfused_named(
     model: nn.Module, tensors: dict[str, torch.Tensor | None]
 ) -> dict[str, torch.Tensor | None]:
     """`tensors` keyed like `model.named_parameters()` (e.g. gradients), re-keyed and split
-    into the unfused layout exactly as `state_dict()` is: merged and packed entries become
-    their original per-projection (per-expert) keys, None (no gradient) staying None for
+    into the unfused layout exactly as `state_dict()` is: packed entries become their
+    original per-expert keys (merged projections already have theirs), None staying None for
     each. A new dict; `tensors` is not modified."""
     result = dict(tensors)
     for qualname, module in model.named_modules():
         prefix = f"{qualname}." if qualname else ""
         for hook in module._state_dict_hooks.values():
-            if isinstance(hook, (MergedStateDictHook, PackedStateDictHook)):
+            if isinstance(hook, PackedStateDictHook):
                 hook(module, result, prefix, None)
     return result
 
@@ -348,7 +302,8 @@ def fused_names(model: nn.Module) -> dict[str, str]:
     buffer that holds its values (itself where nothing was merged).
 
     For reports about the fused model in checkpoint terms, and back: a loader's missing
-    `q_proj.weight` is, on the fused model, (a slice of) `qkv_proj.weight`. Derived from the
+    `experts.0.gate_proj.weight` is, on a repacked model, (a slice of)
+    `experts.gate_up_proj`. Derived from the
     same state-dict hooks `state_dict()` runs, so the two cannot disagree."""
     names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
     names += [name for name, _ in model.named_buffers(remove_duplicate=False)]

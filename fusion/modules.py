@@ -7,7 +7,7 @@ while `torch.compile` traces), so a backend can be swapped without refusing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
 from typing import Any
 
 import torch
@@ -15,98 +15,202 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.kernels import contract, ops, torch_ref
-from fusion.params import apply_state, common_state
 
 
 class MergedLinear(nn.Module):
-    """Several linears reading one input, as one stacked weight and one GEMM.
+    """Sibling linears that read one input, computed as one GEMM on one stacked weight
+    whose rows *are* their Parameters.
+
+    The children stay where they were (`shards`, held here unregistered: they remain the
+    parent's children, under their names), and so do their Parameters: merging allocates
+    one stacked weight (and bias) and makes each shard's `weight`/`bias` a view of its rows
+    (`Parameter.data`), so parameter identity, names, order, `requires_grad`, attributes,
+    optimiser state, `state_dict` and `load_state_dict` are the unfused model's, with no
+    translation. Every in-place write to a Parameter (an optimiser step, `load_state_dict`,
+    `p.data.copy_`) writes the stacked weight the GEMM reads, so it can never be stale.
 
     `forward` returns the concatenated outputs; the rewritten forward splits them with
-    `output_sizes`. `shard_names` and `shard_bias` remember the original children so the
-    unfused checkpoint maps onto this module and back bit for bit. A shard without a bias
-    gets exact zeros in the stacked bias when any other shard has one: adding 0.0 changes
-    no value, and one GEMM with bias stays one GEMM.
+    `output_sizes`. It runs the stacked GEMM only while `views_hold()` (each shard's current
+    Parameter still views its rows: `p.data = other`, a swapped Parameter, `.to()` of one
+    child or `torch.func.functional_call` break it) and no gradient is recorded for the
+    Parameters; otherwise it computes each shard with `F.linear` on the shard's current
+    Parameters, exactly the unfused calls (so training computes the unfused gradients, bit
+    for bit, into each Parameter's own `.grad`). Under `torch.compile` it always runs the
+    shards apart: Dynamo guards neither the views nor a Parameter's `.data`.
+    `stacked_calls` / `shard_calls` count which way each call went.
+
+    A shard without a bias has exact zeros in the stacked bias when another has one:
+    adding 0.0 changes no value, and one GEMM with bias stays one GEMM.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        output_sizes: Sequence[int],
-        shard_names: Sequence[str],
-        shard_bias: Sequence[bool],
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, linears: dict[str, nn.Linear]) -> None:
         super().__init__()
         ops.resolve_decode_kernels()  # before any trace: compiled code only reads them
-        if not (len(output_sizes) == len(shard_names) == len(shard_bias)):
-            raise ValueError("output_sizes, shard_names and shard_bias differ in length")
-        self.in_features = in_features
-        self.output_sizes = [int(size) for size in output_sizes]
-        self.shard_names = tuple(shard_names)
-        self.shard_bias = tuple(bool(b) for b in shard_bias)
-        total = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype, device=device))
-        if any(self.shard_bias):
-            self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device))
-        else:
-            self.register_parameter("bias", None)
+        if not linears:
+            raise ValueError("MergedLinear needs at least one linear")
+        first = next(iter(linears.values()))
+        self.in_features = int(first.in_features)
+        self.output_sizes = [int(lin.out_features) for lin in linears.values()]
+        self.shard_names = tuple(linears)
+        self.shard_bias = tuple(lin.bias is not None for lin in linears.values())
+        # A plain tuple: nn.Module registers only Module/Parameter/Tensor attributes, so the
+        # children stay the parent's alone (one name each in named_modules/parameters).
+        self.shards: tuple[nn.Linear, ...] = tuple(linears.values())
+        self.stacked_weight: torch.Tensor | None = None
+        self.stacked_bias: torch.Tensor | None = None
+        self.stacked_calls = 0
+        self.shard_calls = 0
+        if not self.restack():
+            current = self._current()
+            reason = restack_refusal(
+                self.shard_names, current, self.output_sizes, self.in_features, self.shard_bias
+            )
+            raise ValueError(f"the linears cannot share one stacked weight: {reason}")
 
     @classmethod
     def from_linears(cls, linears: dict[str, nn.Linear]) -> MergedLinear:
         """Stack `linears` (name -> module, in shard order) into one merged module.
 
         The caller has checked they share in_features, dtype and device."""
-        first = next(iter(linears.values()))
-        merged = cls(
-            first.in_features,
-            [linear.out_features for linear in linears.values()],
-            list(linears),
-            [linear.bias is not None for linear in linears.values()],
-            dtype=first.weight.dtype,
-            device=first.weight.device,
+        return cls(linears)
+
+    # -- the stacked weight and its views ------------------------------------------------
+
+    def _current(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Each shard's current (weight, bias), read from the child: what it computes with."""
+        return [(lin._parameters.get("weight"), lin._parameters.get("bias")) for lin in self.shards]
+
+    def views_hold(self) -> bool:
+        """Whether every shard's current weight (and bias) is exactly its rows of the stacked
+        weight (bias): same memory (address), shape, strides, dtype, device, a plain
+        Parameter with no conjugate/negative bit. Then the stacked GEMM reads exactly the
+        values each shard's own `F.linear` would. A few attribute reads per shard."""
+        weight, bias = self.stacked_weight, self.stacked_bias
+        if weight is None:
+            return False
+        base, wsize = weight.data_ptr(), weight.element_size()
+        bbase = bias.data_ptr() if bias is not None else 0
+        row = 0
+        for lin, size, has_bias in zip(self.shards, self.output_sizes, self.shard_bias):
+            w = lin._parameters.get("weight")
+            if not _is_view(
+                w, weight, base + row * self.in_features * wsize, (size, self.in_features)
+            ):
+                return False
+            b = lin._parameters.get("bias")
+            if (b is not None) != has_bias:
+                return False
+            if b is not None and not _is_view(b, bias, bbase + row * wsize, (size,)):
+                return False
+            row += size
+        return True
+
+    def restack(self) -> bool:
+        """Make the shards' Parameters views of one stacked weight (bias) again, or leave the
+        module running its shards apart. Returns whether the views hold afterwards.
+
+        A no-op while they hold. Otherwise it copies each shard's current values into a new
+        stacked tensor and points the Parameter's `.data` at its rows, but only where that
+        cannot be observed: every Parameter a plain `nn.Parameter` of one dtype and device,
+        strided, of its shard's shape, and the *only* user of its memory (no other tensor,
+        view, saved-for-backward value or state-dict entry aliases it), so no write through
+        anything else can be lost by the move. Anything else: the stacked weight is dropped
+        and `forward` computes each shard from its own Parameters (correct, unmerged).
+        Called at construction, by `_apply` (after `model.to(...)`, `.half()`, `.cuda()`
+        converted the children) and by `fusion.fuse` on an already fused model."""
+        if self.views_hold():
+            return True
+        current = self._current()
+        ours = tuple(t for t in (self.stacked_weight, self.stacked_bias) if t is not None)
+        refusal = restack_refusal(
+            self.shard_names, current, self.output_sizes, self.in_features, self.shard_bias, ours
         )
+        self.stacked_weight = self.stacked_bias = None
+        if refusal is not None:
+            return False
         with torch.no_grad():
-            merged.weight.copy_(torch.cat([lin.weight for lin in linears.values()], dim=0))
-            if merged.bias is not None:
-                merged.bias.copy_(torch.cat([_bias_or_zeros(lin) for lin in linears.values()]))
-        apply_state(merged.weight, common_state({n: lin.weight for n, lin in linears.items()}))
-        biases = {n: lin.bias for n, lin in linears.items() if lin.bias is not None}
-        if biases:
-            apply_state(merged.bias, common_state(biases))
-        return merged
+            weight = torch.cat([w.detach() for w, _ in current], dim=0)
+            bias = None
+            if any(self.shard_bias):
+                bias = torch.cat(
+                    [
+                        b.detach() if b is not None else weight.new_zeros(size)
+                        for (_, b), size in zip(current, self.output_sizes)
+                    ]
+                )
+            row = 0
+            for (w, b), size in zip(current, self.output_sizes):
+                w.data = weight[row : row + size]
+                if b is not None:
+                    b.data = bias[row : row + size]
+                row += size
+        self.stacked_weight, self.stacked_bias = weight, bias
+        return self.views_hold()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MergedLinear:
+        # The parent converts its children first (they were registered before this
+        # module): each converted Parameter is a fresh tensor, no longer a view; restack.
+        self.restack()
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MergedLinear:
+        # `Parameter.__deepcopy__` clones each Parameter into memory of its own, so the
+        # copy's Parameters never view a copied stacked weight: copy everything but the
+        # stacked tensors, then restack the copy's (fresh, unaliased) Parameters.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        skip = ("stacked_weight", "stacked_bias")
+        state = {k: v for k, v in self.__dict__.items() if k not in skip}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new.stacked_weight = new.stacked_bias = None
+        new.restack()
+        return new
+
+    # -- computing ---------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
+        current = self._current()
+        tensors = [t for pair in current for t in pair if t is not None]
         if (
-            bias is not None
-            and not all(self.shard_bias)
-            and bias.requires_grad
-            and torch.is_grad_enabled()
+            torch.compiler.is_compiling()
+            or torch_ref.records_grad(*tensors)
+            or not self.views_hold()
         ):
-            # The zero slices stand in for absent biases: no gradient may reach them, or an
-            # optimiser step would give a bias-less projection a bias. Multiplying by the
-            # 0/1 mask keeps every value exact (b * 1.0 == b) and zeroes their gradient.
-            bias = bias * self._bias_mask(bias)
-        decoded = ops.decode_product(x, self.weight, bias)
+            if not torch.compiler.is_compiling():
+                self.shard_calls += 1
+            return self._shards_apart(x, current)
+        self.stacked_calls += 1
+        weight, bias = self.stacked_weight, self.stacked_bias
+        decoded = ops.decode_product(x, weight, bias)
         if decoded is not None:
             # decode sizes on a CPU: one stacked product by a kernel that streams the live
             # weight once and errs no more than MKL (`ops.decode_product`)
             return decoded
         if self._per_shard(x, bias):
             return self._shard_products(x, bias)
-        return F.linear(x, self.weight, bias)
+        return F.linear(x, weight, bias)
+
+    def _shards_apart(
+        self, x: torch.Tensor, current: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    ) -> torch.Tensor:
+        """Each shard's `F.linear` on its own current Parameters, concatenated: the unfused
+        calls exactly (autograd included). Without a gradient to record, a decode-sized
+        product may take `ops.decode_product`, as an unmerged `RowLinear` would."""
+        pieces = []
+        for weight, bias in current:
+            tensors = (x, weight) if bias is None else (x, weight, bias)
+            decoded = (
+                None if torch_ref.records_grad(*tensors) else ops.decode_product(x, weight, bias)
+            )
+            pieces.append(F.linear(x, weight, bias) if decoded is None else decoded)
+        return torch.cat(pieces, dim=-1)
 
     def _per_shard(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `forward` runs one GEMM per shard (`_shard_products`) instead of one
-        stacked GEMM: several shards, several float32 rows on a CPU, inference (no gradient
-        recorded), where PyTorch itself would run its plain dense kernel
-        (`contract.plain_dense`; elsewhere the one stacked `F.linear` runs, the module's
-        reference: e.g. a weight subclass overriding `F.linear` but not `split` would lose
-        its override on the shards); under `torch.compile` too (Inductor runs a CPU float32
-        GEMM as MKL's `mm` as well: one stacked GEMM was 0.90x the shards at 16 rows,
-        gate_up 2048 -> 2 x 8192, one thread).
+        stacked GEMM: several shards, several float32 rows on a CPU, where PyTorch itself
+        would run its plain dense kernel (`contract.plain_dense`; elsewhere the one stacked
+        `F.linear` runs, the module's reference: e.g. a weight subclass overriding
+        `F.linear` but not `split` would lose its override on the shards).
 
         Why: MKL's float32 GEMM at 2-128 rows runs a stacked weight slower than its pieces
         (on a 2-core Zen 4, one thread: 16 rows, 2048 -> 8192+8192 1.13x faster per shard,
@@ -115,14 +219,15 @@ class MergedLinear(nn.Module):
         every weight write is seen), and each output element is the same dot product as
         the stacked GEMM's (rounding of the reduction may differ, as between any two GEMM
         calls)."""
+        weight = self.stacked_weight
         return (
-            len(self.output_sizes) > 1
+            weight is not None
+            and len(self.output_sizes) > 1
             and x.device.type == "cpu"
             and x.dtype == torch.float32
-            and self.weight.dtype == torch.float32
+            and weight.dtype == torch.float32
             and x.numel() > x.shape[-1]
-            and not torch_ref.records_grad(x, self.weight, *(() if bias is None else (bias,)))
-            and contract.plain_dense("cpu", x, self.weight, bias) is None
+            and contract.plain_dense("cpu", x, weight, bias) is None
         )
 
     def _shard_products(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -134,7 +239,8 @@ class MergedLinear(nn.Module):
         Why a concatenation rather than each GEMM writing its column block of one output:
         MKL writes a strided output block more slowly than the copy costs (interleaved, 16
         rows, Qwen3-0.6B / Llama-3.2-1B MLPs: 0.5-2% slower at 1 and 2 threads)."""
-        weights = self.weight.split(self.output_sizes, dim=0)
+        assert self.stacked_weight is not None
+        weights = self.stacked_weight.split(self.output_sizes, dim=0)
         biases = (None,) * len(weights) if bias is None else bias.split(self.output_sizes)
         pieces = [
             F.linear(x, w, b if own else None)
@@ -142,18 +248,104 @@ class MergedLinear(nn.Module):
         ]
         return torch.cat(pieces, dim=-1)
 
-    def _bias_mask(self, bias: torch.Tensor) -> torch.Tensor:
-        pieces = [
-            torch.full((size,), float(has), dtype=bias.dtype, device=bias.device)
-            for size, has in zip(self.output_sizes, self.shard_bias)
-        ]
-        return torch.cat(pieces)
-
     def extra_repr(self) -> str:
         shards = ", ".join(
             f"{name}={size}" for name, size in zip(self.shard_names, self.output_sizes)
         )
-        return f"in_features={self.in_features}, shards=({shards}), bias={self.bias is not None}"
+        state = "stacked" if self.views_hold() else "shards apart"
+        return (
+            f"in_features={self.in_features}, shards=({shards}), "
+            f"bias={any(self.shard_bias)}, {state}"
+        )
+
+
+def _is_view(p: Any, stacked: torch.Tensor | None, address: int, shape: tuple[int, ...]) -> bool:
+    """Is `p` a plain Parameter that is exactly `shape` contiguous elements of `stacked`'s
+    memory starting at `address`, of its dtype and device?"""
+    return (
+        stacked is not None
+        and type(p) is nn.Parameter
+        and p.data_ptr() == address
+        and p.shape == shape
+        and p.is_contiguous()
+        and p.dtype == stacked.dtype
+        and p.device == stacked.device
+        and p.layout == torch.strided
+        and not p.is_neg()
+        and not p.is_conj()
+    )
+
+
+def _storage_users(t: torch.Tensor) -> int | None:
+    """How many tensors (and storage handles) share `t`'s memory, or None where PyTorch
+    cannot say (the count is a private API: its absence makes `restack` refuse)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    try:
+        return int(count(t.untyped_storage()._cdata))
+    except (RuntimeError, AttributeError, TypeError):
+        return None
+
+
+_SOLE_USER = _storage_users(nn.Parameter(torch.empty(1)))
+"""`_storage_users` of a Parameter that alone holds its memory (the count includes the
+handle the query itself makes), measured once on this PyTorch."""
+
+
+def _unmovable(
+    name: str, p: Any, first: torch.Tensor, shape: tuple[int, ...], ours: list[torch.Tensor]
+) -> str | None:
+    """Why `p` (named `name`) cannot move into a stacked tensor unobserved, or None: it must
+    be a plain, strided Parameter of `shape` and of `first`'s dtype and device, and its
+    memory used by nothing but tensors in `ours` (the shards' Parameters and the stacked
+    tensors, all of which move or are dropped together); else a write through the other
+    user would miss the model."""
+    if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
+        return f"{name} is a {type(p).__name__}, not a plain nn.Parameter"
+    if p.layout != torch.strided or p.is_neg() or p.is_conj():
+        return f"{name} is not a plain strided tensor"
+    if p.shape != shape:
+        return f"{name} has shape {tuple(p.shape)}, not {shape}"
+    if p.dtype != first.dtype or p.device != first.device:
+        return f"{name} is {p.dtype} on {p.device}, the first shard {first.dtype} on {first.device}"
+    if _SOLE_USER is None:
+        return "this PyTorch cannot say whether a Parameter's memory is shared"
+    storage = p.untyped_storage()._cdata
+    expected = _SOLE_USER - 1 + sum(t.untyped_storage()._cdata == storage for t in ours)
+    if _storage_users(p) != expected:
+        return (
+            f"{name} shares its memory with another tensor (a view, a state-dict entry or a "
+            "value saved for backward held elsewhere): writes through it would miss the "
+            "stacked weight"
+        )
+    return None
+
+
+def restack_refusal(
+    names: tuple[str, ...],
+    current: list[tuple[Any, Any]],
+    sizes: list[int],
+    in_features: int,
+    has_bias: tuple[bool, ...],
+    held: tuple[torch.Tensor, ...] = (),
+) -> str | None:
+    """Why the shards' current (weight, bias) pairs cannot become views of one stacked
+    weight and bias, or None (`MergedLinear.restack`; the stacking fusers ask it first).
+    `held`: the stacked tensors the caller holds now (dropped by the move)."""
+    first = current[0][0]
+    ours = [*held, *(t for pair in current for t in pair if isinstance(t, torch.Tensor))]
+    if not isinstance(first, torch.Tensor):
+        return f"{names[0]}.weight is not a tensor"
+    for name, (w, b), size, has in zip(names, current, sizes, has_bias):
+        reason = _unmovable(f"{name}.weight", w, first, (size, in_features), ours)
+        if reason is None and (b is not None) != has:
+            reason = f"{name}.bias was {'added' if b is not None else 'removed'}"
+        if reason is None and b is not None:
+            reason = _unmovable(f"{name}.bias", b, first, (size,), ours)
+        if reason is not None:
+            return reason
+    return None
 
 
 class RowLinear(nn.Linear):
@@ -165,12 +357,6 @@ class RowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         decoded = ops.decode_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if decoded is None else decoded
-
-
-def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:
-    if linear.bias is not None:
-        return linear.bias
-    return torch.zeros(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
 
 
 class ActAndMul(nn.Module):

@@ -82,7 +82,9 @@ class Fuser(ABC):
 
     def dropped_children(self, module: nn.Module) -> tuple[str, ...]:
         """Names of `module`'s direct children that `fuse` takes out of the model (e.g. a
-        `ModuleList` of experts repacked into new tensors). `fusion.apply` visits none of
+        `ModuleList` of experts repacked into new tensors) or takes over (the shards of a
+        merged projection: they stay in place, computed by the merged module, and must
+        stay plain linears for its guards to hold). `fusion.apply` visits none of
         them afterwards, and `plan` (which installs nothing) skips them too, so a dry run
         reports what `fuse` would do. Called only on a validated `module`."""
         return ()

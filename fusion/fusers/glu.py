@@ -24,6 +24,7 @@ from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.fusers.stacked import check_stackable, install_merged
 from fusion.graph import is_fn, is_linear, submodule
+from fusion.guards import attribute_guard
 from fusion.modules import ActAndMul, MergedLinear
 
 
@@ -281,12 +282,16 @@ class GLUFuser(Fuser):
         self.validate(module)
         kind = self.activation(module)
         linears = check_stackable(module, (self.gate, self.up), "gate_up_proj")
-        install_merged(
-            module, "gate_up_proj", MergedLinear.from_linears(linears), (self.gate, self.up)
-        )
+        install_merged(module, "gate_up_proj", MergedLinear.from_linears(linears))
         module.act_and_mul = ActAndMul(kind, backend)
-        bound.bind(module, self.forward_fn)
+        names = ["gate_up_proj", "act_and_mul", self.gate, self.up]
+        if self.act:  # the activation child the proof read (`self.act_fn`)
+            names.append(self.act)
+        bound.bind(module, self.forward_fn, tuple(attribute_guard(module, n) for n in names))
         return module
+
+    def dropped_children(self, module: nn.Module) -> tuple[str, ...]:
+        return (self.gate, self.up)
 
     def describe(self) -> str:
         act = self.act or self.kind

@@ -21,13 +21,13 @@ from torch import fx, nn
 
 from fusion import bound, regions, source
 from fusion.callpath import has_hooks, own_call_path
-from fusion.checkpoint import register_unfused_layout
+from fusion.checkpoint import register_own_storages
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.fusers.pure_calls import check_input_stable_reading_calls, self_call_writes_nothing
 from fusion.graph import is_linear, linear_calls, output_value
-from fusion.modules import MergedLinear
-from fusion.params import common_state
+from fusion.guards import attribute_guard
+from fusion.modules import MergedLinear, restack_refusal
 from fusion.piece_writes import written_pieces
 from fusion.pieces import CONTIGUOUS, FRESH, OK, piece_verdicts
 from fusion.trace import trace
@@ -57,8 +57,9 @@ def check_stackable(
 ) -> dict[str, nn.Linear]:
     """The named linears, once proven stackable into one `MergedLinear`: plain linears with
     one in_features, one weight dtype and device (bias dtype too), a free merged name, and
-    weights (and biases) that agree on requires_grad, parameter type and attributes
-    (`fusion.params.common_state`), so the merged parameter trains exactly what they did."""
+    plain Parameters that can become views of one stacked weight unobserved
+    (`fusion.modules.restack_refusal`: nothing else uses their memory). Each keeps its own
+    `requires_grad` and attributes: it stays the same Parameter."""
     if hasattr(module, merged_name):
         raise RewriteRefused(f"{type(module).__name__} already has an attribute {merged_name}")
     linears = {name: check_plain_linear(module, name) for name in names}
@@ -78,11 +79,15 @@ def check_stackable(
             linear.bias.dtype != linear.weight.dtype or linear.bias.device != linear.weight.device
         ):
             raise RewriteRefused(f"{name} has a bias of another dtype or device")
-    # One merged parameter carries one state: the shards must agree on it (fusion.params).
-    common_state({f"{name}.weight": linear.weight for name, linear in linears.items()})
-    biases = {f"{n}.bias": lin.bias for n, lin in linears.items() if lin.bias is not None}
-    if biases:
-        common_state(biases)
+    refusal = restack_refusal(
+        tuple(linears),
+        [(lin._parameters.get("weight"), lin._parameters.get("bias")) for lin in linears.values()],
+        [lin.out_features for lin in linears.values()],
+        first.in_features,
+        tuple(lin.bias is not None for lin in linears.values()),
+    )
+    if refusal is not None:
+        raise RewriteRefused(refusal)
     return linears
 
 
@@ -308,23 +313,28 @@ class StackedFuser(Fuser):
         self.validate(module)
         linears = check_stackable(module, self.shards, self.merged_name)
         merged = MergedLinear.from_linears(linears)
-        install_merged(module, self.merged_name, merged, self.shards)
-        bound.bind(module, self.forward_fn)
+        install_merged(module, self.merged_name, merged)
+        guards = [attribute_guard(module, name) for name in (self.merged_name, *self.shards)]
+        guards += [
+            attribute_guard(module, n) for n in dict.fromkeys(self.relied + self.state_relied)
+        ]
+        bound.bind(module, self.forward_fn, tuple(guards))
         return module
+
+    def dropped_children(self, module: nn.Module) -> tuple[str, ...]:
+        return self.shards
 
     def describe(self) -> str:
         return f"{' + '.join(self.shards)} -> {self.merged_name}"
 
 
-def install_merged(
-    module: nn.Module, merged_name: str, merged: nn.Module, shards: tuple[str, ...]
-) -> None:
-    """Put `merged` on `module`, remove the `shards`, and teach `module` to load the unfused
-    checkpoint layout for saving and loading (see `fusion.checkpoint`)."""
-    for name in shards:
-        delattr(module, name)
+def install_merged(module: nn.Module, merged_name: str, merged: MergedLinear) -> None:
+    """Put `merged` on `module` under `merged_name`. Its shards stay `module`'s children
+    under their own names, with their own Parameters (now views of the merged weight), so
+    the unfused checkpoint layout, parameter names and order are unchanged
+    (`fusion.checkpoint` only gives each state-dict entry a storage object of its own)."""
     setattr(module, merged_name, merged)
-    register_unfused_layout(module, merged_name)
+    register_own_storages(module, merged_name)
 
 
 def projection_graph(graph: fx.Graph | None, module: nn.Module) -> tuple[fx.Graph | None, bool]:

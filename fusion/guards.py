@@ -1,0 +1,194 @@
+"""What a rewritten forward's proof relied on that a user can change after fusing, checked
+on every call (as Dynamo guards a compiled frame).
+
+A fuser proves a rewrite for the module as it was at fuse time: these children, of these
+classes, called through plain `nn.Module.__call__` with no hooks; these helper functions
+behind these global names. Each of those can change later (a LoRA wrapper or any
+replacement child, a hook registered on a child or globally, a monkeypatched helper), and a
+forward that kept running on the old proof would compute something else, silently.
+`fusion.bound.BoundForward` checks its guards before each call and runs the class's
+original forward when one fails (counted in `guard_failures`); nothing is ever computed on
+a premise that no longer holds.
+
+Guards hold references to the children they watch, so `copy.deepcopy` and pickling map
+them onto the copy's children with the rest of the module. `GlobalsGuard` watches global
+names by identity of the value bound at fuse time; it is per process (never copied) and
+built again when a pickled forward is rebuilt.
+"""
+
+from __future__ import annotations
+
+import builtins
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from fusion.callpath import has_hooks, own_call_path
+from fusion.modules import RowLinear
+
+EQUIVALENT_CLASSES: frozenset[type] = frozenset({nn.Linear, RowLinear})
+"""Classes a guarded child may be swapped between without changing what calling it computes:
+`decode_linear` makes a plain linear a `RowLinear`, `F.linear`'s function (the shards of a
+merged projection may be converted after the merge)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ChildGuard:
+    """`module.<name>` is still `child`, of its class at fuse time (or one registered
+    equivalent), called through plain `nn.Module.__call__`: no hook on it or global, no
+    call path or forward of its own."""
+
+    name: str
+    child: nn.Module
+    cls: type
+
+    @classmethod
+    def of(cls, module: nn.Module, name: str) -> ChildGuard:
+        child = module._modules[name]
+        assert child is not None
+        return cls(name, child, type(child))
+
+    def failure(self, module: nn.Module) -> str | None:
+        current = module._modules.get(self.name)
+        if current is not self.child:
+            return f"{self.name} was replaced"
+        kind = type(current)
+        if kind is not self.cls and not {kind, self.cls} <= EQUIVALENT_CLASSES:
+            return f"{self.name} became a {kind.__name__}"
+        if "forward" in current.__dict__:
+            return f"{self.name} has an instance-level forward"
+        hooks = has_hooks(current)
+        if hooks:
+            return f"{self.name} has {hooks}"
+        path = own_call_path(current)
+        if path:
+            return f"{self.name} has its own {path}"
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class MethodGuard:
+    """`module.<name>` still resolves to the class's method `function` (no instance
+    attribute shadows it, the class attribute was not replaced)."""
+
+    name: str
+    function: Any
+
+    def failure(self, module: nn.Module) -> str | None:
+        if self.name in module.__dict__:
+            return f"{self.name} is shadowed on the instance"
+        if getattr(type(module), self.name, None) is not self.function:
+            return f"{type(module).__name__}.{self.name} was replaced"
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class InstanceAttributeGuard:
+    """`module.<name>` is still the object `value` set on the instance."""
+
+    name: str
+    value: Any
+
+    def failure(self, module: nn.Module) -> str | None:
+        if module.__dict__.get(self.name, _MISSING) is not self.value:
+            return f"{self.name} was rebound on the instance"
+        return None
+
+
+def attribute_guard(module: nn.Module, name: str) -> Guard:
+    """The guard that `self.<name>` still means what it meant at fuse time: the same child
+    (called plainly), the same instance attribute, or the same class attribute."""
+    if name in module._modules and module._modules[name] is not None:
+        return ChildGuard.of(module, name)
+    if name in module.__dict__:
+        return InstanceAttributeGuard(name, module.__dict__[name])
+    return MethodGuard(name, getattr(type(module), name, _MISSING))
+
+
+_MISSING = object()
+
+
+class GlobalsGuard:
+    """Every global name a rewritten forward (and the plain functions it reaches through
+    globals, a few levels deep) reads still binds the object it bound at fuse time.
+
+    The proofs resolve helpers by name (`fusion.name_resolution`, `fusion.fusers.pure_calls`:
+    `apply_rotary_pos_emb` read as pure, `rotate_half` inside it); a monkeypatch swaps what
+    the name means. Watching every name the code reads is a superset of what any proof
+    used: it may fall back when an unrelated global is rebound (a missed fusion), never the
+    other way round. A name absent at fuse time must stay absent (a new global would shadow
+    a builtin)."""
+
+    __slots__ = ("entries",)
+    DEPTH = 3
+    LIMIT = 512
+
+    def __init__(self, entries: tuple[tuple[dict[str, Any], str, Any], ...]) -> None:
+        self.entries = entries
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any]) -> GlobalsGuard:
+        entries: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
+        seen: set[int] = set()
+
+        def visit(function: Any, depth: int) -> None:
+            if not isinstance(function, types.FunctionType) or id(function) in seen:
+                return
+            seen.add(id(function))
+            namespace = function.__globals__
+            for name in _global_names(function.__code__):
+                if len(entries) >= cls.LIMIT:
+                    return
+                key = (id(namespace), name)
+                if key in entries:
+                    continue
+                value = namespace.get(name, _MISSING)
+                entries[key] = (namespace, name, value)
+                if value is _MISSING:
+                    # builtins are read through the same lookup; watch them too
+                    space = vars(builtins)
+                    entries[(id(space), name)] = (space, name, space.get(name, _MISSING))
+                elif depth < cls.DEPTH:
+                    visit(value, depth + 1)
+
+        visit(fn, 0)
+        return cls(tuple(entries.values()))
+
+    def failure(self) -> str | None:
+        for namespace, name, value in self.entries:
+            if namespace.get(name, _MISSING) is not value:
+                return f"global {name} was rebound"
+        return None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GlobalsGuard:
+        return self  # process-wide names, not model state
+
+    def __reduce__(self) -> Any:
+        raise TypeError("GlobalsGuard is rebuilt with its forward, never pickled")
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    """Names `code` (and code nested in it: comprehensions, lambdas) may look up as
+    globals. `co_names` also lists attribute names; those not bound globally are recorded
+    as absent, which costs one lookup and never misses a global."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_global_names(const))
+    return names
+
+
+Guard = ChildGuard | MethodGuard | InstanceAttributeGuard
+"""A guard on one instance's state (copied and pickled with it)."""
+
+
+def first_failure(module: nn.Module, guards: tuple[Guard, ...]) -> str | None:
+    """The first failing guard's reason, or None when every guard holds."""
+    for guard in guards:
+        reason = guard.failure(module)
+        if reason is not None:
+            return reason
+    return None
