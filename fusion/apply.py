@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion import placement, registry
+from fusion import bound, placement, registry
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.modules import MergedLinear
@@ -266,9 +266,11 @@ def _fuse_transactionally(
     training step or an in-place edit would reach one side only, and the checkpoint would
     hold both."""
     parent, child_name = _parent_slot(model, qualname)
+    tied = _tied_elsewhere(module, owners)
+    if tied and fuser.moves_parameters:
+        return str(_Untied(list(tied.values())))
     module_state = _snapshot(module)
     parent_state = _snapshot(parent) if parent is not None else None
-    tied = _tied_elsewhere(module, owners)
     try:
         replacement = fuser.fuse(module, backend)
         if replacement is not module:
@@ -279,6 +281,7 @@ def _fuse_transactionally(
                     "module's parent instead"
                 )
             setattr(parent, child_name, replacement)
+            bound.replace_guarded_child(parent, child_name, module, replacement)
         kept = {id(p) for p in replacement.parameters()}
         lost = [pair for key, pair in tied.items() if key not in kept]
         if lost:
@@ -307,6 +310,8 @@ def _untie_in_a_copy(
     tied = _tied_elsewhere(module, owners)
     if not tied:
         return None
+    if fuser.moves_parameters:
+        return str(_Untied(list(tied.values())))
     memo: dict[int, object] = {}
     copied = copy.deepcopy(module, memo)
     try:
@@ -323,6 +328,6 @@ class _Untied(Exception):
         name, other = lost[0]
         more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
         super().__init__(
-            "a parameter it would merge into a new tensor is tied to another module's: "
-            f"{name} is {other}{more}; merging would untie them"
+            "a parameter it would merge or copy is tied to another module's: "
+            f"{name} is {other}{more}; only one merge can hold it, and a copy would untie it"
         )

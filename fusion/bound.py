@@ -46,7 +46,7 @@ from torch import nn
 
 from fusion import source
 from fusion.errors import RewriteRefused
-from fusion.guards import GlobalsGuard, Guard, first_failure
+from fusion.guards import ChildGuard, GlobalsGuard, Guard, first_failure
 
 
 class BoundForward:
@@ -187,6 +187,21 @@ def _rebuild(
         )
     compiled = source.compile_forward(rewritten, fn)
     return BoundForward(module, cls, original, rewritten, compiled, guards)
+
+
+def replace_guarded_child(parent: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
+    """Fusion itself put `new` (a fused module computing `old`'s function, proven by its
+    fuser) in `parent.<name>` in place of `old`: a guard of `parent`'s rewritten forward
+    that watched `old` there now watches `new`. Any other replacement fails the guard."""
+    forward = parent.__dict__.get("forward")
+    if not isinstance(forward, BoundForward):
+        return
+    forward.guards = tuple(
+        ChildGuard(name, new, type(new), guard.called)
+        if isinstance(guard, ChildGuard) and guard.name == name and guard.child is old
+        else guard
+        for guard in forward.guards
+    )
 
 
 def bind(module: nn.Module, fn: Callable[..., Any], guards: tuple[Guard, ...] = ()) -> None:

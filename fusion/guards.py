@@ -37,19 +37,23 @@ merged projection may be converted after the merge)."""
 
 @dataclass(frozen=True, eq=False)
 class ChildGuard:
-    """`module.<name>` is still `child`, of its class at fuse time (or one registered
-    equivalent), called through plain `nn.Module.__call__`: no hook on it or global, no
-    call path or forward of its own."""
+    """`module.<name>` is still `child`, of its class at fuse time (or one equivalent), and
+    unless `called`, reached through plain `nn.Module.__call__`: no hook on it or global, no
+    call path or forward of its own (the rewrite no longer calls it, or reads it as its
+    forward alone). `called`: a module fusion installed that the rewrite calls through
+    `__call__` itself (a `MergedLinear`), so hooks on it run as they would; only identity
+    and class matter."""
 
     name: str
     child: nn.Module
     cls: type
+    called: bool = False
 
     @classmethod
-    def of(cls, module: nn.Module, name: str) -> ChildGuard:
+    def of(cls, module: nn.Module, name: str, *, called: bool = False) -> ChildGuard:
         child = module._modules[name]
         assert child is not None
-        return cls(name, child, type(child))
+        return cls(name, child, type(child), called)
 
     def failure(self, module: nn.Module) -> str | None:
         current = module._modules.get(self.name)
@@ -58,6 +62,8 @@ class ChildGuard:
         kind = type(current)
         if kind is not self.cls and not {kind, self.cls} <= EQUIVALENT_CLASSES:
             return f"{self.name} became a {kind.__name__}"
+        if self.called:
+            return None
         if "forward" in current.__dict__:
             return f"{self.name} has an instance-level forward"
         hooks = has_hooks(current)
@@ -98,11 +104,12 @@ class InstanceAttributeGuard:
         return None
 
 
-def attribute_guard(module: nn.Module, name: str) -> Guard:
+def attribute_guard(module: nn.Module, name: str, *, called: bool = False) -> Guard:
     """The guard that `self.<name>` still means what it meant at fuse time: the same child
-    (called plainly), the same instance attribute, or the same class attribute."""
+    (called plainly, or `called` through `__call__` by the rewrite: `ChildGuard`), the
+    same instance attribute, or the same class attribute."""
     if name in module._modules and module._modules[name] is not None:
-        return ChildGuard.of(module, name)
+        return ChildGuard.of(module, name, called=called)
     if name in module.__dict__:
         return InstanceAttributeGuard(name, module.__dict__[name])
     return MethodGuard(name, getattr(type(module), name, _MISSING))

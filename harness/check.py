@@ -177,6 +177,7 @@ def check_model(
             logits_of(runs.unfused),
             logits_of(runs.fused),
             mode=options.lifecycle,
+            fuse=lambda model: _fuse_with(fuse, model),
         )
         status, message = _with_lifecycle(status, message, cycle, judged.failures)
     verdict = judged.verdict

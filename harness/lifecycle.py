@@ -32,6 +32,19 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   logits; where it moved them at all, the fused logits must move too (a kernel that
   ignores the setting leaves them bit-identical). On a CPU whose GEMMs ignore the setting
   both stay put and the detail says so.
+- `optimizer-before-fuse`: an AdamW optimiser is built on an unfused copy, the copy is
+  fused, then three training steps on it and on an unfused twin (its own AdamW): every
+  Parameter the unfused steps moved must have moved, by the same amount up to rounding
+  (an optimiser holds Parameter objects: a fusion that replaced them leaves the ones it
+  trains outside the model), and the logits must agree after the steps.
+- `parameters`: fusing an unfused copy keeps its Parameter objects (same identities, in
+  the same order), and the fused model's `named_parameters()`, `named_buffers()` and
+  `state_dict()` keys are the unfused model's, in order, with the same `requires_grad`.
+- `guard-round-trip`: a child a rewritten forward's guards watch (a merged projection's
+  shard first) is replaced in both models by a wrapper that doubles its output, as a LoRA
+  or any user replacement would: the logits must agree (the fused forward falls back to
+  the original, and counts it); with the child put back, the logits agree again and the
+  fused forward runs fused. `n/a` where no rewritten forward guards a child.
 - `train-global-hook`: the `train` check with a global full backward hook
   (`register_module_full_backward_hook`) that doubles the input gradient of every module
   whose class name contains "Norm", as a user's gradient-scaling hook would: a fused
@@ -68,6 +81,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import fusion
+from fusion.bound import BoundForward
+from fusion.guards import ChildGuard
+from fusion.modules import MergedLinear
 from fusion.trace import preserved_globals
 from harness import localise
 
@@ -85,6 +102,9 @@ OPERATIONS = (
     "torch-save",
     "autocast",
     "matmul-precision",
+    "optimizer-before-fuse",
+    "parameters",
+    "guard-round-trip",
     "train-global-hook",
     "compile",
 )
@@ -128,6 +148,8 @@ class Context:
     dtype: torch.dtype
     unfused_logits: torch.Tensor
     fused_logits: torch.Tensor
+    fuse: Callable[[nn.Module], Any] = fusion.fuse
+    """How the fused model was fused (applied again to unfused copies)."""
 
     @property
     def allowance(self) -> float:
@@ -146,15 +168,26 @@ def check(
     fused_logits: torch.Tensor,
     *,
     mode: str = "quick",
+    fuse: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, dict[str, str]]:
     """{operation: {"verdict", "detail"}} for every operation of `OPERATIONS` (empty when
     `mode` is `off`). Never raises for a model-side problem; `unfused` and `fused` are left as
-    they were (every operation works on deep copies)."""
+    they were (every operation works on deep copies). `fuse` is how `fused` was made from
+    `unfused` (default `fusion.fuse`), for the operations that fuse a copy themselves."""
     if mode not in MODES:
         raise ValueError(f"lifecycle mode {mode!r} is not one of {MODES}")
     if mode == "off":
         return {}
-    ctx = Context(architecture, unfused, fused, inputs, dtype, unfused_logits, fused_logits)
+    ctx = Context(
+        architecture,
+        unfused,
+        fused,
+        inputs,
+        dtype,
+        unfused_logits,
+        fused_logits,
+        fusion.fuse if fuse is None else fuse,
+    )
     results: dict[str, dict[str, str]] = {}
     for name, operation in _OPERATIONS.items():
         if name == "compile" and not _compiles(mode, architecture):
@@ -305,8 +338,9 @@ def _train(ctx: Context) -> str:
     for name, grad in want.items():
         other = got[name]
         if (grad is None) != (other is None):
-            state = "has" if other is not None else "lacks"
-            raise _Failed(f"{name} {state} a gradient the unfused model does not")
+            if other is not None:
+                raise _Failed(f"{name} has a gradient the unfused model does not")
+            raise _Failed(f"{name} has no gradient where the unfused model has one")
         if grad is not None:
             allowed = rtol * float(grad.abs().max()) + 1e-5 * scale
             _compare(f"gradient of {name}", other, grad, allowed)
@@ -476,21 +510,33 @@ def _each_parameter(spelling: Callable[[torch.Tensor], None]) -> Callable[[nn.Mo
     return edit
 
 
-def _fused_forwards(model: nn.Module) -> int:
-    from fusion.bound import BoundForward
-
-    return sum(isinstance(m.__dict__.get("forward"), BoundForward) for m in model.modules())
+def _fused_state(model: nn.Module) -> tuple[int, int, int]:
+    """(instance-level forwards, rewritten forwards whose guards hold, merged projections
+    whose Parameters still view their stacked weight): what a copy must keep to still be
+    the fused model, not merely compute like it."""
+    forwards = [
+        m.__dict__["forward"]
+        for m in model.modules()
+        # an instance forward that is the class's own (a pickled bound method restores as
+        # that) is no rewrite
+        if getattr(m.__dict__.get("forward"), "__func__", None) not in (None, type(m).forward)
+    ]
+    guarded = sum(isinstance(f, BoundForward) and f.failure() is None for f in forwards)
+    stacked = sum(isinstance(m, MergedLinear) and m.views_hold() for m in model.modules())
+    return len(forwards), guarded, stacked
 
 
 def _same_fused(copied: nn.Module, ctx: Context, what: str) -> str:
-    want = _fused_forwards(ctx.fused)
-    got = _fused_forwards(copied)
+    want, got = _fused_state(ctx.fused), _fused_state(copied)
     if got != want:
-        raise _Failed(f"{what} has {got} rewritten forwards, the fused model {want}")
+        raise _Failed(
+            f"{what} has {got[0]} instance forwards ({got[1]} guarded rewrites holding) and "
+            f"{got[2]} stacked merges; the fused model {want[0]} ({want[1]}) and {want[2]}"
+        )
     logits = _logits(copied, ctx)
     if not torch.equal(logits, ctx.fused_logits):
         _compare(f"{what} logits", logits, ctx.fused_logits, 0.0)
-    return f"still fused ({got} rewritten forwards), logits bit-identical"
+    return f"still fused ({got[1]} rewritten forwards, {got[2]} stacked), logits bit-identical"
 
 
 def _deepcopy(ctx: Context) -> str:
@@ -510,11 +556,28 @@ def _device_type(model: nn.Module) -> str:
     return "cpu" if first is None else first.device.type
 
 
+def watched_children(model: nn.Module) -> set[int]:
+    """ids of the modules a rewritten forward's guards watch as plainly called
+    (`fusion.guards.ChildGuard`): a hook on one of them makes that forward run its original
+    instead, so an oracle that hooks them would judge the unfused path."""
+    watched: set[int] = set()
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, BoundForward):
+            watched.update(
+                id(g.child) for g in forward.guards if isinstance(g, ChildGuard) and not g.called
+            )
+    return watched
+
+
 @contextlib.contextmanager
 def output_dtypes(model: nn.Module):
     """Yields a dict that fills, while the block runs, with {qualified name: dtype of the
-    module's first tensor output} for every module of `model` called (first call wins)."""
+    module's first tensor output} for every module of `model` called (first call wins),
+    except the modules fused forwards' guards watch (`watched_children`): they are not
+    hooked, so the fused path stays the one judged."""
     dtypes: dict[str, torch.dtype] = {}
+    watched = watched_children(model)
     names = {id(m): n for n, m in model.named_modules()}
 
     def record(module: nn.Module, args: Any, output: Any) -> None:
@@ -525,7 +588,7 @@ def output_dtypes(model: nn.Module):
         if first is not None and name is not None:
             dtypes.setdefault(name, first.dtype)
 
-    handles = [m.register_forward_hook(record) for m in model.modules()]
+    handles = [m.register_forward_hook(record) for m in model.modules() if id(m) not in watched]
     try:
         yield dtypes
     finally:
@@ -598,6 +661,119 @@ def _matmul_precision(ctx: Context) -> str:
     return f"logits within {diff:.3g}; the setting moved both (unfused by {moved:.3g})"
 
 
+def _optimizer_before_fuse(ctx: Context) -> str:
+    unfused, late = copy.deepcopy(ctx.unfused), copy.deepcopy(ctx.unfused)
+    before = {name: p.detach().clone() for name, p in unfused.named_parameters()}
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (unfused, late)]
+    ctx.fuse(late)  # after the optimiser holds its Parameters
+    rtol = 1e-3 if ctx.dtype in (torch.float32, torch.float64) else 5e-2
+    for _ in range(3):
+        for model, optimizer in zip((unfused, late), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            if model is unfused:
+                _unfused("a training step", lambda: _train_step(unfused, ctx))
+            else:
+                _train_step(late, ctx)
+            optimizer.step()
+    got = dict(late.named_parameters())
+    moved_count = 0
+    for name, param in unfused.named_parameters():
+        other = got.get(name)
+        if other is None:
+            raise _Failed(f"the fused model has no parameter {name}")
+        moved = float((param.detach().double() - before[name].double()).abs().max())
+        if moved == 0.0:
+            continue
+        moved_count += 1
+        if torch.equal(other.detach(), before[name]):
+            raise _Failed(f"{name} was never updated by the optimiser built before fusing")
+        _compare(f"{name} after 3 AdamW steps", other.detach(), param.detach(), 0.05 * moved)
+    for model in (unfused, late):
+        model.eval()
+    after = _logits(unfused, ctx)
+    moved = float((after.double() - ctx.unfused_logits.double()).abs().max())
+    _compare("logits after the steps", _logits(late, ctx), after, ctx.allowance + rtol * moved)
+    return f"{moved_count} parameters trained as unfused by an optimiser built before fusing"
+
+
+def _parameters(ctx: Context) -> str:
+    late = copy.deepcopy(ctx.unfused)
+    identities = [id(p) for p in late.parameters()]
+    ctx.fuse(late)
+    if [id(p) for p in late.parameters()] != identities:
+        raise _Failed("fusing replaced or reordered Parameter objects")
+    for what, listing in (
+        ("named_parameters()", lambda m: [(n, p.requires_grad) for n, p in m.named_parameters()]),
+        ("named_buffers()", lambda m: [n for n, _ in m.named_buffers()]),
+        ("state_dict() keys", lambda m: list(m.state_dict())),
+    ):
+        want, got = listing(ctx.unfused), listing(ctx.fused)
+        if got != want:
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            where = min(len(got), len(want)) if first is None else first
+            raise _Failed(
+                f"{what} differ at position {where}: "
+                f"{got[where] if where < len(got) else 'nothing'}, unfused "
+                f"{want[where] if where < len(want) else 'nothing'}"
+            )
+    return f"{len(identities)} Parameters kept; names, order, buffers and keys identical"
+
+
+class _Doubled(nn.Module):
+    """A user's replacement of a child (a LoRA wrapper stands in): the child, output x2."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        return out * 2.0 if isinstance(out, torch.Tensor) else out
+
+
+def _guarded_child(model: nn.Module) -> tuple[str, str] | None:
+    """(qualified name of a module with a rewritten forward, the name of a child its guards
+    watch), a merged projection's shard first; None where there is none."""
+    found: list[tuple[bool, str, str]] = []
+    for qualname, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, BoundForward):
+            continue
+        for guard in forward.guards:
+            if isinstance(guard, ChildGuard):
+                shard = isinstance(guard.child, nn.Linear)
+                found.append((not shard, qualname, guard.name))
+    return min(found)[1:] if found else None
+
+
+def _guard_round_trip(ctx: Context) -> str:
+    unfused, fused = _twins(ctx)
+    site = _guarded_child(fused)
+    if site is None:
+        raise _NotApplicable("no rewritten forward guards a child in this model")
+    qualname, name = site
+    parents = [m.get_submodule(qualname) for m in (unfused, fused)]
+    if name not in parents[0]._modules:
+        raise _NotApplicable(f"the unfused model has no {qualname}.{name}")
+    children = [p._modules[name] for p in parents]
+    forward = parents[1].__dict__["forward"]
+    where = f"{qualname + '.' if qualname else ''}{name}"
+    for parent, child in zip(parents, children):
+        setattr(parent, name, _Doubled(child))
+    want = _unfused(f"a forward with {where} replaced", lambda: _logits(unfused, ctx))
+    got = _logits(fused, ctx)
+    _compare(f"logits with {where} replaced", got, want, ctx.allowance)
+    if forward.guard_failures == 0:
+        raise _Failed(f"the rewritten forward of {qualname} kept running with {where} replaced")
+    failures = forward.guard_failures
+    for parent, child in zip(parents, children):
+        setattr(parent, name, child)
+    _compare(f"logits with {where} put back", _logits(fused, ctx), ctx.fused_logits, 0.0)
+    if forward.guard_failures != failures:
+        raise _Failed(f"with {where} put back, {qualname} still runs its original forward")
+    return f"{where} replaced: original forward ran, logits agree; put back: fused again"
+
+
 def _double_norm_gradients(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
     if "Norm" not in type(module).__name__:
         return None
@@ -654,6 +830,9 @@ _OPERATIONS: dict[str, Callable[[Context], str]] = {
     "torch-save": _torch_save,
     "autocast": _autocast,
     "matmul-precision": _matmul_precision,
+    "optimizer-before-fuse": _optimizer_before_fuse,
+    "parameters": _parameters,
+    "guard-round-trip": _guard_round_trip,
     "train-global-hook": _train_global_hook,
     "compile": _compile,
 }

@@ -42,6 +42,11 @@ class Fuser(ABC):
     """Whether fusing changes which modules and parameters the model has (a fuser that only
     changes how a module computes leaves the model's tensor-parallel plans valid)."""
 
+    moves_parameters: ClassVar[bool] = False
+    """Whether fusing moves the memory of the module's Parameters (a merge makes them views
+    of one stacked weight). Refused for a Parameter a module outside also holds (a tie):
+    that module's own merge would move it again, and only one stacked weight can hold it."""
+
     replaces_module: ClassVar[bool] = False
     """Whether `fuse` returns a new module for the slot (its old children leave the model,
     so `fusion.apply` does not visit them)."""

@@ -239,6 +239,8 @@ def rewrite_glu(
 class GLUFuser(Fuser):
     """A gated MLP's gate/up projections and activation-times-up product."""
 
+    moves_parameters: ClassVar[bool] = True
+
     name: ClassVar[str] = "glu"
     gate: str = ""
     up: str = ""
@@ -284,10 +286,12 @@ class GLUFuser(Fuser):
         linears = check_stackable(module, (self.gate, self.up), "gate_up_proj")
         install_merged(module, "gate_up_proj", MergedLinear.from_linears(linears))
         module.act_and_mul = ActAndMul(kind, backend)
-        names = ["gate_up_proj", "act_and_mul", self.gate, self.up]
+        names = [self.gate, self.up]
         if self.act:  # the activation child the proof read (`self.act_fn`)
             names.append(self.act)
-        bound.bind(module, self.forward_fn, tuple(attribute_guard(module, n) for n in names))
+        guards = [attribute_guard(module, n, called=True) for n in ("gate_up_proj", "act_and_mul")]
+        guards += [attribute_guard(module, n) for n in names]
+        bound.bind(module, self.forward_fn, tuple(guards))
         return module
 
     def dropped_children(self, module: nn.Module) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import fx, nn
 
@@ -249,6 +249,8 @@ def make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
 class StackedFuser(Fuser):
     """Merge sibling projections into one `MergedLinear`; the forward splits its output."""
 
+    moves_parameters: ClassVar[bool] = True
+
     shards: tuple[str, ...] = ()
     merged_name: str = ""
     forward_fn: Any = field(default=None, repr=False)
@@ -314,7 +316,8 @@ class StackedFuser(Fuser):
         linears = check_stackable(module, self.shards, self.merged_name)
         merged = MergedLinear.from_linears(linears)
         install_merged(module, self.merged_name, merged)
-        guards = [attribute_guard(module, name) for name in (self.merged_name, *self.shards)]
+        guards = [attribute_guard(module, self.merged_name, called=True)]
+        guards += [attribute_guard(module, name) for name in self.shards]
         guards += [
             attribute_guard(module, n) for n in dict.fromkeys(self.relied + self.state_relied)
         ]

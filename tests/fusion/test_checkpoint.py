@@ -50,7 +50,7 @@ def test_mapping_is_scoped_by_qualname() -> None:
     assert [r.qualname for r in report.applied] == ["fused"]
     model.load_state_dict(source.state_dict())
     assert torch.equal(model["plain"].q_proj.weight, source["plain"].q_proj.weight)
-    assert torch.equal(model["fused"].qkv_proj.weight[:32], source["fused"].q_proj.weight)
+    assert torch.equal(model["fused"].qkv_proj.stacked_weight[:32], source["fused"].q_proj.weight)
 
 
 def test_partial_unfused_checkpoint_loads_like_stock() -> None:

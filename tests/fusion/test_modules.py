@@ -3,6 +3,9 @@ function of the originals."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -19,35 +22,133 @@ def _linears(bias: tuple[bool, ...] = (False, False, False)) -> dict[str, nn.Lin
 
 def test_merged_linear_is_the_concatenated_projections() -> None:
     linears = _linears((True, False, True))
+    expected = copy.deepcopy(linears)
     merged = MergedLinear.from_linears(linears)
     x = torch.randn(3, 6)
-    want = torch.cat([lin(x) for lin in linears.values()], dim=-1)
-    torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+    want = torch.cat([lin(x) for lin in expected.values()], dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+    assert merged.stacked_calls == 1
     assert merged.output_sizes == [8, 4, 4] and merged.shard_bias == (True, False, True)
-    assert not merged.bias.detach()[8:12].any()  # the bias-less shard's exact zeros
+    assert not merged.stacked_bias[8:12].any()  # the bias-less shard's exact zeros
 
 
-def test_merged_linear_carries_the_shards_state() -> None:
-    linears = _linears()
-    for lin in linears.values():
-        lin.weight.requires_grad_(False)
-        lin.weight.tag = "frozen-by-user"
+def test_shards_keep_their_parameters_as_views_of_the_stacked_weight() -> None:
+    """Same Parameter objects, values, requires_grad and attributes; each now rows of the
+    stacked weight, so an in-place write to one is what the stacked GEMM reads."""
+    linears = _linears((True, False, True))
+    params = {n: (lin.weight, lin.bias) for n, lin in linears.items()}
+    values = {n: lin.weight.detach().clone() for n, lin in linears.items()}
+    linears["k"].weight.requires_grad_(False)
+    linears["q"].weight.tag = "set-by-user"
     merged = MergedLinear.from_linears(linears)
-    assert not merged.weight.requires_grad and merged.weight.tag == "frozen-by-user"
+    assert merged._modules == {} and merged._parameters == {}  # the children stay the parent's
+    for name, lin in linears.items():
+        assert (lin.weight, lin.bias) == params[name] and torch.equal(lin.weight, values[name])
+    assert not linears["k"].weight.requires_grad and linears["q"].weight.tag == "set-by-user"
+    assert merged.views_hold()
+    with torch.no_grad():
+        linears["k"].weight.mul_(-2.0)
+    assert torch.equal(merged.stacked_weight[8:12], linears["k"].weight)
 
 
-def test_mixed_bias_zero_slices_take_no_gradient() -> None:
-    """The zero slices stand in for absent biases: no gradient reaches them (a step would
-    otherwise give a bias-less projection a bias); the others' gradients are untouched."""
-    merged = MergedLinear.from_linears(_linears((True, False, True)))
-    merged(torch.randn(5, 6)).square().sum().backward()
-    grad = merged.bias.grad
-    assert not grad[8:12].any() and grad[:8].abs().sum() > 0 and grad[12:].abs().sum() > 0
+def test_gradients_are_the_unfused_ones_in_each_parameter() -> None:
+    """A recorded gradient takes the shards apart: each Parameter gets exactly the gradient
+    its own projection gives (no gradient to a frozen one, none to a synthesised bias)."""
+    linears = _linears((True, False, True))
+    reference = copy.deepcopy(linears)
+    linears["k"].weight.requires_grad_(False)
+    reference["k"].weight.requires_grad_(False)
+    merged = MergedLinear.from_linears(linears)
+    x = torch.randn(5, 6)
+    merged(x).square().sum().backward()
+    torch.cat([lin(x) for lin in reference.values()], dim=-1).square().sum().backward()
+    assert merged.shard_calls == 1 and merged.stacked_calls == 0
+    for name, lin in linears.items():
+        for mine, theirs in (
+            (lin.weight, reference[name].weight),
+            (lin.bias, reference[name].bias),
+        ):
+            if theirs is None or theirs.grad is None:
+                assert mine is None or mine.grad is None
+            else:
+                assert torch.equal(mine.grad, theirs.grad)
 
 
-def test_merged_linear_validates_its_arguments() -> None:
-    with pytest.raises(ValueError, match="differ in length"):
-        MergedLinear(4, [2, 2], ["a"], [False, False])
+@pytest.mark.parametrize(
+    "change",
+    ["assign-data", "new-parameter", "to-one-child", "functional-call"],
+)
+def test_a_broken_view_computes_each_shard_from_its_current_parameters(change: str) -> None:
+    linears = _linears((True, False, True))
+    merged = MergedLinear.from_linears(linears)
+    x = torch.randn(3, 6)
+    new = torch.randn(4, 6)
+    if change == "assign-data":
+        linears["k"].weight.data = new
+    elif change == "new-parameter":
+        linears["k"].weight = nn.Parameter(new)
+    elif change == "to-one-child":
+        linears["k"].to(torch.float64)
+        linears["k"].weight.data = new.double()
+    assert change == "functional-call" or not merged.views_hold()
+    with torch.no_grad():
+        if change == "functional-call":
+            got = torch.func.functional_call(linears["k"], {"weight": new}, (x,))
+            replaced = torch.func.functional_call(
+                merged, {}, (x,)
+            )  # merged holds no parameters of its own: unchanged call
+            assert torch.equal(replaced, merged(x))
+            return
+        if change == "to-one-child":
+            with pytest.raises(RuntimeError):
+                merged(x)  # mixed dtypes, as the unfused projections would raise
+            return
+        got = merged(x)
+    want = torch.cat([lin(x) for lin in linears.values()], dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert merged.shard_calls == 1
+
+
+def test_restack_moves_only_memory_nothing_else_uses() -> None:
+    linears = _linears()
+    merged = MergedLinear.from_linears(linears)
+    linears["q"].weight.data = torch.randn(8, 6)
+    alias = linears["q"].weight.detach()  # someone else holds q's memory
+    assert not merged.restack() and merged.stacked_weight is None
+    del alias
+    assert merged.restack() and merged.views_hold()
+    held = linears["v"].weight.detach()
+    linears["q"].weight.data = torch.randn(8, 6)
+    assert not merged.restack()  # v's memory is also someone else's now
+    del held
+    assert merged.restack()
+
+
+def test_conversion_deepcopy_and_save_keep_the_views() -> None:
+    linears = _linears((True, False, True))
+    holder = nn.Module()
+    for name, lin in linears.items():
+        holder.add_module(name, lin)
+    holder.merged = MergedLinear.from_linears(linears)
+    holder.to(torch.float64)  # the children convert first, then the merged module restacks
+    assert holder.merged.views_hold() and holder.merged.stacked_weight.dtype == torch.float64
+    copied = copy.deepcopy(holder)
+    assert copied.merged.shards[0] is copied.q and copied.merged.views_hold()
+    assert copied.q.weight.data_ptr() != holder.q.weight.data_ptr()
+    buffer = io.BytesIO()
+    torch.save(holder, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.merged.views_hold() and loaded.merged.shards[1] is loaded.k
+
+
+def test_merged_linear_refuses_shared_memory() -> None:
+    linears = _linears()
+    alias = linears["q"].weight.detach()
+    with pytest.raises(ValueError, match=r"q\.weight shares its memory"):
+        MergedLinear.from_linears(linears)
+    del alias
 
 
 def test_act_and_mul() -> None:
@@ -63,6 +164,15 @@ def test_fused_rms_norm_refuses_unproven_dtypes() -> None:
     assert norm(torch.randn(2, 8)).shape == (2, 8)
     with pytest.raises(TypeError, match="proven equal"):
         norm(torch.randn(2, 8, dtype=torch.float64))
+
+
+def _holder(merged: MergedLinear) -> nn.Module:
+    """A parent holding `merged`'s shards and then `merged`, as a fused module does."""
+    holder = nn.Module()
+    for name, shard in zip(merged.shard_names, merged.shards):
+        holder.add_module(name, shard)
+    holder.add_module("merged", merged)
+    return holder
 
 
 def _merged(out_sizes: tuple[int, ...], k: int, bias: bool, seed: int = 0) -> MergedLinear:
@@ -88,9 +198,10 @@ def test_one_row_product_is_linear_and_no_less_accurate(sizes, k, bias, monkeypa
     with torch.no_grad():
         for seed in range(4):
             x = torch.randn(1, 1, k, generator=torch.Generator().manual_seed(seed))
-            b = None if merged.bias is None else merged.bias.double()
-            ref = F.linear(x.double(), merged.weight.double(), b)
-            got, mkl = merged(x), F.linear(x, merged.weight, merged.bias)
+            stacked, stacked_bias = merged.stacked_weight, merged.stacked_bias
+            b = None if stacked_bias is None else stacked_bias.double()
+            ref = F.linear(x.double(), stacked.double(), b)
+            got, mkl = merged(x), F.linear(x, stacked, stacked_bias)
             assert got.shape == mkl.shape == (1, 1, sum(sizes)) and got.dtype == torch.float32
             scale = ref.abs().max().item()
             err_got = (got.double() - ref).abs().max().item() / scale
@@ -113,16 +224,20 @@ def test_one_row_product_is_taken_only_where_it_applies(monkeypatch) -> None:
     real = onednn_backend.row_linear
     monkeypatch.setattr(onednn_backend, "row_linear", lambda *a: calls.append(1) or real(*a))
     merged = _merged((32, 16), 24, bias=True)
+    holder = _holder(merged)
     with torch.no_grad():
-        expected_one = int(onednn_backend.row_linear_applies(torch.zeros(24), merged.weight, None))
+        stacked = merged.stacked_weight
+        expected_one = int(onednn_backend.row_linear_applies(torch.zeros(24), stacked, None))
         merged(torch.randn(1, 24))
         assert len(calls) == expected_one
         merged(torch.randn(2, 24))
-        merged.to(torch.bfloat16)(torch.randn(1, 24, dtype=torch.bfloat16))
+        holder.to(torch.bfloat16)
+        merged(torch.randn(1, 24, dtype=torch.bfloat16))
     assert len(calls) == expected_one
-    merged.float()(torch.randn(1, 24)).sum().backward()  # records a gradient
+    holder.float()
+    merged(torch.randn(1, 24)).sum().backward()  # records a gradient
     assert len(calls) == expected_one
-    assert merged.weight.grad is not None
+    assert merged.shards[0].weight.grad is not None
     if onednn_backend.cpu_capability() in onednn_backend.ROW_CAPABILITIES:
         assert expected_one == 1  # an AVX-512 machine takes it
 
@@ -137,34 +252,28 @@ def test_one_row_product_sees_every_weight_write(monkeypatch) -> None:
     x = torch.randn(1, 12)
     with torch.no_grad():
         merged(x)
-        new = torch.randn_like(merged.weight)
-        for write in (
-            lambda w: w.data.copy_(new),
-            lambda w: w.data.mul_(2.0),
-            lambda w: w.set_(new.clone()),
-            lambda w: w.detach().numpy().__setitem__((slice(None), 0), 3.0),
-        ):
-            write(merged.weight)
-            torch.testing.assert_close(merged(x), x @ merged.weight.t(), rtol=1e-5, atol=1e-6)
+        for shard in merged.shards:
+            new = torch.randn_like(shard.weight)
+            for write in (
+                lambda w, new=new: w.data.copy_(new),
+                lambda w: w.data.mul_(2.0),
+                lambda w: w.detach().numpy().__setitem__((slice(None), 0), 3.0),
+                lambda w, new=new: w.set_(new.clone()),  # last: the view breaks, shards apart
+            ):
+                write(shard.weight)
+                want = torch.cat([x @ s.weight.t() for s in merged.shards], dim=-1)
+                torch.testing.assert_close(merged(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
     """Several float32 rows on a CPU without gradient: one GEMM per shard on row views of
     the stacked weight, bit-identical to the unfused projections' `F.linear` (with and
-    without bias, 2-D and 3-D inputs) and seeing weight writes; with a gradient recorded,
-    or one shard only, the stacked GEMM."""
+    without bias, 2-D and 3-D inputs) and seeing weight writes; one shard only, the
+    stacked GEMM; with a gradient recorded, each shard's own `F.linear`."""
     import torch.nn.functional as F
 
     def unfused(merged, x):
-        weights = merged.weight.split(merged.output_sizes)
-        biases = merged.bias.split(merged.output_sizes) if merged.bias is not None else None
-        return torch.cat(
-            [
-                F.linear(x, w, None if biases is None else b)
-                for w, b in zip(weights, biases or weights)
-            ],
-            dim=-1,
-        )
+        return torch.cat([F.linear(x, s.weight, s.bias) for s in merged.shards], dim=-1)
 
     seen: list[tuple[int, ...]] = []
     real_linear = F.linear
@@ -181,18 +290,18 @@ def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
                 monkeypatch.setattr(F, "linear", spy)
                 got = m(x)
                 monkeypatch.setattr(F, "linear", real_linear)
-                assert seen == [tuple(w.shape) for w in m.weight.split(m.output_sizes)]
+                assert seen == [tuple(s.weight.shape) for s in m.shards]
                 assert got.shape == want.shape and torch.equal(got, want)
                 seen.clear()
         x = torch.randn(3, 5, 16)
-        merged.weight.data[24:32].mul_(-1.0)  # a write through .data: seen next call
+        merged.shards[1].weight.data.mul_(-1.0)  # a write through .data: seen next call
         assert torch.equal(merged(x), unfused(merged, x))
         monkeypatch.setattr(F, "linear", spy)
         _merged((40,), 16, bias=False)(x)
     assert seen == [(40, 16)]
     seen.clear()
-    merged(x).sum().backward()
-    assert seen == [(40, 16)] and merged.weight.grad is not None
+    merged(x).sum().backward()  # with a gradient: each shard's own F.linear
+    assert seen == [(24, 16), (8, 16), (8, 16)] and merged.shards[0].weight.grad is not None
 
 
 @pytest.mark.parametrize("bias", [False, True])

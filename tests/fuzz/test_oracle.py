@@ -76,8 +76,13 @@ BROKEN = GeneratedModule(
 )
 
 
+def _product(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The merged product as the shards' current Parameters give it (gradient included)."""
+    return torch.cat([F.linear(x, w, b) for w, b in self._current()], dim=-1)
+
+
 def _scaled(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, self.weight, self.bias) * 1.001
+    return _product(self, x) * 1.001
 
 
 def _raising(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -85,26 +90,27 @@ def _raising(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _writes_input(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
-    out = F.linear(x, self.weight, self.bias)
+    out = _product(self, x)
     x.mul_(2.0)
     return out
 
 
 def _detached_weight(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
-    """Same values, no weight gradient: a projection moved out of its grad region."""
-    return F.linear(x, self.weight.detach(), self.bias)
+    """Same values, no weight gradient: the stacked weight (no Parameter) used while a
+    gradient is recorded, or a projection moved out of its grad region."""
+    return F.linear(x, self.stacked_weight, self.stacked_bias)
 
 
 def _float32_under_autocast(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
     """A kernel blind to autocast (issue 24, defect 1)."""
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x.float(), self.weight, self.bias)
+        return _product(self, x.float())
 
 
 def _past_the_dispatcher(self: MergedLinear, x: torch.Tensor) -> torch.Tensor:
     """A kernel that computes the product where no torch-function mode sees it (defect 2)."""
     with torch._C.DisableTorchFunction():
-        return F.linear(x, self.weight, self.bias)
+        return _product(self, x)
 
 
 def test_correct_fusion_passes(tmp_path: Path) -> None:

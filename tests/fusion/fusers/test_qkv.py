@@ -35,7 +35,8 @@ def test_real_attention_fused_with_parity(model_type: str) -> None:
     assert counts.get("glu") == 2, str(report)
     attn = fused.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, MergedLinear)
-    assert not hasattr(attn, "q_proj")
+    assert attn.qkv_proj.shards == (attn.q_proj, attn.k_proj, attn.v_proj)  # kept in place
+    assert attn.qkv_proj.views_hold()
     q, k, v = attn.qkv_proj.output_sizes
     assert q == 4 * 16 and k == v == 2 * 16  # GQA: q widest, then k and v
     record = next(r for r in report.applied if r.fuser == "qkv")
@@ -51,7 +52,7 @@ def test_real_attention_fused_with_parity(model_type: str) -> None:
 def test_qwen2_biases_are_stacked() -> None:
     fused, _ = fuse_copy(tiny_model("qwen2"))
     merged = fused.model.layers[0].self_attn.qkv_proj
-    assert merged.bias is not None and merged.shard_bias == (True, True, True)
+    assert merged.stacked_bias is not None and merged.shard_bias == (True, True, True)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])  # MHA, GQA, MQA
@@ -76,7 +77,7 @@ def test_mixed_bias_presence_fuses_with_zero_bias() -> None:
     assert report.counts() == {"qkv": 1}
     merged = fused.qkv_proj
     assert merged.shard_bias == (False, True, False)
-    assert torch.equal(merged.bias[:32], torch.zeros(32))
+    assert torch.equal(merged.stacked_bias[:32], torch.zeros(32))
     assert outputs_match(module, fused, 2, 5, 32)
 
 
@@ -202,5 +203,6 @@ def test_fused_and_unfused_copies_coexist() -> None:
     assert "forward" not in original.__dict__
     assert hazards.Attention.forward.__code__.co_name == "forward"
     assert type(fused).forward is hazards.Attention.forward  # the class is untouched
-    assert hasattr(original, "q_proj") and not hasattr(fused, "q_proj")
+    assert not hasattr(original, "qkv_proj") and isinstance(fused.qkv_proj, MergedLinear)
+    assert fused.q_proj is not original.q_proj
     assert outputs_match(original, fused, 2, 5, 32)

@@ -264,7 +264,8 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
     row = RowLinear(32, 48)
     with torch.no_grad():
         x = torch.randn(1, rows, 32)
-        torch.testing.assert_close(merged(x), F.linear(x, merged.weight, merged.bias))
+        want = F.linear(x, merged.stacked_weight, merged.stacked_bias)
+        torch.testing.assert_close(merged(x), want)
         torch.testing.assert_close(row(x), F.linear(x, row.weight, row.bias))
         assert calls == [(96, 32), (48, 32)]
         merged(torch.randn(native_gemm.LIMITS["AVX512"].max_rows + 1, 32))
@@ -278,26 +279,31 @@ def test_every_weight_write_is_seen(monkeypatch) -> None:
     step after a first forward all show in the next forward, at 1 and 16 rows."""
     force_native_on(monkeypatch)
     merged = _merged((48, 16), 32, bias=False)
-    optimiser = torch.optim.SGD(merged.parameters(), lr=0.5)
+    optimiser = torch.optim.SGD([s.weight for s in merged.shards], lr=0.5)
+
+    def unfused(x):
+        return torch.cat([x @ s.weight.t() for s in merged.shards], dim=-1)
+
     for rows in (1, 16):
         x = torch.randn(rows, 32)
         with torch.no_grad():
             merged(x)
-        new = torch.randn_like(merged.weight)
-        for write in (
-            lambda w, new=new: w.data.copy_(new),
-            lambda w: w.data.mul_(2.0),
-            lambda w, new=new: w.set_(new.clone()),
-            lambda w: np.copyto(w.detach().numpy()[:, 0], 3.0),
-        ):
-            with torch.no_grad():
-                write(merged.weight)
-                torch.testing.assert_close(merged(x), x @ merged.weight.t(), rtol=1e-5, atol=1e-5)
-        merged(x).sum().backward()  # records a gradient: the PyTorch path
+        for shard in merged.shards:
+            new = torch.randn_like(shard.weight)
+            for write in (
+                lambda w, new=new: w.data.copy_(new),
+                lambda w: w.data.mul_(2.0),
+                lambda w: np.copyto(w.detach().numpy()[:, 0], 3.0),
+                lambda w, new=new: w.set_(new.clone()),  # breaks the view: shards apart
+            ):
+                with torch.no_grad():
+                    write(shard.weight)
+                    torch.testing.assert_close(merged(x), unfused(x), rtol=1e-5, atol=1e-5)
+        merged(x).sum().backward()  # records a gradient: each shard's own F.linear
         optimiser.step()
         optimiser.zero_grad()
         with torch.no_grad():
-            torch.testing.assert_close(merged(x), x @ merged.weight.t(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(merged(x), unfused(x), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -331,21 +337,26 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
 
 @needs_kernel
 def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
-    """Under torch.compile (fullgraph) MergedLinear and RowLinear at 16 rows become one
-    `fusion::decode_linear` node each, whose eager choice (the native kernel) runs when the
-    compiled code runs; values equal the eager modules'."""
+    """Under torch.compile (fullgraph) RowLinear at 16 rows becomes one
+    `fusion::decode_linear` node and MergedLinear one per shard (compiled, it computes its
+    shards apart: Dynamo guards neither the views of the stacked weight nor `.data`), whose
+    eager choice (the native kernel) runs when the compiled code runs; values equal the
+    eager modules'."""
     force_native_on(monkeypatch)
     calls: list[int] = []
     real = native_gemm.linear
     monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(1) or real(*a))
-    for module in (_merged((64, 16, 16), 32, bias=True).eval(), RowLinear(32, 48).eval()):
+    for module, nodes in (
+        (_merged((64, 16, 16), 32, bias=True).eval(), 3),
+        (RowLinear(32, 48).eval(), 1),
+    ):
         x = torch.randn(1, 16, 32)
         out, targets = compiled_call_targets(module, x)
-        assert sum("fusion.decode_linear" in t for t in targets) == 1, targets
+        assert sum("fusion.decode_linear" in t for t in targets) == nodes, targets
         assert not any("aten.linear" in t or "functional.linear" in t for t in targets), targets
         with torch.no_grad():
             torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-6)
-    assert len(calls) == 4  # one compiled and one eager call per module
+    assert len(calls) == 3 + 1 + 1 + 1  # compiled: per shard, then per module; eager: one each
 
 
 @needs_kernel

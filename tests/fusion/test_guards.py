@@ -1,0 +1,197 @@
+"""`fusion.guards` with `fusion.bound`: every premise a rewrite's proof relied on that a user
+can change after fusing is checked per call, and a failed one runs the original forward.
+
+Each test changes one premise on a fused tiny Llama and compares with the unfused model
+changed the same way: the outputs must agree, the fused forward must report the failure
+(`guard_failures`), and restoring the premise (or fusing again) must make it fused again.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fusion
+from fusion.bound import BoundForward
+from fusion.guards import ChildGuard, GlobalsGuard, attribute_guard
+from fusion.modules import RowLinear
+from tests.fusion.tiny_models import tiny_model, token_ids
+
+
+def _pair():
+    unfused = tiny_model("llama", seed=3)
+    fused = copy.deepcopy(unfused)
+    counts = fusion.fuse(fused).counts()
+    assert counts.get("qkv") and counts.get("glu"), counts
+    return unfused, fused
+
+
+def _logits(model, ids=None):
+    with torch.no_grad():
+        return model(token_ids() if ids is None else ids).logits
+
+
+def _attn(model):
+    return model.model.layers[0].self_attn
+
+
+def test_guards_hold_after_fusing_and_cost_no_fallback() -> None:
+    unfused, fused = _pair()
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    forward = _attn(fused).forward
+    assert isinstance(forward, BoundForward) and forward.failure() is None
+    assert forward.guard_failures == 0
+
+
+class _Doubling(nn.Module):
+    """A wrapper in LoRA's place: runs the wrapped linear and changes its output."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * self.inner(x)
+
+
+def test_a_replaced_child_runs_the_original_forward_then_fuses_again_when_restored() -> None:
+    unfused, fused = _pair()
+    original = _attn(fused).k_proj
+    for model in (unfused, fused):
+        _attn(model).k_proj = _Doubling(_attn(model).k_proj)
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    forward = _attn(fused).forward
+    assert forward.guard_failures == 1 and "k_proj was replaced" in forward.last_failure
+    _attn(fused).k_proj = original
+    _attn(unfused).k_proj = _attn(unfused).k_proj.inner
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    assert forward.guard_failures == 1  # the guard holds again: fused path
+    assert _attn(fused).qkv_proj.stacked_calls > 0
+
+
+def test_a_hook_added_after_fusing_runs_and_is_honoured() -> None:
+    unfused, fused = _pair()
+    calls = []
+
+    def pre_hook(module, args):
+        calls.append(module)
+        args[0].mul_(0.5)  # an in-place pre-hook: the premise "k reads q's input" breaks
+
+    for model in (unfused, fused):
+        _attn(model).k_proj.register_forward_pre_hook(pre_hook)
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    assert len(calls) == 2  # layer 0's k_proj, once in each model
+    assert _attn(fused).forward.guard_failures == 1
+
+
+def test_a_global_hook_added_after_fusing_is_honoured() -> None:
+    unfused, fused = _pair()
+    seen: list[str] = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, a, o: seen.append(type(m).__name__)
+    )
+    try:
+        _logits(unfused)
+        expected = list(seen)
+        seen.clear()
+        _logits(fused)
+    finally:
+        handle.remove()
+    # every Linear the unfused forward called is called (and hooked) by the fused one
+    assert seen.count("Linear") == expected.count("Linear")
+
+
+def test_a_monkeypatched_helper_is_seen() -> None:
+    unfused, fused = _pair()
+    namespace = sys.modules[type(_attn(unfused)).__module__]
+    original = namespace.apply_rotary_pos_emb
+
+    def patched(q, k, cos, sin, *args, **kwargs):
+        q_out, k_out = original(q, k, cos, sin, *args, **kwargs)
+        return q_out * 3.0, k_out
+
+    expected_plain = _logits(unfused)
+    namespace.apply_rotary_pos_emb = patched
+    try:
+        expected = _logits(unfused)
+        got = _logits(fused)
+    finally:
+        namespace.apply_rotary_pos_emb = original
+    assert not torch.allclose(expected, expected_plain)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert "apply_rotary_pos_emb" in _attn(fused).forward.last_failure
+    torch.testing.assert_close(_logits(fused), expected_plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replaced_activation_child_is_seen() -> None:
+    unfused, fused = _pair()
+    for model in (unfused, fused):
+        model.model.layers[0].mlp.act_fn = nn.Tanh()
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    assert model.model.layers[0].mlp.forward.guard_failures == 1
+
+
+def test_a_class_swap_to_row_linear_keeps_the_guard() -> None:
+    _, fused = _pair()
+    _attn(fused).q_proj.__class__ = RowLinear  # decode_linear's function: F.linear
+    assert _attn(fused).forward.failure() is None
+    _attn(fused).q_proj.__class__ = nn.Bilinear  # anything else fails
+    assert "became a Bilinear" in _attn(fused).forward.failure()
+
+
+def test_guards_follow_deepcopy_and_pickle() -> None:
+    unfused, fused = _pair()
+    for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        forward = _attn(copied).forward
+        guard = next(g for g in forward.guards if isinstance(g, ChildGuard))
+        assert guard.child is _attn(copied)._modules[guard.name]
+        assert forward.failure() is None
+        torch.testing.assert_close(_logits(copied), _logits(unfused), rtol=1e-5, atol=1e-6)
+        _attn(copied).k_proj = _Doubling(_attn(copied).k_proj)
+        assert forward.failure() == "k_proj was replaced"
+    assert _attn(fused).forward.failure() is None  # the original is untouched
+
+
+def test_attribute_guard_kinds() -> None:
+    module = nn.Sequential(nn.Linear(2, 2))
+    assert isinstance(attribute_guard(module, "0"), ChildGuard)
+    method = attribute_guard(module, "append")
+    assert method.failure(module) is None
+    module.append = lambda m: None
+    assert "shadowed" in method.failure(module)
+    module.scale = 2.0
+    scale = attribute_guard(module, "scale")
+    assert scale.failure(module) is None
+    module.scale = 3.0
+    assert "rebound" in scale.failure(module)
+
+
+def test_globals_guard_watches_names_reached_through_helpers() -> None:
+    def outer(x):
+        return _helper(x) + len(x)
+
+    guard = GlobalsGuard.of(outer)
+    names = {name for _, name, _ in guard.entries}
+    assert {"_helper", "_inner_global", "len"} <= names
+    global _inner_global
+    saved = _inner_global
+    _inner_global = 5
+    try:
+        assert guard.failure() == "global _inner_global was rebound"
+    finally:
+        _inner_global = saved
+    assert guard.failure() is None
+    with pytest.raises(TypeError):
+        pickle.dumps(guard)
+
+
+_inner_global = 1
+
+
+def _helper(x):
+    return x * _inner_global
