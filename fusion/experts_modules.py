@@ -491,9 +491,8 @@ class FusedExperts(nn.Module):
         dispatch: Dispatch | None = None,
     ) -> None:
         super().__init__()
-        for name in PARAMETER_NAMES:
-            param = original._parameters.get(name)
-            if param is not None:
+        for name, param in original._parameters.items():  # the original's order
+            if name in PARAMETER_NAMES and param is not None:
                 self.register_parameter(name, param)
         # Not a submodule: its parameters are ours (the same objects), registered above
         # (first: `register_parameter` asks `hasattr`, which the original would answer).

@@ -664,7 +664,10 @@ def _matmul_precision(ctx: Context) -> str:
 def _optimizer_before_fuse(ctx: Context) -> str:
     unfused, late = copy.deepcopy(ctx.unfused), copy.deepcopy(ctx.unfused)
     before = {name: p.detach().clone() for name, p in unfused.named_parameters()}
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (unfused, late)]
+    # eps=1: AdamW's update stays linear in small gradients, so gradients equal up to
+    # rounding (what `train` checks) give updates equal up to rounding; with the default
+    # eps a gradient at rounding-noise level is normalised to a full step of either sign.
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1.0) for m in (unfused, late)]
     ctx.fuse(late)  # after the optimiser holds its Parameters
     rtol = 1e-3 if ctx.dtype in (torch.float32, torch.float64) else 5e-2
     for _ in range(3):
@@ -687,7 +690,8 @@ def _optimizer_before_fuse(ctx: Context) -> str:
         moved_count += 1
         if torch.equal(other.detach(), before[name]):
             raise _Failed(f"{name} was never updated by the optimiser built before fusing")
-        _compare(f"{name} after 3 AdamW steps", other.detach(), param.detach(), 0.05 * moved)
+        allowed = rtol * moved + 1e-6 * float(before[name].abs().max())
+        _compare(f"{name} after 3 AdamW steps", other.detach(), param.detach(), allowed)
     for model in (unfused, late):
         model.eval()
     after = _logits(unfused, ctx)
@@ -731,47 +735,51 @@ class _Doubled(nn.Module):
         return out * 2.0 if isinstance(out, torch.Tensor) else out
 
 
-def _guarded_child(model: nn.Module) -> tuple[str, str] | None:
+def _guarded_children(model: nn.Module) -> list[tuple[str, str]]:
     """(qualified name of a module with a rewritten forward, the name of a child its guards
-    watch), a merged projection's shard first; None where there is none."""
+    watch as plainly called), merged projections' shards first."""
     found: list[tuple[bool, str, str]] = []
     for qualname, module in model.named_modules():
         forward = module.__dict__.get("forward")
         if not isinstance(forward, BoundForward):
             continue
         for guard in forward.guards:
-            if isinstance(guard, ChildGuard):
+            if isinstance(guard, ChildGuard) and not guard.called:
                 shard = isinstance(guard.child, nn.Linear)
                 found.append((not shard, qualname, guard.name))
-    return min(found)[1:] if found else None
+    return [site[1:] for site in sorted(found)]
 
 
 def _guard_round_trip(ctx: Context) -> str:
-    unfused, fused = _twins(ctx)
-    site = _guarded_child(fused)
-    if site is None:
+    """The first guarded child whose module the forward runs (a cross-attention without
+    encoder states is never called): replaced, the logits agree and the rewrite fell back;
+    put back, the fused forward runs again."""
+    sites = _guarded_children(ctx.fused)
+    if not sites:
         raise _NotApplicable("no rewritten forward guards a child in this model")
-    qualname, name = site
-    parents = [m.get_submodule(qualname) for m in (unfused, fused)]
-    if name not in parents[0]._modules:
-        raise _NotApplicable(f"the unfused model has no {qualname}.{name}")
-    children = [p._modules[name] for p in parents]
-    forward = parents[1].__dict__["forward"]
-    where = f"{qualname + '.' if qualname else ''}{name}"
-    for parent, child in zip(parents, children):
-        setattr(parent, name, _Doubled(child))
-    want = _unfused(f"a forward with {where} replaced", lambda: _logits(unfused, ctx))
-    got = _logits(fused, ctx)
-    _compare(f"logits with {where} replaced", got, want, ctx.allowance)
-    if forward.guard_failures == 0:
-        raise _Failed(f"the rewritten forward of {qualname} kept running with {where} replaced")
-    failures = forward.guard_failures
-    for parent, child in zip(parents, children):
-        setattr(parent, name, child)
-    _compare(f"logits with {where} put back", _logits(fused, ctx), ctx.fused_logits, 0.0)
-    if forward.guard_failures != failures:
-        raise _Failed(f"with {where} put back, {qualname} still runs its original forward")
-    return f"{where} replaced: original forward ran, logits agree; put back: fused again"
+    for qualname, name in sites[:8]:
+        unfused, fused = _twins(ctx)
+        parents = [m.get_submodule(qualname) for m in (unfused, fused)]
+        if name not in parents[0]._modules:
+            continue
+        children = [p._modules[name] for p in parents]
+        forward = parents[1].__dict__["forward"]
+        where = f"{qualname + '.' if qualname else ''}{name}"
+        for parent, child in zip(parents, children):
+            setattr(parent, name, _Doubled(child))
+        want = _unfused(f"a forward with {where} replaced", lambda u=unfused: _logits(u, ctx))
+        got = _logits(fused, ctx)
+        _compare(f"logits with {where} replaced", got, want, ctx.allowance)
+        failures = forward.guard_failures
+        if failures == 0:
+            continue  # this forward did not run on these inputs: the next site
+        for parent, child in zip(parents, children):
+            setattr(parent, name, child)
+        _compare(f"logits with {where} put back", _logits(fused, ctx), ctx.fused_logits, 0.0)
+        if forward.guard_failures != failures:
+            raise _Failed(f"with {where} put back, {qualname} still runs its original forward")
+        return f"{where} replaced: original forward ran, logits agree; put back: fused again"
+    raise _NotApplicable("no guarded rewritten forward runs on these inputs")
 
 
 def _double_norm_gradients(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:

@@ -44,4 +44,10 @@ def build_fused(
         backend=backend,
     )
     fused.train(module.training)
+    # The block's children in the block's own order, so `named_parameters()`, `modules()`
+    # and the state dict list them as the unfused model does.
+    order = {name: i for i, name in enumerate(module._modules)}
+    fused._modules = dict(
+        sorted(fused._modules.items(), key=lambda kv: order.get(kv[0], len(order)))
+    )
     return fused, packed
