@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-_HOOK_ATTRS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+HOOK_ATTRS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 CALL_PATH = ("__call__", "_wrapped_call_impl", "_call_impl")
 """What runs between `self.<child>(x)` and `forward`: a merged call bypasses all of it."""
@@ -28,7 +28,7 @@ def has_hooks(module: nn.Module) -> str | None:
     (a norm inside `add_rms_norm`) would skip it exactly as it skips a hook of the child.
     Runtime checks (the residual-norm helper) call this per call, so a global hook added
     after fusing is seen the next forward."""
-    for attr in _HOOK_ATTRS:
+    for attr in HOOK_ATTRS:
         if getattr(module, attr, None):
             return attr.strip("_").replace("_", " ")
     return global_hooks()

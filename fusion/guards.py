@@ -19,6 +19,7 @@ built again when a pickled forward is rebuilt.
 from __future__ import annotations
 
 import builtins
+import dis
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from fusion.callpath import has_hooks, own_call_path
+from fusion.callpath import CALL_PATH, HOOK_ATTRS, global_hooks
 from fusion.modules import RowLinear
 
 EQUIVALENT_CLASSES: frozenset[type] = frozenset({nn.Linear, RowLinear})
@@ -64,14 +65,17 @@ class ChildGuard:
             return f"{self.name} became a {kind.__name__}"
         if self.called:
             return None
-        if "forward" in current.__dict__:
+        # `callpath.has_hooks` / `own_call_path`, inlined: this runs on every call. Global
+        # hooks are checked once per forward by `first_failure`.
+        state = current.__dict__
+        if "forward" in state:
             return f"{self.name} has an instance-level forward"
-        hooks = has_hooks(current)
-        if hooks:
-            return f"{self.name} has {hooks}"
-        path = own_call_path(current)
-        if path:
-            return f"{self.name} has its own {path}"
+        for attr in HOOK_ATTRS:
+            if state.get(attr):
+                return f"{self.name} has {attr.strip('_').replace('_', ' ')}"
+        for attr in CALL_PATH:
+            if attr in state or getattr(kind, attr) is not _MODULE_CALL_PATH[attr]:
+                return f"{self.name} has its own {attr}"
         return None
 
 
@@ -116,6 +120,7 @@ def attribute_guard(module: nn.Module, name: str, *, called: bool = False) -> Gu
 
 
 _MISSING = object()
+_MODULE_CALL_PATH = {attr: getattr(nn.Module, attr) for attr in CALL_PATH}
 
 
 class GlobalsGuard:
@@ -178,10 +183,13 @@ class GlobalsGuard:
 
 
 def _global_names(code: types.CodeType) -> list[str]:
-    """Names `code` (and code nested in it: comprehensions, lambdas) may look up as
-    globals. `co_names` also lists attribute names; those not bound globally are recorded
-    as absent, which costs one lookup and never misses a global."""
-    names = list(code.co_names)
+    """Names `code` (and code nested in it: comprehensions, lambdas) looks up as globals
+    (`LOAD_GLOBAL` / `LOAD_NAME`: attribute names are not lookups of a global)."""
+    names = [
+        str(instruction.argval)
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    ]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names.extend(_global_names(const))
@@ -193,7 +201,13 @@ Guard = ChildGuard | MethodGuard | InstanceAttributeGuard
 
 
 def first_failure(module: nn.Module, guards: tuple[Guard, ...]) -> str | None:
-    """The first failing guard's reason, or None when every guard holds."""
+    """The first failing guard's reason, or None when every guard holds. The global module
+    hooks (which would run for every plainly called child) are asked once, when any guard
+    watches such a child."""
+    if any(isinstance(g, ChildGuard) and not g.called for g in guards):
+        hooks = global_hooks()
+        if hooks:
+            return hooks
     for guard in guards:
         reason = guard.failure(module)
         if reason is not None:

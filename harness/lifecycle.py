@@ -45,6 +45,11 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   or any user replacement would: the logits must agree (the fused forward falls back to
   the original, and counts it); with the child put back, the logits agree again and the
   fused forward runs fused. `n/a` where no rewritten forward guards a child.
+- `lora-after-fuse`: PEFT LoRA adapters (`inject_adapter_in_model`, rank 4, random A and
+  B) on up to two names of merged projections (`q_proj`, `v_proj`, ...) in both models,
+  with the same adapter weights: the adapters' names must be the same, the logits must
+  agree, and so must a training step (every gradient, the adapters' included). `n/a`
+  without PEFT or without a merged projection.
 - `train-global-hook`: the `train` check with a global full backward hook
   (`register_module_full_backward_hook`) that doubles the input gradient of every module
   whose class name contains "Norm", as a user's gradient-scaling hook would: a fused
@@ -105,6 +110,7 @@ OPERATIONS = (
     "optimizer-before-fuse",
     "parameters",
     "guard-round-trip",
+    "lora-after-fuse",
     "train-global-hook",
     "compile",
 )
@@ -325,12 +331,23 @@ def _train(ctx: Context) -> str:
     from fusion.checkpoint import unfused_named
 
     unfused, fused = _twins(ctx)
+    return _train_twins(ctx, unfused, fused, unfused_named)
+
+
+def _train_twins(
+    ctx: Context,
+    unfused: nn.Module,
+    fused: nn.Module,
+    rename: Callable[[nn.Module, dict[str, Any]], dict[str, Any]],
+) -> str:
+    """One training step of both: the loss and every gradient (the fused model's mapped to
+    unfused names by `rename`) must agree, then an SGD step, and the eval logits after it."""
     want_loss = _unfused("a training step", lambda: _train_step(unfused, ctx))
     got_loss = _train_step(fused, ctx)
     rtol = 1e-3 if ctx.dtype in (torch.float32, torch.float64) else 5e-2
     _compare("loss", got_loss, want_loss, rtol * max(float(want_loss.abs()), 1.0))
     want = {n: p.grad for n, p in unfused.named_parameters()}
-    got = unfused_named(fused, {n: p.grad for n, p in fused.named_parameters()})
+    got = rename(fused, {n: p.grad for n, p in fused.named_parameters()})
     if set(got) != set(want):
         extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))
         raise _Failed(f"parameters differ after mapping: extra {extra[:3]}, missing {lost[:3]}")
@@ -782,6 +799,39 @@ def _guard_round_trip(ctx: Context) -> str:
     raise _NotApplicable("no guarded rewritten forward runs on these inputs")
 
 
+def _lora_targets(model: nn.Module) -> list[str]:
+    """Two shard names (or one) of the model's first merged projection (attention comes
+    before the MLP): what a user names in `LoraConfig(target_modules=...)` (`q_proj` and
+    `k_proj`). Not a GLU's gate without its up projection: PEFT refuses that split."""
+    first = next((m for m in model.modules() if isinstance(m, MergedLinear)), None)
+    return [] if first is None else list(first.shard_names[:2])
+
+
+def _lora_after_fuse(ctx: Context) -> str:
+    try:
+        import peft
+    except ImportError as exc:
+        raise _NotApplicable("peft is not installed (pip install peft)") from exc
+    targets = _lora_targets(ctx.fused)
+    if not targets:
+        raise _NotApplicable("no merged projection for a LoRA adapter to target")
+    # init_lora_weights=False: B is random too, so the adapters change the outputs at once
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    unfused, fused = _twins(ctx)
+    _unfused(f"LoRA on {targets}", lambda: peft.inject_adapter_in_model(config, unfused))
+    peft.inject_adapter_in_model(config, fused)
+    adapters = peft.get_peft_model_state_dict(unfused)
+    missing = peft.set_peft_model_state_dict(fused, adapters).unexpected_keys
+    if missing or set(peft.get_peft_model_state_dict(fused)) != set(adapters):
+        raise _Failed("the fused model's LoRA adapters have other names than the unfused one's")
+    want = _logits(unfused, ctx)
+    if torch.equal(want, ctx.unfused_logits):
+        raise _NotApplicable(f"LoRA on {targets} does not change the unfused logits here")
+    diff = _compare(f"logits with LoRA on {targets}", _logits(fused, ctx), want, ctx.allowance)
+    _train_twins(ctx, unfused, fused, lambda model, grads: grads)
+    return f"LoRA on {targets} after fusing: logits within {diff:.3g}, a training step agrees"
+
+
 def _double_norm_gradients(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
     if "Norm" not in type(module).__name__:
         return None
@@ -841,6 +891,7 @@ _OPERATIONS: dict[str, Callable[[Context], str]] = {
     "optimizer-before-fuse": _optimizer_before_fuse,
     "parameters": _parameters,
     "guard-round-trip": _guard_round_trip,
+    "lora-after-fuse": _lora_after_fuse,
     "train-global-hook": _train_global_hook,
     "compile": _compile,
 }

@@ -195,3 +195,49 @@ _inner_global = 1
 
 def _helper(x):
     return x * _inner_global
+
+
+def _lora_config(targets=("q_proj", "v_proj")):
+    peft = pytest.importorskip("peft")
+    # init_lora_weights=False: B is random, so the adapters change outputs at once
+    return peft, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False
+    )
+
+
+def test_lora_after_fusing_runs_the_adapters_and_merging_them_fuses_again() -> None:
+    peft, config = _lora_config()
+    unfused, fused = _pair()
+    torch.manual_seed(0)
+    lora_unfused = peft.get_peft_model(copy.deepcopy(unfused), config)
+    lora_fused = peft.get_peft_model(fused, config)
+    adapters = peft.get_peft_model_state_dict(lora_unfused)
+    assert set(peft.get_peft_model_state_dict(lora_fused)) == set(adapters)
+    peft.set_peft_model_state_dict(lora_fused, adapters)
+    want = _logits(lora_unfused)
+    assert not torch.allclose(want, _logits(unfused))  # the adapters matter
+    torch.testing.assert_close(_logits(lora_fused), want, rtol=1e-5, atol=1e-6)
+    assert _attn(fused).forward.guard_failures > 0  # the fused forward stepped aside
+    merged_unfused = lora_unfused.merge_and_unload()
+    merged_fused = lora_fused.merge_and_unload()
+    failures = _attn(merged_fused).forward.guard_failures
+    stacked = _attn(merged_fused).qkv_proj.stacked_calls
+    torch.testing.assert_close(_logits(merged_fused), _logits(merged_unfused), rtol=1e-5, atol=1e-6)
+    # the adapters merged into the shards' own Parameters, in place: fused again
+    assert _attn(merged_fused).forward.guard_failures == failures
+    assert _attn(merged_fused).qkv_proj.stacked_calls == stacked + 1
+
+
+def test_lora_before_fusing_leaves_the_adapted_projections_unmerged() -> None:
+    """A LoRA layer is no plain `nn.Linear`: the attention it adapts is not merged (the
+    q/k/v match sees no three plain projections; no reason is reported yet, noted on issue
+    25), what it does not touch still fuses, and the outputs are the adapted model's."""
+    peft, config = _lora_config()
+    model = tiny_model("llama", seed=3)
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(model, config)
+    reference = _logits(adapted)
+    report = fusion.fuse(adapted)
+    assert "qkv" not in report.counts() and "sibling" not in report.counts(), str(report)
+    assert report.counts().get("glu")  # what LoRA does not touch still fuses
+    torch.testing.assert_close(_logits(adapted), reference, rtol=1e-5, atol=1e-6)

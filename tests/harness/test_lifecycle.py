@@ -222,3 +222,17 @@ def test_a_norm_run_without_its_call_fails_train_global_hook(llama, llama_inputs
     assert verdicts["train-global-hook"] == "fail", result.lifecycle
     assert verdicts["train"] == "pass"  # without the hook the helper computes the same
     assert not torch.nn.modules.module._global_backward_hooks  # removed again
+
+
+def test_guards_that_miss_a_replaced_child_fail_lora_and_the_round_trip(
+    llama, llama_inputs, monkeypatch
+):
+    """Guards blind to a replaced child (the defect: a LoRA wrapper installed after fusing
+    is never called, the fused forward keeps computing without the adapter)."""
+    from fusion.guards import ChildGuard
+
+    monkeypatch.setattr(ChildGuard, "failure", lambda self, module: None)
+    result = _run(llama, llama_inputs, fusion.fuse)
+    verdicts = _verdicts(result)
+    assert verdicts["lora-after-fuse"] == "fail", result.lifecycle["lora-after-fuse"]
+    assert verdicts["guard-round-trip"] == "fail", result.lifecycle["guard-round-trip"]
