@@ -79,7 +79,7 @@ import io
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,8 @@ class Context:
     fused_logits: torch.Tensor
     fuse: Callable[[nn.Module], Any] = fusion.fuse
     """How the fused model was fused (applied again to unfused copies)."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """Work two operations share (`_fused_late`: one copy fused after an optimiser)."""
 
     @property
     def allowance(self) -> float:
@@ -678,14 +680,26 @@ def _matmul_precision(ctx: Context) -> str:
     return f"logits within {diff:.3g}; the setting moved both (unfused by {moved:.3g})"
 
 
+def _fused_late(ctx: Context) -> tuple[nn.Module, torch.optim.Optimizer, list[int]]:
+    """An unfused copy, an AdamW optimiser built on it, then the copy fused: (the copy, its
+    optimiser, its Parameters' identities before fusing). Made once per check."""
+    if "late" not in ctx.shared:
+        late = copy.deepcopy(ctx.unfused)
+        identities = [id(p) for p in late.parameters()]
+        # eps=1: AdamW's update stays linear in small gradients, so gradients equal up to
+        # rounding (what `train` checks) give updates equal up to rounding; with the default
+        # eps a gradient at rounding-noise level is normalised to a full step of either sign.
+        optimizer = torch.optim.AdamW(late.parameters(), lr=1e-2, eps=1.0)
+        ctx.fuse(late)  # after the optimiser holds its Parameters
+        ctx.shared["late"] = (late, optimizer, identities)
+    return ctx.shared["late"]
+
+
 def _optimizer_before_fuse(ctx: Context) -> str:
-    unfused, late = copy.deepcopy(ctx.unfused), copy.deepcopy(ctx.unfused)
+    unfused = copy.deepcopy(ctx.unfused)
     before = {name: p.detach().clone() for name, p in unfused.named_parameters()}
-    # eps=1: AdamW's update stays linear in small gradients, so gradients equal up to
-    # rounding (what `train` checks) give updates equal up to rounding; with the default
-    # eps a gradient at rounding-noise level is normalised to a full step of either sign.
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1.0) for m in (unfused, late)]
-    ctx.fuse(late)  # after the optimiser holds its Parameters
+    late, late_optimizer, _ = _fused_late(ctx)
+    optimizers = [torch.optim.AdamW(unfused.parameters(), lr=1e-2, eps=1.0), late_optimizer]
     rtol = 1e-3 if ctx.dtype in (torch.float32, torch.float64) else 5e-2
     for _ in range(3):
         for model, optimizer in zip((unfused, late), optimizers):
@@ -718,9 +732,7 @@ def _optimizer_before_fuse(ctx: Context) -> str:
 
 
 def _parameters(ctx: Context) -> str:
-    late = copy.deepcopy(ctx.unfused)
-    identities = [id(p) for p in late.parameters()]
-    ctx.fuse(late)
+    late, _, identities = _fused_late(ctx)
     if [id(p) for p in late.parameters()] != identities:
         raise _Failed("fusing replaced or reordered Parameter objects")
     for what, listing in (
