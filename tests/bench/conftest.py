@@ -11,6 +11,13 @@ or `tox -e bench`. Selection and options:
 - Default: the reduced grid (Llama-1B widths, 1/16/512 tokens, OLMoE-shaped MoE at 16 tokens,
   2-layer slices at 16 tokens): a couple of minutes on a 2-core CPU. `--bench-full` or
   `FUSION_BENCH_FULL=1`: every width and token count (for GPUs).
+- Smoke runs: where pytest-benchmark does not time (under pytest-xdist, as CI's
+  `python -m pytest -n auto -m slow` runs this directory, or with `--benchmark-disable`), each
+  file runs one case of its grid, every variant once: its first case at its fewest tokens
+  (e.g. the Llama-3.2-1B end-to-end model at 1 token, compiled variants included). That
+  proves the benchmark code runs; timing real widths untimed would prove nothing more. The
+  whole grid runs wherever benchmarks are timed (`tox -e bench`, `-p no:xdist`), or untimed
+  with `FUSION_BENCH_SMOKE=0` (`FUSION_BENCH_SMOKE=1` forces a smoke run even when timed).
 - `--bench-device cpu|cuda` / `FUSION_BENCH_DEVICE` (default cuda if present), `--bench-dtype`
   / `FUSION_BENCH_DTYPE` (default float32 on CPU, bfloat16 on GPU), `FUSION_BENCH_BUDGET`
   (seconds per benchmark, default 0.5). The environment variables work whichever directory
@@ -61,6 +68,10 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from harness import bench
 
+SMOKE_ENV = "FUSION_BENCH_SMOKE"
+"""`0`: the whole grid even where benchmarks are not timed; `1`: a smoke run even where they
+are; unset or `auto`: a smoke run exactly where they are not timed."""
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -105,9 +116,29 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(int(threads))
 
 
+def smoke_run(config: pytest.Config) -> bool:
+    """Whether this session is a smoke run (see the module doc): `FUSION_BENCH_SMOKE=0` or
+    `=1` decides; unset (or `auto`), a run is a smoke run exactly when pytest-benchmark does
+    not time (its session is disabled: xdist, `--benchmark-disable`)."""
+    given = os.environ.get(SMOKE_ENV, "").strip().lower()
+    if given not in ("", "auto"):
+        return given != "0"
+    session = getattr(config, "_benchmarksession", None)
+    return bool(getattr(session, "disabled", False))
+
+
+def smoke_cases(cases: list[bench.Case]) -> list[bench.Case]:
+    """A smoke run's selection from one file's cases: the first case at the fewest tokens."""
+    if not cases:
+        return cases
+    fewest = min(case.tokens for case in cases)
+    return [next(case for case in cases if case.tokens == fewest)]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize `bench_case`/`bench_variant` with the module's `BENCH_CASES`: one test per
-    (case, variant), variants of a case adjacent (they share the case's tensors)."""
+    (case, variant), variants of a case adjacent (they share the case's tensors). In a smoke
+    run, one case (`smoke_cases`) of what the FUSION_BENCH_* filters leave."""
     if "bench_case" not in metafunc.fixturenames:
         return
     settings = bench_config(metafunc.config)
@@ -119,6 +150,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     tokens = os.environ.get("FUSION_BENCH_TOKENS")
     if tokens:
         cases = [c for c in cases if str(c.tokens) in tokens.split(",")]
+    if smoke_run(metafunc.config):
+        cases = smoke_cases(cases)
     marks = [pytest.mark.gpu] if torch.device(settings.device).type == "cuda" else []
     if marks and not torch.cuda.is_available():
         marks.append(pytest.mark.skip(reason="--bench-device cuda but no CUDA device is available"))

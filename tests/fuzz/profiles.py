@@ -23,8 +23,10 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 REPO = Path(__file__).resolve().parents[2]
 DATABASE_DIR = REPO / ".hypothesis" / "fuzz"
-CI_EXAMPLES = 150
-"""Per generated shape; five shapes: 750 examples (about 40 s of one core)."""
+CI_EXAMPLES = 50
+"""Per property and generated shape: test_fuse_is_safe's five shapes (250 examples) and
+test_gate_strategy's gate programs (50). CI's smoke of the generators; the search itself is
+the `fuzz` profile (`tox -e fuzz`, 10 000 per shape)."""
 
 # Every setting that matters is spelled out: a profile registered here inherits the rest
 # from whichever profile tests/conftest.py loaded (its "ci" is derandomized).

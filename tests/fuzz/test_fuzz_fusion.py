@@ -12,9 +12,10 @@ the final, shrunk example. Example counts: tests/fuzz/profiles.py (`FUZZ_PROFILE
 
 Every failure the fuzzer ever found is also kept as a fixed example: the complete generated
 source, shrunk, in tests/fuzz/findings/<name>.py.txt, and `test_known_finding` runs each
-through the same oracle on every run, whatever the profile. The CI profile's 150 derandomized
-examples per shape need not draw any given hazard family (issue 18's guarded chained view
-was missed that way); these files make sure each family a fix was made for stays reached.
+through the same oracle on every run, whatever the profile. The CI profile's 50 derandomized
+examples per shape (`CI_EXAMPLES`, tests/fuzz/profiles.py) need not draw any given hazard
+family (issue 18's guarded chained view was missed that way); these files make sure each
+family a fix was made for stays reached.
 Add one for every new finding: the shrunk source from its repro bundle, with the header
 lines `# fuzz finding: <name> (shape <shape>)`, `# hazards: ...`, `# features: ...`.
 

@@ -5,7 +5,10 @@ Property: `proven_gate` refuses, or its program replays the gating bit for bit (
 the same places) on random inputs of every float dtype, and the `FusedExperts` built on it
 (guarding the attributes the gating reads) agrees with the experts' own forward to float32
 rounding at one row and at many, in train and eval mode, and after `limit` changes. A fixed batch also checks the
-generator: it yields programs that are accepted and hazards that are refused."""
+generator: it yields programs that are accepted and hazards that are refused.
+
+Example counts: the fuzzer's profiles (tests/fuzz/profiles.py, `FUZZ_PROFILE`): CI runs
+`CI_EXAMPLES` derandomized gate programs, `tox -e fuzz` 10 000."""
 
 from __future__ import annotations
 
