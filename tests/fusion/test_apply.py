@@ -183,3 +183,48 @@ def test_a_root_module_is_fused_in_place_or_refused_with_the_reason() -> None:
     assert "cannot replace the root module itself" in skipped.reason
     assert str(skipped).startswith("<root> (LlamaRMSNorm): rmsnorm refused")
     assert norm.state_dict().keys() == before.keys()
+
+
+def test_a_failed_fuse_restores_classes_and_parameter_memory(monkeypatch) -> None:
+    """Regression (issue 25: a rollback restored the module's attributes but not a class
+    swapped below it, nor Parameters a merge had made views of a stacked weight): a fuser
+    that merges, swaps a child's class, then raises leaves the module exactly as it was,
+    each Parameter again the sole user of memory of its own."""
+    from fusion.modules import MergedLinear, RowLinear
+
+    module = hazards.Attention()
+    reference = copy.deepcopy(module)
+    params = {n: p for n, p in module.named_parameters()}
+    real = QKVFuser.fuse
+
+    def fuse_then_fail(self, target, backend):
+        real(self, target, backend)
+        assert isinstance(target.qkv_proj, MergedLinear) and target.qkv_proj.views_hold()
+        target.q_proj.__class__ = RowLinear
+        raise RuntimeError("injected failure after the merge")
+
+    monkeypatch.setattr(QKVFuser, "fuse", fuse_then_fail)
+    report = apply.run(module, fusers=(QKVFuser,))
+    assert "qkv" not in report.counts()
+    assert any("injected failure" in s.reason for s in report.skipped), str(report)
+    assert type(module.q_proj) is nn.Linear and not hasattr(module, "qkv_proj")
+    assert "forward" not in module.__dict__
+    assert {n: p for n, p in module.named_parameters()} == params  # same objects
+    storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    assert len(storages) == len(params)  # no Parameter shares memory with another
+    assert outputs_match(reference, module, 2, 5, 32)
+
+
+def test_fusing_again_restacks_parameters_that_moved() -> None:
+    """`fusion.fuse` on a fused model re-merges a projection whose Parameters stopped
+    viewing the stacked weight, where nothing else uses their memory."""
+    module = hazards.Attention()
+    fusion.fuse(module)
+    merged = module.qkv_proj
+    module.k_proj.weight.data = module.k_proj.weight.detach().clone()
+    assert not merged.views_hold()
+    report = fusion.fuse(module)
+    assert not report.applied and merged.views_hold()
+    with torch.no_grad():
+        out = module(torch.randn(2, 5, 32))
+    assert merged.stacked_calls >= 1 and torch.isfinite(out).all()

@@ -241,3 +241,20 @@ def test_lora_before_fusing_leaves_the_adapted_projections_unmerged() -> None:
     assert "qkv" not in report.counts() and "sibling" not in report.counts(), str(report)
     assert report.counts().get("glu")  # what LoRA does not touch still fuses
     torch.testing.assert_close(_logits(adapted), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_fusion_replacing_a_watched_child_moves_the_guard_with_it() -> None:
+    """Qwen3's attention proof reads its q/k norms; the `rmsnorm` fuser then puts a
+    `FusedRMSNorm` in their slots: the guard follows (the rewrite keeps running fused),
+    while a user's replacement of the same slot still fails it."""
+    from fusion.modules import FusedRMSNorm
+
+    model = tiny_model("qwen3", seed=1)
+    fusion.fuse(model)
+    attn = _attn(model)
+    assert isinstance(attn.q_norm, FusedRMSNorm)
+    watched = {g.name: g.child for g in attn.forward.guards if isinstance(g, ChildGuard)}
+    assert watched.get("q_norm") is attn.q_norm
+    assert attn.forward.failure() is None
+    attn.q_norm = nn.Identity()
+    assert attn.forward.failure() == "q_norm was replaced"
