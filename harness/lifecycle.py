@@ -752,7 +752,7 @@ def _parameters(ctx: Context) -> str:
     return f"{len(identities)} Parameters kept; names, order, buffers and keys identical"
 
 
-class _Doubled(nn.Module):
+class Doubled(nn.Module):
     """A user's replacement of a child (a LoRA wrapper stands in): the child, output x2."""
 
     def __init__(self, inner: nn.Module) -> None:
@@ -764,7 +764,7 @@ class _Doubled(nn.Module):
         return out * 2.0 if isinstance(out, torch.Tensor) else out
 
 
-def _guarded_children(model: nn.Module) -> list[tuple[str, str]]:
+def guarded_children(model: nn.Module) -> list[tuple[str, str]]:
     """(qualified name of a module with a rewritten forward, the name of a child its guards
     watch as plainly called), merged projections' shards first."""
     found: list[tuple[bool, str, str]] = []
@@ -783,7 +783,7 @@ def _guard_round_trip(ctx: Context) -> str:
     """The first guarded child whose module the forward runs (a cross-attention without
     encoder states is never called): replaced, the logits agree and the rewrite fell back;
     put back, the fused forward runs again."""
-    sites = _guarded_children(ctx.fused)
+    sites = guarded_children(ctx.fused)
     if not sites:
         raise _NotApplicable("no rewritten forward guards a child in this model")
     for qualname, name in sites[:8]:
@@ -795,7 +795,7 @@ def _guard_round_trip(ctx: Context) -> str:
         forward = parents[1].__dict__["forward"]
         where = f"{qualname + '.' if qualname else ''}{name}"
         for parent, child in zip(parents, children):
-            setattr(parent, name, _Doubled(child))
+            setattr(parent, name, Doubled(child))
         want = _unfused(f"a forward with {where} replaced", lambda u=unfused: _logits(u, ctx))
         got = _logits(fused, ctx)
         _compare(f"logits with {where} replaced", got, want, ctx.allowance)

@@ -50,7 +50,7 @@ import fusion
 from fusion import numerics, registry
 from fusion.checkpoint import unfused_named
 from fusion.report import FusionReport
-from harness.lifecycle import dtype_mismatch, output_dtypes
+from harness.lifecycle import Doubled, dtype_mismatch, guarded_children, output_dtypes
 from tests.fuzz.strategies import SHAPES, GeneratedModule
 
 TOLERANCE = 1e-5
@@ -64,6 +64,7 @@ FAILURE_KINDS = (
     "input-state",  # an input the forward mutates ends in a different state
     "gradient-parity",  # an input or parameter gradient differs beyond GRAD_TOLERANCE
     "ambient-state",  # under autocast or a torch-function mode, an output differs
+    "premise-change",  # with a guarded child replaced after fusing, an output differs
 )
 
 GRAD_TOLERANCE = 1e-4
@@ -350,6 +351,7 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
             return Outcome(status, report)
         failure = _gradient_failure(module, seed, *pristine)
         failure = failure or _ambient_failure(module, seed, *pristine)
+        failure = failure or _premise_failure(module, seed, *pristine)
         return Outcome(status, report, failure)
 
 
@@ -495,6 +497,53 @@ def _ambient_failure(
                 f"under {name}: {where} differs (relative error {error:.3g})",
                 observed=error,
                 tolerance=tolerance,
+            )
+    return None
+
+
+PREMISE_SITES = 2
+"""Guarded children replaced per fused example (`_premise_failure`)."""
+
+
+def _premise_failure(
+    module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
+) -> Failure | None:
+    """`premise-change` when, with a child a rewritten forward's guards watch replaced after
+    fusing, in both models, by a wrapper that doubles its output (a user's LoRA wrapper or
+    any replacement: `harness.lifecycle.Doubled`), the outputs differ: the fused forward kept
+    running on a proof whose premise is gone. None otherwise, and where the unfused forward
+    cannot run with the replacement."""
+    for qualname, name in guarded_children(fused)[:PREMISE_SITES]:
+        unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
+        parents = [m.get_submodule(qualname) for m in (unfused_copy, fused_copy)]
+        if name not in parents[0]._modules:
+            continue
+        for parent in parents:
+            setattr(parent, name, Doubled(parent._modules[name]))
+        where = f"{qualname}.{name}" if qualname else name
+        args, kwargs = make_inputs(module, seed)
+        args_fused, kwargs_fused = copy.deepcopy((args, kwargs))
+        try:
+            with torch.no_grad():
+                expected = unfused_copy(*args, **kwargs)
+        except Exception:
+            continue
+        try:
+            with torch.no_grad():
+                actual = fused_copy(*args_fused, **kwargs_fused)
+        except Exception as exc:
+            return Failure(
+                "fused-forward-error",
+                f"with {where} replaced: {type(exc).__name__}: {exc}",
+                _tail(exc),
+            )
+        error, at = compare(state(expected), state(actual), "output")
+        if error > TOLERANCE:
+            return Failure(
+                "premise-change",
+                f"with {where} replaced after fusing: {at} differs (relative error {error:.3g})",
+                observed=error,
+                tolerance=TOLERANCE,
             )
     return None
 

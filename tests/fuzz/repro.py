@@ -38,6 +38,7 @@ from harness.repro import BUNDLE_FORMAT, source_files, versions
 from tests.fuzz.oracle import (
     AUTOCAST_TOLERANCE,
     GRAD_TOLERANCE,
+    PREMISE_SITES,
     TOLERANCE,
     Outcome,
     outcome_summary,
@@ -52,6 +53,7 @@ HARNESS_KIND = {
     "input-state": "module-parity",
     "gradient-parity": "module-parity",
     "ambient-state": "module-parity",
+    "premise-change": "module-parity",
 }
 """The harness bundle kind closest to each oracle failure kind (the exact one is kept in
 `generated.kind`)."""
@@ -81,7 +83,7 @@ from torch import nn
 
 import fusion
 from fusion.checkpoint import unfused_named
-from harness.lifecycle import dtype_mismatch
+from harness.lifecycle import Doubled, dtype_mismatch, guarded_children, watched_children
 
 
 def load_generated(directory):
@@ -208,7 +210,30 @@ def check(directory, fields):
         observed = error(snapshot(expected), snapshot(actual))
         if observed > bound:
             return "ambient-state", "under %s: relative error %.3g" % (name, observed)
-    return None, "outputs, inputs, gradients and ambient-state outputs agree"
+    for qualname, name in guarded_children(fused)[:{premise_sites!r}]:
+        unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
+        parents = [m.get_submodule(qualname) for m in (unfused_copy, fused_copy)]
+        if name not in parents[0]._modules:
+            continue
+        for parent in parents:
+            setattr(parent, name, Doubled(parent._modules[name]))
+        args, kwargs = module.make_inputs(torch.Generator().manual_seed(seed + 1))
+        fused_args, fused_kwargs = copy.deepcopy((args, kwargs))
+        try:
+            with torch.no_grad():
+                expected = unfused_copy(*args, **kwargs)
+        except Exception:
+            continue
+        try:
+            with torch.no_grad():
+                actual = fused_copy(*fused_args, **fused_kwargs)
+        except Exception as exc:
+            traceback.print_exc()
+            return "fused-forward-error", "with %s replaced: %s: %s" % (name, type(exc).__name__, exc)
+        observed = error(snapshot(expected), snapshot(actual))
+        if observed > {tolerance!r}:
+            return "premise-change", "with %s replaced: relative error %.3g" % (name, observed)
+    return None, "outputs, inputs, gradients, ambient-state outputs and guarded replacements agree"
 
 
 class ShiftProducts(torch.overrides.TorchFunctionMode):
@@ -253,7 +278,9 @@ def run_recording(model, args, kwargs):
         if isinstance(first, torch.Tensor):
             dtypes.setdefault(names[id(module)], first.dtype)
 
-    handles = [m.register_forward_hook(record) for m in model.modules()]
+    # not the children a fused forward's guards watch: a hook there runs the original
+    skip = watched_children(model)
+    handles = [m.register_forward_hook(record) for m in model.modules() if id(m) not in skip]
     try:
         return model(*args, **kwargs), dtypes
     finally:
@@ -393,6 +420,7 @@ def write_bundle(
             tolerance=TOLERANCE,
             grad_tolerance=GRAD_TOLERANCE,
             autocast_tolerance=AUTOCAST_TOLERANCE,
+            premise_sites=PREMISE_SITES,
         ),
         **source_files([r for r in records if r.original_source is not None]),
     }

@@ -230,3 +230,20 @@ def test_unusable_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     bundle = write_bundle(tmp_path / "bundles", "b", ATTENTION, 1, outcome)
     (bundle / "bundle.json").write_text("{")
     assert _replay(bundle) == 2
+
+
+def test_guards_blind_to_a_replaced_child_are_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The premise pass: a child the fused forward's guards watch is replaced after fusing
+    (in both models); guards that miss it leave the fused forward computing without the
+    replacement, and the outcome says so, replayably."""
+    from fusion.guards import ChildGuard
+
+    monkeypatch.setattr(ChildGuard, "failure", lambda self, module: None)
+    outcome = check(ATTENTION, 0, tmp_path)
+    assert outcome.failure is not None and outcome.failure.kind == "premise-change", outcome
+    bundle = write_bundle(tmp_path / "bundles", "premise", ATTENTION, 0, outcome)
+    assert _replay(bundle) == 1  # still injected: reproduces
+    monkeypatch.undo()
+    assert _replay(bundle) == 0
