@@ -174,8 +174,8 @@ def check_model(
             fused,
             inputs,
             options.torch_dtype,
-            logits_of(runs.unfused),
-            logits_of(runs.fused),
+            parity.logits_of(runs.unfused),
+            parity.logits_of(runs.fused),
             mode=options.lifecycle,
             fuse=lambda model: _fuse_with(fuse, model),
         )
@@ -259,9 +259,9 @@ def _judge(
         verdict = parity.Verdict("inconclusive", math.nan, math.nan, math.nan, reason)
     else:
         verdict = parity.compare(
-            logits_of(runs.fused),
-            logits_of(runs.unfused),
-            logits_of(runs.reference),
+            parity.logits_of(runs.fused),
+            parity.logits_of(runs.unfused),
+            parity.logits_of(runs.reference),
             dtype=options.torch_dtype,
             mask=mask,
         )
@@ -327,18 +327,6 @@ def _forward(model: nn.Module, inputs: Mapping[str, Any], dtype: torch.dtype) ->
     }
     with torch.no_grad():
         return model(**cast)
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """The logits of a causal-LM output (`.logits`, or the first element of a tuple)."""
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise TypeError(f"forward returned no logits ({type(output).__name__})")
 
 
 def _overall(verdict: parity.Verdict, modules: list[ModuleResult]) -> tuple[str, str]:

@@ -88,10 +88,12 @@ from torch import nn
 
 import fusion
 from fusion.bound import BoundForward
+from fusion.checkpoint import unfused_named
 from fusion.guards import ChildGuard
 from fusion.modules import MergedLinear
 from fusion.trace import preserved_globals
 from harness import localise
+from harness.parity import logits_of
 
 MODES = ("off", "quick", "full", "all")
 """`off`: no lifecycle checks; `quick`: every operation but `compile`; `full`: `compile` too,
@@ -241,8 +243,6 @@ def _cast(inputs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _logits(model: nn.Module, ctx: Context) -> torch.Tensor:
-    from harness.check import logits_of
-
     with torch.no_grad():
         return logits_of(model(**_cast(ctx.inputs, ctx.dtype)))
 
@@ -313,8 +313,6 @@ def _accepts(model: nn.Module, name: str) -> bool:
 
 
 def _train_step(model: nn.Module, ctx: Context) -> torch.Tensor:
-    from harness.check import logits_of
-
     model.train()
     kwargs = _cast(ctx.inputs, ctx.dtype)
     labels = kwargs.get("input_ids")
@@ -330,8 +328,6 @@ def _train_step(model: nn.Module, ctx: Context) -> torch.Tensor:
 
 
 def _train(ctx: Context) -> str:
-    from fusion.checkpoint import unfused_named
-
     unfused, fused = _twins(ctx)
     return _train_twins(ctx, unfused, fused, unfused_named)
 

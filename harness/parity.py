@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -128,3 +129,15 @@ def _rank(verdict: Verdict) -> tuple[int, float]:
 def worst_status(statuses: Sequence[Status]) -> Status:
     """The most severe of several statuses ("pass" for none)."""
     return max(statuses, key=_SEVERITY.__getitem__, default="pass")
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a causal-LM output (`.logits`, or the first element of a tuple)."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"forward returned no logits ({type(output).__name__})")
