@@ -284,6 +284,13 @@ def self_call_and_refs(funcdef: ast.FunctionDef, name: str) -> tuple[ast.Call, l
     by a string (`hasattr(self, "q_proj")`, `self._modules["q_proj"]`): such a reference
     cannot be folded, and would change meaning once the child is replaced.
     """
+    first = funcdef.args.posonlyargs + funcdef.args.args
+    if not first or first[0].arg != "self":
+        called = repr(first[0].arg) if first else "missing"
+        raise RewriteRefused(
+            f"the forward's first parameter is {called}, not 'self': the rewrite reads the "
+            "module's children as self.<name> only"
+        )
     if any(isinstance(n, ast.Constant) and n.value == name for n in ast.walk(funcdef)):
         raise RewriteRefused(f"self.{name} is also referenced by name (a string)")
     refs = self_refs(funcdef, name)

@@ -721,3 +721,22 @@ def test_method_source_reads_a_method_or_refuses() -> None:
     unreadable = type("Unreadable", (nn.Module,), {"forward": eval("lambda self, x: x")})
     with pytest.raises(RewriteRefused):
         source.method_source(unreadable)
+
+
+def test_a_forward_whose_first_parameter_is_not_self_is_refused_with_that_reason(load) -> None:
+    """Issue 28: such a forward used to be refused with "self.gate is called 0 times"."""
+    import fusion
+
+    mods = load(
+        "import torch.nn as nn\n"
+        "class MLP(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.gate, self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)\n"
+        "        self.act = nn.SiLU()\n"
+        "    def forward(this, x):\n"
+        "        return this.down(this.act(this.gate(x)) * this.up(x))\n"
+    )
+    reasons = {s.fuser: s.reason for s in fusion.plan(mods.MLP()).skipped}
+    assert "glu" in reasons, reasons
+    assert reasons["glu"].startswith("the forward's first parameter is 'this', not 'self'")
