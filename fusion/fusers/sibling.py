@@ -40,12 +40,16 @@ class SiblingFuser(StackedFuser):
         if graph is None:
             return None
         output = returned_linear(graph, module)
-        groups = [
-            [node for node in nodes if str(node.target) != output]
-            for nodes in linear_inputs(graph, module).values()
-        ]
+        readers = [nodes for nodes in linear_inputs(graph, module).values() if len(nodes) >= 2]
+        groups = [[node for node in nodes if str(node.target) != output] for nodes in readers]
         groups = [nodes for nodes in groups if len(nodes) >= 2]
         if not groups:
+            if readers:
+                names = " and ".join(str(node.target) for node in readers[0])
+                raise RewriteRefused(
+                    f"{names} read one input, but {output} makes the returned value (taken "
+                    "for the output projection, never merged): fewer than two remain"
+                )
             return None
         if len(groups) > 1:
             raise RewriteRefused("several groups of sibling linears")

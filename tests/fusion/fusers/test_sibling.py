@@ -235,3 +235,22 @@ def test_a_region_barrier_splits_the_group(cls: type[nn.Module]) -> None:
     (out, grad), (fused_out, fused_grad) = _output_and_grad(module), _output_and_grad(fused)
     assert torch.allclose(out, fused_out, atol=1e-6)
     assert torch.allclose(grad, fused_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_product_of_two_projections_says_why_it_is_not_merged(load) -> None:
+    """Issue 28: `self.a(x) * self.b(x)` used to get no reason at all: `a` makes the
+    returned value and is excluded as the output projection, leaving one projection."""
+    mods = load(
+        "import torch.nn as nn\n"
+        "class Product(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return self.a(x) * self.b(x)\n"
+    )
+    reasons = [s.reason for s in fusion.plan(mods.Product()).skipped if s.fuser == "sibling"]
+    assert reasons == [
+        "a and b read one input, but a makes the returned value (taken for the output "
+        "projection, never merged): fewer than two remain"
+    ]
