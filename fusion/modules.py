@@ -180,16 +180,11 @@ class MergedLinear(nn.Module):
     # -- computing ---------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        current = self._current()
-        tensors = [t for pair in current for t in pair if t is not None]
-        if (
-            torch.compiler.is_compiling()
-            or torch_ref.records_grad(*tensors)
-            or not self.views_hold()
-        ):
-            if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling or not self.views_hold() or self._records_grad():
+            if not compiling:
                 self.shard_calls += 1
-            return self._shards_apart(x, current)
+            return self._shards_apart(x, self._current())
         self.stacked_calls += 1
         weight, bias = self.stacked_weight, self.stacked_bias
         decoded = ops.decode_product(x, weight, bias)
@@ -200,6 +195,11 @@ class MergedLinear(nn.Module):
         if self._per_shard(x, bias):
             return self._shard_products(x, bias)
         return F.linear(x, weight, bias)
+
+    def _records_grad(self) -> bool:
+        """Will autograd record a product with the shards' Parameters? Asked once the views
+        hold, so `_views` lists exactly the current Parameters."""
+        return torch.is_grad_enabled() and any(view[2].requires_grad for view in self._views)
 
     def _shards_apart(
         self, x: torch.Tensor, current: list[tuple[torch.Tensor | None, torch.Tensor | None]]

@@ -775,6 +775,19 @@ def guarded_children(model: nn.Module) -> list[tuple[str, str]]:
     return [site[1:] for site in sorted(found)]
 
 
+def double_child(models: tuple[nn.Module, ...], qualname: str, name: str) -> list[nn.Module] | None:
+    """Replace `<qualname>.<name>` in each of `models` by `Doubled` around it (a user's
+    replacement after fusing); the replaced children, or None (nothing replaced) where the
+    first model has no such child."""
+    parents = [model.get_submodule(qualname) for model in models]
+    if name not in parents[0]._modules:
+        return None
+    children = [parent._modules[name] for parent in parents]
+    for parent, child in zip(parents, children):
+        setattr(parent, name, Doubled(child))
+    return children
+
+
 def _guard_round_trip(ctx: Context) -> str:
     """The first guarded child whose module the forward runs (a cross-attention without
     encoder states is never called): replaced, the logits agree and the rewrite fell back;
@@ -784,14 +797,12 @@ def _guard_round_trip(ctx: Context) -> str:
         raise _NotApplicable("no rewritten forward guards a child in this model")
     for qualname, name in sites[:8]:
         unfused, fused = _twins(ctx)
-        parents = [m.get_submodule(qualname) for m in (unfused, fused)]
-        if name not in parents[0]._modules:
+        children = double_child((unfused, fused), qualname, name)
+        if children is None:
             continue
-        children = [p._modules[name] for p in parents]
+        parents = [m.get_submodule(qualname) for m in (unfused, fused)]
         forward = parents[1].__dict__["forward"]
         where = f"{qualname + '.' if qualname else ''}{name}"
-        for parent, child in zip(parents, children):
-            setattr(parent, name, Doubled(child))
         want = _unfused(f"a forward with {where} replaced", lambda u=unfused: _logits(u, ctx))
         got = _logits(fused, ctx)
         _compare(f"logits with {where} replaced", got, want, ctx.allowance)

@@ -50,7 +50,7 @@ import fusion
 from fusion import numerics, registry
 from fusion.checkpoint import unfused_named
 from fusion.report import FusionReport
-from harness.lifecycle import Doubled, dtype_mismatch, guarded_children, output_dtypes
+from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
 from tests.fuzz.strategies import SHAPES, GeneratedModule
 
 TOLERANCE = 1e-5
@@ -510,16 +510,13 @@ def _premise_failure(
 ) -> Failure | None:
     """`premise-change` when, with a child a rewritten forward's guards watch replaced after
     fusing, in both models, by a wrapper that doubles its output (a user's LoRA wrapper or
-    any replacement: `harness.lifecycle.Doubled`), the outputs differ: the fused forward kept
+    any replacement: `harness.lifecycle.double_child`), the outputs differ: the fused forward kept
     running on a proof whose premise is gone. None otherwise, and where the unfused forward
     cannot run with the replacement."""
     for qualname, name in guarded_children(fused)[:PREMISE_SITES]:
         unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
-        parents = [m.get_submodule(qualname) for m in (unfused_copy, fused_copy)]
-        if name not in parents[0]._modules:
+        if double_child((unfused_copy, fused_copy), qualname, name) is None:
             continue
-        for parent in parents:
-            setattr(parent, name, Doubled(parent._modules[name]))
         where = f"{qualname}.{name}" if qualname else name
         args, kwargs = make_inputs(module, seed)
         args_fused, kwargs_fused = copy.deepcopy((args, kwargs))

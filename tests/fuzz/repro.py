@@ -83,7 +83,7 @@ from torch import nn
 
 import fusion
 from fusion.checkpoint import unfused_named
-from harness.lifecycle import Doubled, dtype_mismatch, guarded_children, watched_children
+from harness.lifecycle import double_child, dtype_mismatch, guarded_children, watched_children
 
 
 def load_generated(directory):
@@ -212,11 +212,8 @@ def check(directory, fields):
             return "ambient-state", "under %s: relative error %.3g" % (name, observed)
     for qualname, name in guarded_children(fused)[:{premise_sites!r}]:
         unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
-        parents = [m.get_submodule(qualname) for m in (unfused_copy, fused_copy)]
-        if name not in parents[0]._modules:
+        if double_child((unfused_copy, fused_copy), qualname, name) is None:
             continue
-        for parent in parents:
-            setattr(parent, name, Doubled(parent._modules[name]))
         args, kwargs = module.make_inputs(torch.Generator().manual_seed(seed + 1))
         fused_args, fused_kwargs = copy.deepcopy((args, kwargs))
         try:
