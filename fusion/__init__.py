@@ -14,6 +14,7 @@ from torch import nn
 from fusion.errors import RewriteRefused
 from fusion.kernels import available_backends
 from fusion.report import Applied, FusionReport, Skipped
+from fusion.tuning import calibrate, kernel_choices
 
 __all__ = [
     "Applied",
@@ -21,6 +22,7 @@ __all__ = [
     "RewriteRefused",
     "Skipped",
     "available_backends",
+    "calibrate",
     "fuse",
     "plan",
 ]
@@ -29,21 +31,34 @@ __all__ = [
 def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
     """Fuse `model` in place, instance by instance, and report what was applied and refused.
 
-    `backend` names the kernel backend the fused modules call (`auto`: the fastest available
-    for the tensors' device at call time). Never raises for a model it cannot fuse; raises
-    TypeError if `model` is not an nn.Module, ValueError for an unknown backend.
+    `backend` names the kernel backend the fused modules call: `auto` chooses per op, shape
+    and machine by measurement (`fusion.kernels.policy`: where nothing was measured on this
+    machine, the reference computes, at the unfused model's speed); `torch` runs torch's
+    own ops only; `native`, `onednn` (CPU), `triton`, `vllm` (GPU) pin that backend's
+    kernels wherever they are eligible. Only the named backend is built or probed. Never
+    raises for a model it cannot fuse; raises TypeError if `model` is not an nn.Module,
+    ValueError for an unknown backend or one that cannot run on the model's devices.
     """
     from fusion import apply, kernels
+    from fusion.kernels import ops
 
-    if backend != "auto" and backend not in kernels.available_backends():
-        raise ValueError(
-            f"unknown or unavailable backend {backend!r}; available: {kernels.available_backends()}"
-        )
-    report = apply.run(model, backend=backend)
-    if isinstance(model, nn.Module) and report.applied:
-        # Probe kernels now, not inside a later torch.compile trace (see kernels._AUTO).
+    devices = set()
+    if isinstance(model, nn.Module):
         devices = {t.device for t in (*model.parameters(), *model.buffers())} or {"cpu"}
+    if backend != "auto":
+        if backend not in kernels.known_backends():
+            raise ValueError(
+                f"unknown kernel backend {backend!r}; known: {', '.join(kernels.known_backends())}"
+            )
+        for device in devices:
+            kernels.get(backend, device)  # ValueError naming why it cannot run there
+    report = apply.run(model, backend=backend)
+    if devices and report.applied:
+        # Probe kernels and load the policy's table now, not inside a later torch.compile
+        # trace (compiled code only reads them).
         kernels.resolve_ahead(devices)
+        ops.prepare(backend)
+        report.kernels = kernel_choices(model)
     return report
 
 

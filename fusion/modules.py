@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.kernels import contract, ops, torch_ref
+from fusion.kernels import ops, torch_ref
 
 
 class MergedLinear(nn.Module):
@@ -30,22 +30,24 @@ class MergedLinear(nn.Module):
     `p.data.copy_`) writes the stacked weight the GEMM reads, so it can never be stale.
 
     `forward` returns the concatenated outputs; the rewritten forward splits them with
-    `output_sizes`. It runs the stacked GEMM only while `views_hold()` (each shard's current
-    Parameter still views its rows: `p.data = other`, a swapped Parameter, `.to()` of one
-    child or `torch.func.functional_call` break it) and no gradient is recorded for the
-    Parameters; otherwise it computes each shard with `F.linear` on the shard's current
+    `output_sizes`. Its reference is each shard's `F.linear` on the shard's current
     Parameters, exactly the unfused calls (so training computes the unfused gradients, bit
-    for bit, into each Parameter's own `.grad`). Under `torch.compile` it always runs the
-    shards apart: Dynamo guards neither the views nor a Parameter's `.data`.
-    `stacked_calls` / `shard_calls` count which way each call went.
+    for bit, into each Parameter's own `.grad`). One product on the stacked weight (one
+    `F.linear`, or a CPU decode kernel) runs instead only where the kernel policy chooses
+    it (`fusion.kernels.policy`: measured faster on this machine, or pinned by `backend`),
+    while `views_hold()` (each shard's current Parameter still views its rows: `p.data =
+    other`, a swapped Parameter, `.to()` of one child or `torch.func.functional_call` break
+    it) and no gradient is recorded. Under `torch.compile` it always runs the shards apart:
+    Dynamo guards neither the views nor a Parameter's `.data`. `stacked_calls` counts calls
+    made while the views held (read from the stacked weight or its rows), `shard_calls`
+    those that read the shards' own Parameters (views broken, a gradient, a trace).
 
     A shard without a bias has exact zeros in the stacked bias when another has one:
     adding 0.0 changes no value, and one GEMM with bias stays one GEMM.
     """
 
-    def __init__(self, linears: dict[str, nn.Linear]) -> None:
+    def __init__(self, linears: dict[str, nn.Linear], backend: str = "auto") -> None:
         super().__init__()
-        ops.resolve_decode_kernels()  # before any trace: compiled code only reads them
         if not linears:
             raise ValueError("MergedLinear needs at least one linear")
         first = next(iter(linears.values()))
@@ -53,6 +55,9 @@ class MergedLinear(nn.Module):
         self.output_sizes = [int(lin.out_features) for lin in linears.values()]
         self.shard_names = tuple(linears)
         self.shard_bias = tuple(lin.bias is not None for lin in linears.values())
+        self.backend = backend
+        self.kernel_shape = (*self.output_sizes, self.in_features)
+        """The policy's key for this module's products (`fusion.kernels.policy`)."""
         # A plain tuple: nn.Module registers only Module/Parameter/Tensor attributes, so the
         # children stay the parent's alone (one name each in named_modules/parameters).
         self.shards: tuple[nn.Linear, ...] = tuple(linears.values())
@@ -72,11 +77,12 @@ class MergedLinear(nn.Module):
             raise ValueError(f"the linears cannot share one stacked weight: {reason}")
 
     @classmethod
-    def from_linears(cls, linears: dict[str, nn.Linear]) -> MergedLinear:
-        """Stack `linears` (name -> module, in shard order) into one merged module.
+    def from_linears(cls, linears: dict[str, nn.Linear], backend: str = "auto") -> MergedLinear:
+        """Stack `linears` (name -> module, in shard order) into one merged module whose
+        products `backend` may compute (`fusion.kernels.policy.allowed`).
 
         The caller has checked they share in_features, dtype and device."""
-        return cls(linears)
+        return cls(linears, backend)
 
     # -- the stacked weight and its views ------------------------------------------------
 
@@ -186,15 +192,13 @@ class MergedLinear(nn.Module):
                 self.shard_calls += 1
             return self._shards_apart(x, self._current())
         self.stacked_calls += 1
-        weight, bias = self.stacked_weight, self.stacked_bias
-        decoded = ops.decode_product(x, weight, bias)
-        if decoded is not None:
-            # decode sizes on a CPU: one stacked product by a kernel that streams the live
-            # weight once and errs no more than MKL (`ops.decode_product`)
-            return decoded
-        if self._per_shard(x, bias):
-            return self._shard_products(x, bias)
-        return F.linear(x, weight, bias)
+        stacked = ops.product(
+            "stacked", self.kernel_shape, self.backend, x, self.stacked_weight, self.stacked_bias
+        )
+        if stacked is not None:
+            return stacked
+        # the reference: each shard's own product on its Parameters (views of the rows)
+        return self._shards_apart(x, self._current())
 
     def _records_grad(self) -> bool:
         """Will autograd record a product with the shards' Parameters? Asked once the views
@@ -205,58 +209,17 @@ class MergedLinear(nn.Module):
         self, x: torch.Tensor, current: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     ) -> torch.Tensor:
         """Each shard's `F.linear` on its own current Parameters, concatenated: the unfused
-        calls exactly (autograd included). Without a gradient to record, a decode-sized
-        product may take `ops.decode_product`, as an unmerged `RowLinear` would."""
+        calls exactly (autograd included). Without a gradient to record, a shard's product
+        may take the kernel the policy chooses for its shape (`ops.product('linear', ...)`),
+        as an unmerged `RowLinear` would."""
         pieces = []
         for weight, bias in current:
             tensors = (x, weight) if bias is None else (x, weight, bias)
-            decoded = (
-                None if torch_ref.records_grad(*tensors) else ops.decode_product(x, weight, bias)
-            )
+            decoded = None
+            if not torch_ref.records_grad(*tensors):
+                shape = tuple(weight.shape)
+                decoded = ops.product("linear", shape, self.backend, x, weight, bias)
             pieces.append(F.linear(x, weight, bias) if decoded is None else decoded)
-        return torch.cat(pieces, dim=-1)
-
-    def _per_shard(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether `forward` runs one GEMM per shard (`_shard_products`) instead of one
-        stacked GEMM: several shards, several float32 rows on a CPU, where PyTorch itself
-        would run its plain dense kernel (`contract.plain_dense`; elsewhere the one stacked
-        `F.linear` runs, the module's reference: e.g. a weight subclass overriding
-        `F.linear` but not `split` would lose its override on the shards).
-
-        Why: MKL's float32 GEMM at 2-128 rows runs a stacked weight slower than its pieces
-        (on a 2-core Zen 4, one thread: 16 rows, 2048 -> 8192+8192 1.13x faster per shard,
-        1024 -> 3072+3072 1.13x, q/k/v 1.02-1.05x; `tests/bench` measures the models).
-        Each shard's GEMM reads its rows of the live stacked weight (a view: no copy, so
-        every weight write is seen), and each output element is the same dot product as
-        the stacked GEMM's (rounding of the reduction may differ, as between any two GEMM
-        calls)."""
-        weight = self.stacked_weight
-        return (
-            weight is not None
-            and len(self.output_sizes) > 1
-            and x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and weight.dtype == torch.float32
-            and x.numel() > x.shape[-1]
-            and contract.plain_dense("cpu", x, weight, bias) is None
-        )
-
-    def _shard_products(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`F.linear(x, weight, bias)` computed shard by shard on row views of the stacked
-        weight (and bias), concatenated along the last dimension: a new tensor. Each block
-        is what the unfused projection's `F.linear` returns, bit for bit (the same call on
-        the same operands; a synthesised zero bias is not added).
-
-        Why a concatenation rather than each GEMM writing its column block of one output:
-        MKL writes a strided output block more slowly than the copy costs (interleaved, 16
-        rows, Qwen3-0.6B / Llama-3.2-1B MLPs: 0.5-2% slower at 1 and 2 threads)."""
-        assert self.stacked_weight is not None
-        weights = self.stacked_weight.split(self.output_sizes, dim=0)
-        biases = (None,) * len(weights) if bias is None else bias.split(self.output_sizes)
-        pieces = [
-            F.linear(x, w, b if own else None)
-            for w, b, own in zip(weights, biases, self.shard_bias)
-        ]
         return torch.cat(pieces, dim=-1)
 
     def extra_repr(self) -> str:
@@ -266,7 +229,7 @@ class MergedLinear(nn.Module):
         state = "stacked" if self.views_hold() else "shards apart"
         return (
             f"in_features={self.in_features}, shards=({shards}), "
-            f"bias={any(self.shard_bias)}, {state}"
+            f"bias={any(self.shard_bias)}, backend={self.backend}, {state}"
         )
 
 
@@ -343,14 +306,20 @@ def restack_refusal(
 
 
 class RowLinear(nn.Linear):
-    """An `nn.Linear` whose decode-sized products on a CPU take `ops.decode_product` (the
-    native kernel at 1 to 256 rows (`native_gemm.rows_ok`), else oneDNN's one-row product); every
-    other call is `F.linear`. Installed by the `decode_linear` fuser on a plain linear (a
-    class change: same parameters, same place); see `fusion.fusers.decode_linear`."""
+    """An `nn.Linear` whose products take the kernel the policy chooses for its shape
+    (`ops.product('linear', ...)`: the native kernel or oneDNN's one-row product where
+    measured faster on this machine, or pinned by `kernel_backend`); every other call is
+    `F.linear`. Installed by the `decode_linear` fuser on a plain linear (a class change:
+    same parameters, same place, plus the `kernel_backend` attribute); see
+    `fusion.fusers.decode_linear`."""
+
+    kernel_backend = "auto"
+    """The `fusion.fuse(backend=...)` it was fused with (an instance attribute then)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        decoded = ops.decode_product(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias) if decoded is None else decoded
+        weight, bias = self.weight, self.bias
+        decoded = ops.product("linear", tuple(weight.shape), self.kernel_backend, x, weight, bias)
+        return F.linear(x, weight, bias) if decoded is None else decoded
 
 
 class ActAndMul(nn.Module):

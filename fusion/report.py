@@ -45,12 +45,39 @@ class Skipped:
 
 
 @dataclass
+class KernelChoice:
+    """Which kernel computes one product of a fused model on this machine, at a decode
+    step and at a prompt chunk, and why (`fusion.tuning.kernel_choices`)."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    backend: str
+    decode: tuple[str, str]
+    """(kernel, why) at one row."""
+    prefill: tuple[str, str]
+    """(kernel, why) at 128 rows."""
+    modules: list[str]
+    """The fused modules computing this product (same op, shape, dtype, backend)."""
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.shape))
+        where = self.modules[0] + (f" and {len(self.modules) - 1} more" if self.modules[1:] else "")
+        return (
+            f"{self.op} {shape} {self.dtype} ({where}): decode {self.decode[0]} "
+            f"({self.decode[1]}); prefill {self.prefill[0]} ({self.prefill[1]})"
+        )
+
+
+@dataclass
 class FusionReport:
-    """Applied and skipped records of one `fuse`/`plan` call, in model traversal order."""
+    """Applied and skipped records of one `fuse`/`plan` call, in model traversal order, and
+    (after `fuse`) which kernel each fused product runs on this machine."""
 
     applied: list[Applied] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     dry_run: bool = False
+    kernels: list[KernelChoice] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Number of applied fusions per fuser name."""
@@ -67,4 +94,7 @@ class FusionReport:
         if self.skipped:
             lines.append("skipped:")
             lines.extend(f"  {record}" for record in self.skipped)
+        if self.kernels:
+            lines.append("kernels on this machine:")
+            lines.extend(f"  {choice}" for choice in self.kernels)
         return "\n".join(lines)

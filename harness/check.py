@@ -7,6 +7,11 @@ Steps, each recorded with its own status when it fails (see harness.results.STAT
 build (corpus) -> deep copies (fused; float64 reference) -> fusion.fuse(copy) -> unfused forward
 with hooks recording every fused module's inputs -> float64 reference forward -> fused forward ->
 model verdict on the logits -> per-module verdicts (harness.localise).
+
+"fusion.fuse(copy)" is the system under test's `apply` (harness.systems, `CheckOptions.system`):
+our engine by default; for another system (torch.compile with Inductor) the same oracle judges
+its model's logits, without per-module verdicts (it reports no fused modules), and with the
+statuses the system names for its errors ("compile-error").
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import architectures, lifecycle, localise, parity
+from harness import architectures, lifecycle, localise, parity, systems
 from harness.results import ArchResult, Failure, ModuleResult, Refusal
 
 DTYPES: dict[str, torch.dtype] = {
@@ -50,6 +55,12 @@ class CheckOptions:
     plugins: tuple[str, ...] = ()
     lifecycle: str = "quick"
     """Lifecycle checks after the parity verdict (`harness.lifecycle.MODES`)."""
+    system: str = systems.DEFAULT
+    """The system under test (`harness.systems.NAMES`)."""
+
+    def __post_init__(self) -> None:
+        if self.system not in systems.NAMES:  # fail before a model is built for nothing
+            systems.get(self.system)  # raises UnknownSystem, listing the known ones
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -133,26 +144,34 @@ def check_model(
     """Check an already built model on `inputs` (see the module docstring for the steps).
 
     `model` is left unfused (the fused model and the float64 reference are deep copies), so a
-    caller may inspect it afterwards.
+    caller may inspect it afterwards. `options.system` names the system under test; `fuse`
+    replaces `fusion.fuse` for the `fusion` system (ValueError for another system).
     """
     started = time.perf_counter() if started is None else started
+    system = systems.get(options.system, fuse=fuse)
     model.eval()
     subject = _subject(name, model, options)
     fused = copy.deepcopy(model)
     reference = float64_reference(model)
     try:
-        report = _fuse_with(fuse, fused)
+        prepared = system.apply(fused)
     except Exception as exc:
-        failure = _failure("fuse-error", None, None, None, exc)
-        result = _result(name, options, started, "fuse-error", failure.message, failures=[failure])
+        failure = _failure(system.apply_status, None, None, None, exc)
+        result = _result(
+            name, options, started, system.apply_status, failure.message, failures=[failure]
+        )
         return Checked(result, subject)
-    subject = dataclasses.replace(subject, applied=tuple(report.applied))
-    applied = _applied_by_qualname(report.applied)
-    fusion_fields = {
-        "applied": dict(report.counts()),
-        "applied_by_class": count_by_class(report.applied),
-        "refusals": group_refusals(report.skipped),
-    }
+    fused, report = prepared.model, prepared.report
+    applied: dict[str, list] = {}
+    fusion_fields: dict[str, Any] = {}
+    if report is not None:
+        subject = dataclasses.replace(subject, applied=tuple(report.applied))
+        applied = _applied_by_qualname(report.applied)
+        fusion_fields = {
+            "applied": dict(report.counts()),
+            "applied_by_class": count_by_class(report.applied),
+            "refusals": group_refusals(report.skipped),
+        }
 
     runs = _Forwards()
     try:
@@ -164,10 +183,12 @@ def check_model(
             _result(name, options, started, "forward-error", message, **fusion_fields), subject
         )
     _run_reference_and_fused(runs, reference, fused, inputs, options.torch_dtype)
-    judged = _judge(runs, model, fused, reference, inputs, options, applied)
+    judged = _judge(runs, model, fused, reference, inputs, options, applied, system)
     status, message = judged.status, judged.message
     cycle: dict[str, dict[str, str]] = {}
-    if runs.fused_error is None:
+    if runs.fused_error is None and not system.lifecycle:
+        cycle = not_applicable(system, options.lifecycle)
+    elif runs.fused_error is None:
         cycle = lifecycle.check(
             name,
             model,
@@ -177,9 +198,10 @@ def check_model(
             parity.logits_of(runs.unfused),
             parity.logits_of(runs.fused),
             mode=options.lifecycle,
-            fuse=lambda model: _fuse_with(fuse, model),
+            fuse=lambda model: system.apply(model).report,
         )
         status, message = _with_lifecycle(status, message, cycle, judged.failures)
+    message = _with_note(status, message, system.note())
     verdict = judged.verdict
     result = _result(
         name,
@@ -196,6 +218,25 @@ def check_model(
         lifecycle=cycle,
     )
     return Checked(result, subject)
+
+
+def not_applicable(system: systems.System, mode: str) -> dict[str, dict[str, str]]:
+    """The lifecycle record of a system to which no lifecycle check applies: every operation
+    `n/a` with the reason, or {} when `mode` is off (as for a system that has the checks)."""
+    if mode not in lifecycle.MODES:
+        raise ValueError(f"lifecycle mode {mode!r} is not one of {lifecycle.MODES}")
+    if mode == "off":
+        return {}
+    detail = systems.not_applicable(system)
+    return {op: {"verdict": "n/a", "detail": detail} for op in lifecycle.OPERATIONS}
+
+
+def _with_note(status: str, message: str, note: str) -> str:
+    """The message with the system's note (Inductor's graph counts) added: alone on a pass,
+    in brackets after anything else; unchanged when there is no note (the fusion system)."""
+    if not note:
+        return message
+    return note if status == "pass" and not message else f"{message} [{note}]"
 
 
 def _run_reference_and_fused(
@@ -236,9 +277,11 @@ def _judge(
     inputs: Mapping[str, Any],
     options: CheckOptions,
     applied: dict[str, list],
+    system: systems.System,
 ) -> _Judged:
     """Per-module verdicts (harness.localise) and the model verdict on the logits, with the
-    failures they record, the first naming where to look."""
+    failures they record, the first naming where to look. A fused forward that raised is
+    the system's own status (`System.forward_status`), with the exception's message."""
     mask = parity.token_mask(inputs.get("attention_mask"))
     checks = localise.check_modules(
         runs.calls,
@@ -252,8 +295,8 @@ def _judge(
     failures = [_module_failure(check, applied[check.qualname]) for check in checks]
     failures = [f for f in failures if f is not None]
     if runs.fused_error is not None:
-        failures.insert(0, _failure("fused-forward-error", None, None, None, runs.fused_error))
-        return _Judged("fused-error", failures[0].message, None, modules, failures)
+        failures.insert(0, _failure(system.forward_kind, None, None, None, runs.fused_error))
+        return _Judged(system.forward_status, failures[0].message, None, modules, failures)
     if runs.reference_error is not None:
         reason = f"float64 reference does not run: {localise.one_line(runs.reference_error)}"
         verdict = parity.Verdict("inconclusive", math.nan, math.nan, math.nan, reason)
@@ -309,14 +352,6 @@ def float64_reference(model: nn.Module) -> nn.Module:
         with contextlib.suppress(Exception):
             reference.set_experts_implementation("eager")
     return reference
-
-
-def _fuse_with(fuse: FuseFn | None, model: nn.Module) -> Any:
-    if fuse is None:
-        import fusion
-
-        return fusion.fuse(model)
-    return fuse(model)
 
 
 def _forward(model: nn.Module, inputs: Mapping[str, Any], dtype: torch.dtype) -> Any:
@@ -481,5 +516,6 @@ def _result(
         seed=options.seed,
         seconds=round(time.perf_counter() - started, 4),
         message=message,
+        system=options.system,
         **fields,
     )

@@ -6,11 +6,16 @@
     fusion-harness show   the fusion plan of one architecture and the diff of every rewrite
     fusion-harness repro  replay a repro bundle (exit 1 if the failure reproduces)
     fusion-harness bench  fused vs unfused timings (harness.bench)
+    fusion-harness report a results file as Markdown for a reviewer (harness.report_md)
+    fusion-harness merge  shards' results files (run --shard K/N) into one (harness.shard)
 
-Exit status: 0 success; 1 a parity failure, an unexpected crash or error (run), or a
-reproducing failure (repro); 2 bad usage or unusable input or output (unknown architecture,
-malformed bundle, unusable or unwritable results file, an output that could not be written);
-130 interrupted. Errors are one line on stderr, "fusion-harness: error: ...", never a traceback.
+Exit status: 0 success; 1 a fusion failure (run, merge: parity of the logits, a fused module
+or a lifecycle operation, a fused-only error, a fuse error, a crashed or timed-out worker) or a
+reproducing failure (repro); 3 (run, merge) no fusion failure, but the corpus could not build
+or run an unfused model (build-error, forward-error; 1 with --strict-corpus); 2 bad usage or
+unusable input or output (unknown architecture, malformed bundle, unusable or unwritable
+results file, shards that do not merge, an output that could not be written); 130
+interrupted. Errors are one line on stderr, "fusion-harness: error: ...", never a traceback.
 
 Imports are lazy: torch, Transformers and the corpus load only in the command that needs them,
 so `--help` and usage errors answer at once.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -38,6 +44,10 @@ EXIT_INTERRUPTED = 130
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """--dtype choices: the keys of harness.check.DTYPES (a test keeps them equal), spelled out here
 so that building the parser does not import torch."""
+
+SYSTEM_NAMES = ("fusion", "inductor", "inductor-freezing")
+"""--system choices: harness.systems.NAMES (a test keeps them equal), spelled out here for the
+same reason; the first is the default."""
 
 DEFAULT_REPRO_DIR = Path("repro-bundles")
 
@@ -93,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_run_parser(commands)
     _add_other_parsers(commands)
+    _add_results_parsers(commands)
     return parser
 
 
@@ -105,7 +116,10 @@ def _add_run_parser(commands: Any) -> None:
         "unfused, fused and float64 forwards on identical seeded inputs (batch 2, 6 tokens, one "
         "padded row), judge the logits and every fused module, and record a result. Results "
         "are appended to a JSONL file as they finish; Ctrl-C keeps them and --resume continues. "
-        "Exit status 0 only if no parity failure and no unexpected crash or error.",
+        "Exit status: 0 green (inconclusive included); 1 a fusion failure (parity, a fused-only "
+        "error, a fuse error, a lifecycle failure, a crashed or timed-out worker); 3 no fusion "
+        "failure but a corpus problem (the unfused model could not be built or run: "
+        "build-error, forward-error), 1 too with --strict-corpus; 2 bad usage; 130 interrupted.",
     )
     _add_arch_option(run)
     _add_model_options(run)
@@ -120,9 +134,18 @@ def _add_run_parser(commands: Any) -> None:
     run.add_argument(
         "--timeout",
         type=float,
-        default=120.0,
+        default=None,
         metavar="S",
-        help="seconds one architecture may take before its worker is killed (default 120)",
+        help="seconds one architecture may take before its worker is killed (default 120; "
+        "600 for the inductor systems, whose first call compiles)",
+    )
+    run.add_argument(
+        "--system",
+        choices=list(SYSTEM_NAMES),
+        default=SYSTEM_NAMES[0],
+        help="the system under test (harness.systems): 'fusion' (default) fuses with "
+        "fusion.fuse; 'inductor' compiles the unfused model with torch.compile (Inductor) and "
+        "'inductor-freezing' with Inductor's freezing; all are judged by the same parity oracle",
     )
     run.add_argument(
         "--results",
@@ -130,7 +153,8 @@ def _add_run_parser(commands: Any) -> None:
         default=None,
         metavar="FILE",
         help="JSONL results file, rewritten by a fresh run "
-        "(default results/sweep-DTYPE-DEVICE.jsonl)",
+        "(default results/sweep-DTYPE-DEVICE.jsonl, with --shard "
+        "results/sweep-DTYPE-DEVICE-shardKofN.jsonl)",
     )
     run.add_argument(
         "--resume",
@@ -165,7 +189,33 @@ def _add_run_parser(commands: Any) -> None:
         "Transformers line, corpus/expected/MAJOR.MINOR.json (only the architectures run are "
         "replaced), and print what changed; review it as a git diff",
     )
+    _add_gate_option(run)
+    run.add_argument(
+        "--shard",
+        metavar="K/N",
+        default=None,
+        help="run only shard K (1-based) of N of the selected architectures: a stable "
+        "partition (sorted names round-robin, or balanced by --balance), the same on every "
+        "machine; merge the shards' results files with `fusion-harness merge`",
+    )
+    run.add_argument(
+        "--balance",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --shard: balance the shards by the per-architecture seconds recorded in "
+        "this earlier results file (every shard must be given the same file)",
+    )
     run.set_defaults(handler=cmd_run)
+
+
+def _add_gate_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--strict-corpus",
+        action="store_true",
+        help="exit 1, not 3, when the only problems are the corpus's (an unfused model that "
+        "could not be built or run)",
+    )
 
 
 def _add_other_parsers(commands: Any) -> None:
@@ -214,6 +264,60 @@ def _add_other_parsers(commands: Any) -> None:
         help="fused vs unfused timings",
         description="see `fusion-harness bench --help`",
     )
+    commands.add_parser(
+        "calibrate",
+        help="measure which kernels are faster on this machine",
+        description="see `fusion-harness calibrate --help`",
+    )
+
+
+def _add_results_parsers(commands: Any) -> None:
+    """The `report` and `merge` subcommands: results files in, no sweep."""
+    report = commands.add_parser(
+        "report",
+        help="a results file as Markdown for a reviewer",
+        description="Write a Markdown summary of a results file (what `fusion-harness run` "
+        "writes) for a PR comment or a CI job summary: the gate's verdict, counts per status, "
+        "reach per fuser family, lifecycle verdicts (pass / fail / n/a / not run), what changed "
+        "against the golden plan of the results' Transformers line "
+        "(corpus/expected/MAJOR.MINOR.json), the slowest architectures and every problem with "
+        "its message. Exit status 0 when written, 2 when a file cannot be read or written.",
+    )
+    report.add_argument("results", type=Path, metavar="RESULTS", help="JSONL results file")
+    report.add_argument(
+        "--out", type=Path, default=None, metavar="FILE", help="write here (default: stdout)"
+    )
+    report.add_argument(
+        "--expected",
+        type=Path,
+        default=None,
+        metavar="GOLDEN",
+        help="golden plan file to compare with (default: the one of the Transformers line the "
+        "results record, else of the installed one)",
+    )
+    _add_gate_option(report)
+    report.set_defaults(handler=cmd_report)
+
+    merge = commands.add_parser(
+        "merge",
+        help="merge shards' results files into one",
+        description="Merge the results files of `fusion-harness run --shard K/N` runs into "
+        "one sweep's results and print the summary a whole sweep prints. Refuses (exit 2) "
+        "files of different dtype, device, seed, system or Transformers/torch versions, and an "
+        "architecture with different results in two files. Otherwise exits as `run` would "
+        "on the merged results: 0, 1 (a fusion failure) or 3 (corpus problems only).",
+    )
+    merge.add_argument("inputs", type=Path, nargs="+", metavar="FILE", help="results files")
+    merge.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the merged results file here (JSONL, as `run` writes)",
+    )
+    merge.add_argument("--json", type=Path, metavar="FILE", help="also write a JSON summary here")
+    _add_gate_option(merge)
+    merge.set_defaults(handler=cmd_merge)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:
             return _bench(argv[1:])
+        if argv[:1] == ["calibrate"]:
+            from harness import calibration  # imports torch: only for this command
+
+            return calibration.main(argv[1:])
         args = build_parser().parse_args(argv)
         return args.handler(args)
     except Exception as exc:
@@ -271,6 +379,10 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
         from harness import plans
 
         errors.append(plans.PlanError)
+    if "harness.shard" in sys.modules:
+        from harness import shard
+
+        errors.append(shard.ShardError)
     return tuple(errors)
 
 
@@ -302,6 +414,7 @@ def _check_options(args: argparse.Namespace):
         seed=args.seed,
         plugins=architectures.plugins_from_env(),
         lifecycle=getattr(args, "lifecycle", "quick"),
+        system=getattr(args, "system", SYSTEM_NAMES[0]),
     )
 
 
@@ -324,27 +437,33 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--resume FILE is also the results file; do not pass a different --results"
         )
-    if args.jobs < 1 or args.timeout <= 0:
+    if args.jobs < 1 or (args.timeout is not None and args.timeout <= 0):
         raise UsageError("-j must be at least 1 and --timeout positive")
-    results_path = args.resume or args.results or _default_results(args)
+    part, durations = _shard_of(args)
+    results_path = args.resume or args.results or _default_results(args, part)
     if results_path.is_dir():
         raise UsageError(f"{results_path} is a directory; the results file must be a file")
     if args.json is not None:
         _probe_file(args.json, "--json")
     repro_dir = _repro_dir(args)
 
-    from harness import pool, progress, summary, sweep
+    from harness import pool, progress, shard, summary, sweep, systems
 
     pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = _check_options(args)
+    timeout = args.timeout if args.timeout is not None else systems.get(options.system).timeout
     if args.update_expected:
         _check_golden_options(options)
     names = _selected(args, options.plugins)
+    if part is not None:
+        chosen = shard.pick(names, part, durations)
+        print(f"shard {part}: {len(chosen)} of {len(names)} architectures", file=sys.stderr)
+        names = chosen
     sweep_options = sweep.SweepOptions(
         architectures=names,
         check=options,
         jobs=args.jobs,
-        timeout=args.timeout,
+        timeout=timeout,
         results=results_path,
         resume=args.resume is not None,
         repro_dir=repro_dir,
@@ -354,7 +473,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = sweep.sweep(sweep_options, on_start=bar.start, on_result=bar.advance)
     finally:
         bar.close()
-    status = EXIT_INTERRUPTED if run.interrupted else summary.exit_status(run.results)
+    verdict = summary.exit_status(run.results, strict_corpus=args.strict_corpus)
+    status = EXIT_INTERRUPTED if run.interrupted else verdict
     if run.write_error:
         _error(run.write_error)
         status = status or EXIT_USAGE
@@ -363,7 +483,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # summary file.
         document = summary.json_document(
             run.results,
-            options={**vars(options), "jobs": args.jobs, "timeout": args.timeout},
+            options={**vars(options), "jobs": args.jobs, "timeout": timeout},
             wall=run.wall,
             interrupted=run.interrupted,
             status=status,
@@ -374,10 +494,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
             status = status or EXIT_USAGE
     try:
-        _print_summary(run, options, args.jobs)
+        _print_summary(run.results, options, wall=run.wall, jobs=args.jobs)
         print(f"results: {results_path}", flush=True)
     except BrokenPipeError:
         _stdout_closed()
+    if not run.interrupted and summary.explain_exit(verdict, run.results):
+        print(summary.explain_exit(verdict, run.results), file=sys.stderr)
     if run.interrupted:
         missing = len(names) - len(run.results)
         print(
@@ -401,17 +523,27 @@ def _stdout_closed() -> None:
     os.close(devnull)
 
 
-def _print_summary(run: Any, options: Any, jobs: int) -> None:
+def _print_summary(
+    results: Sequence[Any], options: Any, *, wall: float | None = None, jobs: int | None = None
+) -> None:
     """The table, the problems (with what the golden file already expects), the totals and
-    the per-family reach of a finished (or interrupted) sweep."""
+    the per-family reach of a finished (or interrupted) sweep, or of merged shards (`options`:
+    anything with dtype, device and seed attributes). The first line names the system under
+    test; golden plans and fusion reach describe only the `fusion` system, so another system
+    gets neither."""
     from harness import reach, summary
 
-    print(summary.format_table(run.results))
-    problems = summary.format_problems(run.results, golden=_golden_entries(options))
+    system = getattr(options, "system", SYSTEM_NAMES[0])
+    ours = system == SYSTEM_NAMES[0]
+    print(f"system under test: {system}")
+    print(summary.format_table(results))
+    golden = _golden_entries(options) if ours else None
+    problems = summary.format_problems(results, golden=golden)
     if problems:
         print("\n" + problems)
-    print("\n" + summary.format_totals(summary.totals(run.results), wall=run.wall, jobs=jobs))
-    print(reach.format_reach(reach.reach(run.results)))
+    print("\n" + summary.format_totals(summary.totals(results), wall=wall, jobs=jobs))
+    if ours:
+        print(reach.format_reach(reach.reach(results)))
 
 
 def _error(message: str) -> None:
@@ -419,9 +551,31 @@ def _error(message: str) -> None:
     print(f"fusion-harness: error: {message}", file=sys.stderr)
 
 
-def _default_results(args: argparse.Namespace) -> Path:
-    """results/sweep-DTYPE-DEVICE.jsonl (as harness.sweep.default_results, without torch)."""
-    return Path("results") / f"sweep-{args.dtype}-{args.device.replace(':', '')}.jsonl"
+def _default_results(args: argparse.Namespace, part: Any = None) -> Path:
+    """results/sweep-DTYPE-DEVICE.jsonl (as harness.sweep.default_results, without torch;
+    sweep-SYSTEM-DTYPE-DEVICE.jsonl for a --system other than fusion);
+    for a shard results/sweep-DTYPE-DEVICE-shardKofN.jsonl, so shards sharing a directory
+    never share (and lock each other out of) a file."""
+    tag = f"-{part.tag}" if part is not None else ""
+    system = getattr(args, "system", SYSTEM_NAMES[0])
+    prefix = "" if system == SYSTEM_NAMES[0] else f"{system}-"
+    device = args.device.replace(":", "")
+    return Path("results") / f"sweep-{prefix}{args.dtype}-{device}{tag}.jsonl"
+
+
+def _shard_of(args: argparse.Namespace) -> tuple[Any, dict[str, float] | None]:
+    """(harness.shard.Shard, recorded durations or None) of --shard/--balance, or (None,
+    None) without --shard; ShardError or ResultsError (exit 2) for a bad value or file."""
+    if args.shard is None:
+        if args.balance is not None:
+            raise UsageError("--balance FILE balances shards; it needs --shard K/N")
+        return None, None
+    from harness import shard
+    from harness.results import read_results
+
+    part = shard.Shard.parse(args.shard)
+    durations = shard.durations_of(read_results(args.balance)) if args.balance else None
+    return part, durations
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -505,6 +659,10 @@ def _golden_entries(options) -> dict[str, Any] | None:
 def _check_golden_options(options) -> None:
     from harness import plans
 
+    if options.system != SYSTEM_NAMES[0]:
+        raise UsageError(
+            f"--update-expected records fusion plans; system {options.system} has none"
+        )
     chosen = {k: getattr(options, k) for k in plans.GOLDEN_OPTIONS}
     if chosen != plans.GOLDEN_OPTIONS:
         raise UsageError(
@@ -614,3 +772,116 @@ def cmd_repro(args: argparse.Namespace) -> int:
     from harness import repro
 
     return repro.replay_main(args.dir)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """`fusion-harness report`: the Markdown summary of a results file (harness.report_md)
+    on stdout or in --out; 0 once written. An unreadable results or golden file, or an --out
+    that cannot be written, is a usage error (2)."""
+    from harness import report_md
+    from harness.results import read_results
+
+    results = read_results(args.results)
+    comparison, note = _golden_comparison(results, args.expected)
+    text = report_md.render(
+        results,
+        source=str(args.results),
+        golden=comparison,
+        golden_note=note,
+        strict_corpus=args.strict_corpus,
+    )
+    if args.out is None:
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _stdout_closed()
+        return 0
+    try:
+        _write_text(args.out, text)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out} cannot be written: {exc.strerror or exc}") from None
+    print(f"report: {args.out}", file=sys.stderr)
+    return 0
+
+
+def _golden_comparison(results: Sequence[Any], expected: Path | None) -> tuple[Any, str]:
+    """(report_md.GoldenComparison, "") of `results` against --expected, or against the golden
+    file of the Transformers line the results record (the installed line when they record
+    none); (None, why not) when there is no such file or it holds other options. A bad
+    --expected file is a PlanError (exit 2): the user named it."""
+    from harness import plans, report_md
+
+    others = sorted({r.system for r in results} - {SYSTEM_NAMES[0]})
+    if others:
+        return None, f"golden plans describe the fusion system, these results {', '.join(others)}"
+    if expected is not None:
+        if not expected.is_file():
+            raise UsageError(f"--expected {expected}: no such golden plan file")
+        golden = plans.load(expected)
+    else:
+        recorded = report_md.transformers_versions(results)
+        if len(recorded) > 1:
+            return None, f"the results mix Transformers {', '.join(recorded)}"
+        try:
+            golden = plans.load(plans.golden_path(plans.transformers_line(*recorded[:1])))
+        except plans.PlanError as exc:
+            return None, str(exc)
+    note = report_md.golden_note_for_options(results, golden)
+    if note:
+        return None, note
+    comparison = report_md.compare_with_golden(results, golden)
+    with contextlib.suppress(ValueError):  # shown relative to here when it lies below
+        comparison = dataclasses.replace(
+            comparison, path=str(Path(comparison.path).resolve().relative_to(Path.cwd()))
+        )
+    return comparison, ""
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """`fusion-harness merge`: shards' results files into one sweep (harness.shard.merge),
+    printed as `run` prints a sweep; returns `run`'s exit status for the merged results, or 2
+    (before writing anything) when the files do not merge or an output cannot be written."""
+    from harness import shard, summary
+    from harness.results import ResultsWriter, read_results
+
+    if args.results is not None and args.results.is_dir():
+        raise UsageError(f"--results {args.results} is a directory; it must be a file")
+    if args.json is not None:
+        _probe_file(args.json, "--json")
+    merged = shard.merge([(path, read_results(path)) for path in args.inputs])
+    if args.results is not None:
+        with ResultsWriter(args.results, append=False) as writer:
+            for result in merged.results:
+                writer.write(result)
+    verdict = summary.exit_status(merged.results, strict_corpus=args.strict_corpus)
+    status = verdict
+    first = merged.results[0] if merged.results else None
+    options = {
+        "dtype": getattr(first, "dtype", None),
+        "device": getattr(first, "device", None),
+        "seed": getattr(first, "seed", None),
+        "system": getattr(first, "system", SYSTEM_NAMES[0]),
+        "versions": dict(getattr(first, "versions", {})),
+        "merged_from": [str(path) for path in args.inputs],
+    }
+    if args.json:
+        document = summary.json_document(
+            merged.results, options=options, wall=None, interrupted=False, status=status
+        )
+        try:
+            _write_text(args.json, json.dumps(document, indent=1, allow_nan=False) + "\n")
+        except OSError as exc:
+            _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
+            status = status or EXIT_USAGE
+    try:
+        _print_summary(merged.results, argparse.Namespace(**options))
+        repeated = f" ({merged.repeated} recorded twice, identically)" if merged.repeated else ""
+        print(f"merged {len(args.inputs)} files: {len(merged.results)} architectures{repeated}")
+        if args.results is not None:
+            print(f"results: {args.results}", flush=True)
+    except BrokenPipeError:
+        _stdout_closed()
+    if summary.explain_exit(verdict, merged.results):
+        print(summary.explain_exit(verdict, merged.results), file=sys.stderr)
+    return status

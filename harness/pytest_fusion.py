@@ -18,6 +18,13 @@ With `--fusion`, every Transformers `PreTrainedModel` the tests build is passed 
   (`fusion.checkpoint.fused_names`), so missing keys name the returned model's parameters,
   as they do unfused.
 
+`--fusion-system NAME` puts another system under test (harness.systems) in fusion.fuse's place:
+`inductor` compiles every such model in place with torch.compile (Inductor), and
+`inductor-freezing` with Inductor's freezing; each record then carries `"system": NAME`
+(records of the default system, fusion, are unchanged). An Inductor system resets Dynamo
+for each model it compiles (harness.systems), so models compiled earlier recompile on their
+next call: slower, never wrong.
+
 Each test's fusions (model class, fusions per fuser) and outcome are recorded; with
 `--fusion-outcomes FILE` one JSON line per test is written (also without `--fusion`, for the
 baseline run), and `python -m harness.pytest_fusion BASE FUSED` lists the tests that pass
@@ -59,6 +66,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fusion-backend", default="auto", help="kernel backend for fusion.fuse (default auto)"
     )
     group.addoption(
+        "--fusion-system",
+        default="fusion",
+        metavar="NAME",
+        help="with --fusion, the system under test applied to every model (harness.systems): "
+        "fusion (default), inductor or inductor-freezing",
+    )
+    group.addoption(
         "--fusion-outcomes",
         type=Path,
         default=None,
@@ -91,16 +105,29 @@ def _inside_outer_init(model: Any) -> bool:
     return False
 
 
-def _fuse(model: Any, backend: str, when: str) -> None:
+def _fuse(model: Any, system: str, backend: str, when: str) -> None:
+    """Apply the system under test to `model` once (a second call is a no-op) and record it.
+
+    `fusion` runs fusion.fuse with `backend`; another system runs its `apply` (in place).
+    """
     import fusion
+    from harness import systems
 
     if getattr(model, "_fusion_plugin_fused", False):
         return
-    report = fusion.fuse(model, backend=backend)
+    if system == systems.DEFAULT:
+        report = fusion.fuse(model, backend=backend)
+    else:
+        report = systems.get(system).apply(model).report
     object.__setattr__(model, "_fusion_plugin_fused", True)
-    _records().append(
-        {"model": type(model).__name__, "when": when, "applied": dict(report.counts())}
-    )
+    record = {
+        "model": type(model).__name__,
+        "when": when,
+        "applied": dict(report.counts()) if report is not None else {},
+    }
+    if system != systems.DEFAULT:
+        record["system"] = system
+    _records().append(record)
 
 
 def _rename_missing(model: Any, info: Any) -> None:
@@ -119,7 +146,7 @@ def _rename_missing(model: Any, info: Any) -> None:
 
 
 @contextlib.contextmanager
-def _patched(backend: str) -> Iterator[None]:
+def _patched(system: str, backend: str) -> Iterator[None]:
     """Wrap `post_init` and `from_pretrained` of `PreTrainedModel` for the session."""
     from transformers import PreTrainedModel
 
@@ -129,7 +156,7 @@ def _patched(backend: str) -> Iterator[None]:
     def post_init(self, *args, **kwargs):
         result = original_post_init(self, *args, **kwargs)
         if not _loading() and not _inside_outer_init(self):
-            _fuse(self, backend, "constructed")
+            _fuse(self, system, backend, "constructed")
         return result
 
     def from_pretrained(cls, *args, **kwargs):
@@ -141,7 +168,7 @@ def _patched(backend: str) -> Iterator[None]:
         if not _loading():
             fused = model[0] if isinstance(model, tuple) else model
             if isinstance(fused, PreTrainedModel):
-                _fuse(fused, backend, "from_pretrained")
+                _fuse(fused, system, backend, "from_pretrained")
                 if isinstance(model, tuple) and len(model) == 2:
                     _rename_missing(fused, model[1])
         return model
@@ -164,7 +191,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_KEY] = state
     _CONFIG["config"] = config
     if config.getoption("--fusion"):
-        patch = _patched(config.getoption("--fusion-backend"))
+        from harness import systems
+
+        system = config.getoption("--fusion-system")
+        if system not in systems.NAMES:
+            raise pytest.UsageError(
+                f"--fusion-system {system!r}: known systems are {', '.join(systems.NAMES)}"
+            )
+        patch = _patched(system, config.getoption("--fusion-backend"))
         patch.__enter__()
         state["patch"] = patch
 

@@ -5,7 +5,8 @@ package:
 
     bundle.json     versions, architecture, model_type + config dict, seed, dtype, device,
                     batch/seq of the inputs, failure kind, module qualname, fuser, source class,
-                    error (and traceback tail), tolerance and observed error, signature
+                    error (and traceback tail), tolerance and observed error, signature,
+                    system (the system under test, harness.systems; absent = fusion)
     original.py     the forward source(s) before fusion      } when the fuser rewrote a forward
     rewritten.py    the forward source(s) after fusion       }
     forward.diff    their unified diff                       }
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import architectures, check
+from harness import architectures, check, systems
 from harness.results import ArchResult, Failure, json_safe
 
 BUNDLE_FORMAT = 1
@@ -56,6 +57,7 @@ KINDS = (
     "module-parity",
     "module-error",
     "lifecycle",  # a lifecycle operation (harness.lifecycle) failed on the fused model
+    "compile-error",  # an Inductor system's compile (or compiled forward) raised
 )
 
 _NONE = type(None)
@@ -82,6 +84,10 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "signature": (str,),
 }
 """Every bundle.json field and the JSON types it may hold; replay checks each one."""
+
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"system": (str,)}
+"""Fields a bundle may lack (written before they existed), with their JSON types: `system`,
+the system under test (harness.systems), is "fusion" when absent."""
 
 MAX_BUNDLE_BYTES = 4 * 1024 * 1024
 """Largest bundle.json replay reads (real ones are tens of kB: a config and a traceback tail)."""
@@ -162,12 +168,19 @@ class Bundle:
             batch=f["batch"],
             seq=f["seq"],
             lifecycle="quick" if f["kind"] == "lifecycle" else "off",
+            system=self.system,
         )
+
+    @property
+    def system(self) -> str:
+        """The system under test the bundle's failure was found in ("fusion" if unrecorded)."""
+        return self.fields.get("system", systems.DEFAULT)
 
     def where(self) -> str:
         f = self.fields
         at = f"{f['qualname']} ({f['source_class']}) [{f['fuser']}]" if f["qualname"] else "model"
-        return f"{f['architecture']}: {f['kind']} at {at}"
+        judged = "" if self.system == systems.DEFAULT else f" (system {self.system})"
+        return f"{f['architecture']}{judged}: {f['kind']} at {at}"
 
 
 @dataclass(frozen=True)
@@ -199,10 +212,18 @@ def versions() -> dict[str, str]:
     }
 
 
-def bundle_dirname(architecture: str, failure: Failure) -> str:
-    """Directory name: readable prefix plus a hash of (architecture, signature) to de-duplicate."""
-    digest = hashlib.sha1(f"{architecture}|{failure.signature}".encode()).hexdigest()[:10]
-    readable = f"{architecture}--{failure.kind}--{failure.fuser or 'model'}"
+def bundle_dirname(architecture: str, failure: Failure, system: str = systems.DEFAULT) -> str:
+    """Directory name: readable prefix plus a hash of (architecture, signature) to de-duplicate.
+
+    A system other than fusion is part of both (the same logits failure of two systems is two
+    bundles); fusion's names are the ones it had before systems existed.
+    """
+    key = f"{architecture}|{failure.signature}"
+    prefix = architecture
+    if system != systems.DEFAULT:
+        key, prefix = f"{system}|{key}", f"{architecture}--{system}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    readable = f"{prefix}--{failure.kind}--{failure.fuser or 'model'}"
     return f"{re.sub(r'[^A-Za-z0-9._+-]', '_', readable)}--{digest}"
 
 
@@ -229,6 +250,7 @@ def bundle_fields(failure: Failure, subject: check.Subject) -> dict[str, Any]:
         "tolerance": json_safe(failure.tolerance),
         "observed": json_safe(failure.observed),
         "signature": failure.signature,
+        "system": options.system,
     }
 
 
@@ -281,7 +303,7 @@ def write_bundle(root: Path, failure: Failure, subject: check.Subject) -> Path |
     """
     if subject.config is None or subject.model_type is None:
         return None
-    target = root / bundle_dirname(subject.architecture, failure)
+    target = root / bundle_dirname(subject.architecture, failure, subject.options.system)
     if target.exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -412,6 +434,14 @@ def load_bundle(path: Path) -> Bundle:
             raise BundleError(
                 f"{file}: field {name!r} must be {wanted}, found {type(value).__name__}"
             )
+    for name, types in OPTIONAL_FIELDS.items():
+        if name in fields and (
+            isinstance(fields[name], bool) or not isinstance(fields[name], types)
+        ):
+            wanted = " or ".join(t.__name__ for t in types)
+            raise BundleError(
+                f"{file}: field {name!r} must be {wanted}, found {type(fields[name]).__name__}"
+            )
     _check_values(file, fields)
     check_config_safety(fields["config"], where=f"{file}: config")
     return Bundle(path, fields)
@@ -424,6 +454,8 @@ def _check_values(file: Path, fields: dict[str, Any]) -> None:
         raise BundleError(f"{file}: field 'dtype' must be one of {list(check.DTYPES)}")
     if fields["device"] != "cpu" and not re.fullmatch(r"cuda(:\d{1,2})?", fields["device"]):
         raise BundleError(f"{file}: field 'device' must be cpu, cuda or cuda:N")
+    if fields.get("system", systems.DEFAULT) not in systems.NAMES:
+        raise BundleError(f"{file}: field 'system' must be one of {list(systems.NAMES)}")
     if fields["kind"] not in KINDS:
         raise BundleError(f"{file}: field 'kind' must be one of {list(KINDS)}")
     if fields["kind"].startswith("module") and fields["qualname"] is None:

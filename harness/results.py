@@ -41,11 +41,23 @@ STATUSES = (
     "build-error",  # the tiny model could not be built (or its inputs made)
     "crashed",  # the worker process died (segfault, abort, OOM kill)
     "timeout",  # the worker exceeded the per-architecture timeout and was killed
+    "compile-error",  # an Inductor system: compiling (or the compiled forward) raised
 )
 
 GREEN = frozenset({"pass"})
-FUSION_FAILURES = frozenset({"fail", "fused-error", "fuse-error"})
-UNEXPECTED = frozenset({"forward-error", "build-error", "crashed", "timeout"})
+FUSION_FAILURES = frozenset({"fail", "fused-error", "fuse-error", "compile-error"})
+"""Fusion broke something the unfused model does: parity (logits, a fused module or a
+lifecycle operation, harness.check records those as "fail"), the fused forward, fusion.fuse.
+For another system under test (harness.systems) the same statuses are that system's failures,
+and "compile-error" is torch.compile raising where the eager model runs."""
+CORPUS_PROBLEMS = frozenset({"build-error", "forward-error"})
+"""The unfused side cannot be built or run (the tiny model, its inputs, the unfused or float64
+forward): a problem of the corpus on this Transformers release, never one of fusion, whose
+code has not run yet (build) or is not involved (the unfused forward)."""
+WORKER_DEATHS = frozenset({"crashed", "timeout"})
+"""The worker died or hung: nothing says on which side, so it counts as a fusion failure
+(fail closed; a native kernel can crash a process)."""
+UNEXPECTED = CORPUS_PROBLEMS | WORKER_DEATHS
 """Statuses that make a sweep red although no parity check failed: the corpus promises that
 every architecture it lists builds and runs, and a worker death is never expected."""
 
@@ -125,10 +137,27 @@ class ArchResult:
     lifecycle: dict[str, dict[str, str]] = field(default_factory=dict)
     """{operation: {"verdict": "pass"|"fail"|"n/a", "detail": str}} of the lifecycle checks
     (empty when none ran)."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """{"transformers": ..., "torch": ...} of the process that judged it (stamped by the sweep;
+    empty in records written before it was, or made outside a sweep): `merge` refuses to mix
+    results of different versions, and `report` picks the golden line by it."""
+    system: str = "fusion"
+    """The system under test that was judged (harness.systems); "fusion" in records written
+    before systems existed."""
 
     @property
     def built(self) -> bool:
         return self.status not in {"build-error", "crashed", "timeout"}
+
+    @property
+    def corpus_problem(self) -> bool:
+        """The unfused model could not be built or run (see CORPUS_PROBLEMS)."""
+        return self.status in CORPUS_PROBLEMS
+
+    @property
+    def fusion_failure(self) -> bool:
+        """A fusion failure or a worker death, which the exit status counts as one."""
+        return self.status in FUSION_FAILURES | WORKER_DEATHS
 
     @property
     def ran(self) -> bool:
@@ -322,6 +351,8 @@ _RESULT: dict[str, Callable[[str, Any], Any]] = {
         w, v, lambda w2, v2: _record(w2, v2, Failure, _FAILURE, tuple(_FAILURE)[:5])
     ),
     "lifecycle": lambda w, v: _mapping(w, v, _lifecycle_entry),
+    "versions": lambda w, v: _mapping(w, v, _string),
+    "system": _string,
 }
 _RESULT_REQUIRED = ("architecture", "status", "dtype", "device", "seed", "seconds")
 

@@ -8,7 +8,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.results import FUSION_FAILURES, STATUSES, UNEXPECTED, ArchResult, to_dict
+from harness.results import STATUSES, ArchResult, to_dict
+
+EXIT_GREEN = 0
+EXIT_FUSION_FAILURE = 1
+"""Exit status of a sweep with a fusion failure: parity (logits, a fused module, a lifecycle
+operation), a fused-only error, a fuse error, or a worker that crashed or timed out."""
+EXIT_CORPUS_PROBLEM = 3
+"""Exit status of a sweep whose only problems are the corpus's: an unfused model that could
+not be built or run (`ArchResult.corpus_problem`). Distinct from 1 so that a gate can tell
+"fusion broke" from "the corpus cannot build this model on this release"."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,44 @@ def totals(results: Sequence[ArchResult]) -> Totals:
     )
 
 
-def exit_status(results: Sequence[ArchResult]) -> int:
-    """0 only if no parity failure and nothing unexpected (crash, timeout, build/forward error).
+def exit_status(results: Sequence[ArchResult], *, strict_corpus: bool = False) -> int:
+    """EXIT_FUSION_FAILURE (1) if any result is a fusion failure (or a worker death), else
+    EXIT_CORPUS_PROBLEM (3) if any unfused model could not be built or run (1 with
+    `strict_corpus`), else EXIT_GREEN (0).
 
-    "inconclusive" does not fail a sweep: nothing was found wrong, and the table says what
-    could not be judged.
+    A fusion failure wins over corpus problems, so 3 always means "nothing fusion did was
+    found wrong". "inconclusive" does not fail a sweep: nothing was found wrong, and the table
+    says what could not be judged.
     """
-    bad = FUSION_FAILURES | UNEXPECTED
-    return 1 if any(r.status in bad for r in results) else 0
+    if any(r.fusion_failure for r in results):
+        return EXIT_FUSION_FAILURE
+    if any(r.corpus_problem for r in results):
+        return EXIT_FUSION_FAILURE if strict_corpus else EXIT_CORPUS_PROBLEM
+    return EXIT_GREEN
+
+
+def explain_exit(status: int, results: Sequence[ArchResult]) -> str:
+    """One line saying why a sweep exits with `status` (exit_status's codes), naming the
+    architectures behind it (at most five); "" for a green sweep or a status that is not a
+    verdict (2, 130)."""
+    if status not in (EXIT_FUSION_FAILURE, EXIT_CORPUS_PROBLEM):
+        return ""
+    if status == EXIT_CORPUS_PROBLEM:
+        names = [r.architecture for r in results if r.corpus_problem]
+        return (
+            f"exit {status}: no fusion failure; the corpus cannot build or run the unfused "
+            f"model of {_some(names)} (--strict-corpus makes that exit 1)"
+        )
+    fusion = [r.architecture for r in results if r.fusion_failure]
+    if fusion:
+        return f"exit {status}: fusion failure(s) in {_some(fusion)}"
+    names = [r.architecture for r in results if r.corpus_problem]
+    return f"exit {status}: corpus problem(s) in {_some(names)} (--strict-corpus)"
+
+
+def _some(names: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _error(value: float | None) -> str:
@@ -210,20 +249,21 @@ def json_document(
     results: Sequence[ArchResult],
     *,
     options: dict[str, Any],
-    wall: float,
+    wall: float | None,
     interrupted: bool,
     status: int | None = None,
 ) -> dict[str, Any]:
     """The --json output: options, totals, exit status and every result (strict JSON).
 
     `status` is the process's real exit status (130 for an interrupted run, 2 for a failed
-    output), stored as "exit_status"; by default the sweep's verdict (`exit_status`).
+    output), stored as "exit_status"; by default the sweep's verdict (`exit_status`). `wall`
+    None (a merge of shards, whose wall times overlap) is stored as null.
     """
     if status is None:
         status = exit_status(results)
     return {
         "options": options,
-        "wall_seconds": round(wall, 3),
+        "wall_seconds": None if wall is None else round(wall, 3),
         "interrupted": interrupted,
         "exit_status": status,
         "totals": asdict(totals(results)),

@@ -14,16 +14,18 @@ still finishes and returns every verdict; `SweepRun.write_error` says what was n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import architectures, check, pool, repro
+from harness import architectures, check, plans, pool, repro, systems
 from harness.results import ArchResult, ResultsError, ResultsWriter, from_dict
 
-DEFAULT_TIMEOUT = 120.0
+DEFAULT_TIMEOUT = systems.FUSION_TIMEOUT
+"""Seconds per architecture for the default system (see `systems.System.timeout`)."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,11 @@ class SweepOptions:
 
 def default_results(options: check.CheckOptions) -> Path:
     """results/sweep-DTYPE-DEVICE.jsonl: one file per configuration, so runs in another dtype
-    neither overwrite nor refuse to resume each other."""
-    return Path("results") / f"sweep-{options.dtype}-{options.device.replace(':', '')}.jsonl"
+    neither overwrite nor refuse to resume each other; for a system under test other than
+    fusion, results/sweep-SYSTEM-DTYPE-DEVICE.jsonl (the fusion file keeps its name)."""
+    system = "" if options.system == systems.DEFAULT else f"{options.system}-"
+    device = options.device.replace(":", "")
+    return Path("results") / f"sweep-{system}{options.dtype}-{device}.jsonl"
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ def result_of(outcome: pool.Outcome, options: check.CheckOptions) -> ArchResult:
         seed=options.seed,
         seconds=outcome.seconds,
         message=message,
+        system=options.system,
     )
 
 
@@ -140,8 +146,8 @@ def previous_results(
 ) -> dict[str, ArchResult]:
     """`results` (read from `path`) by architecture.
 
-    Raises ResultsError if they were computed with another dtype, device or seed: mixing them
-    into one table would compare unlike with unlike.
+    Raises ResultsError if they were computed with another dtype, device, seed or system under
+    test: mixing them into one table would compare unlike with unlike.
     """
     done = {}
     for result in results:
@@ -151,6 +157,12 @@ def previous_results(
             raise ResultsError(
                 f"{path} holds {result.architecture} for dtype/device/seed {theirs}, "
                 f"this run is {ours}; resume with the same options or use another file"
+            )
+        if result.system != options.system:
+            raise ResultsError(
+                f"{path} holds {result.architecture} judged for system {result.system!r}, "
+                f"this run is {options.system!r}; resume with the same --system or use "
+                "another file"
             )
         done[result.architecture] = result
     return done
@@ -190,10 +202,11 @@ def sweep(
             setup_args=(tuple(options.check.plugins),),
         )
         unwritten = 0
+        stamp = plans.versions()  # every record says what judged it (merge checks it)
         try:
             with contextlib.closing(outcomes):
                 for outcome in outcomes:
-                    result = result_of(outcome, options.check)
+                    result = dataclasses.replace(result_of(outcome, options.check), versions=stamp)
                     if write_error is None:
                         try:
                             writer.write(result)

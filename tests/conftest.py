@@ -30,6 +30,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from fusion.kernels.calibration import Table
+from fusion.kernels.policy import POLICY
 from fusion.trace import FP32_PRECISION_KEYS, preserved_globals
 
 DEFAULT_SELECTION = "not slow and not conformance"
@@ -114,3 +116,16 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_policy() -> Iterator[None]:
+    """Every test starts from the default kernel policy with nothing measured (every fused
+    product on its reference), whatever this machine's calibration table or
+    `FUSION_KERNELS` say: a test that wants a fast kernel asks for it (`POLICY.use`,
+    `POLICY.set_table`, or a pinned backend), and the next test starts clean again."""
+    POLICY.reset()
+    POLICY.use("measured")
+    POLICY.set_table(Table("tests"))
+    yield
+    POLICY.reset()

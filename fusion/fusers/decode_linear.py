@@ -29,7 +29,7 @@ from torch import fx, nn
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
-from fusion.kernels import native_gemm, onednn_backend, ops
+from fusion.kernels import native_gemm, onednn_backend
 from fusion.modules import RowLinear
 
 
@@ -73,8 +73,8 @@ class DecodeLinearFuser(Fuser):
             raise RewriteRefused("weight is not 2-D")
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
-        ops.resolve_decode_kernels()  # before any trace: compiled code only reads them
         module.__class__ = RowLinear
+        module.kernel_backend = backend
         return module
 
     def describe(self) -> str:

@@ -284,7 +284,7 @@ class GLUFuser(Fuser):
         self.validate(module)
         kind = self.activation(module)
         linears = check_stackable(module, (self.gate, self.up), "gate_up_proj")
-        install_merged(module, "gate_up_proj", MergedLinear.from_linears(linears))
+        install_merged(module, "gate_up_proj", MergedLinear.from_linears(linears, backend))
         module.act_and_mul = ActAndMul(kind, backend)
         names = [self.gate, self.up]
         if self.act:  # the activation child the proof read (`self.act_fn`)

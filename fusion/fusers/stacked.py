@@ -314,7 +314,7 @@ class StackedFuser(Fuser):
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
         self.validate(module)
         linears = check_stackable(module, self.shards, self.merged_name)
-        merged = MergedLinear.from_linears(linears)
+        merged = MergedLinear.from_linears(linears, backend)
         install_merged(module, self.merged_name, merged)
         guards = [attribute_guard(module, self.merged_name, called=True)]
         guards += [attribute_guard(module, name) for name in self.shards]

@@ -120,12 +120,12 @@ _FACTORIES: dict[str, Callable[[], Kernels | None]] = {
 _INSTANCES: dict[str, Kernels | None] = {}
 """Explicit cache of constructed backends, keyed by name."""
 
-PREFERENCE = ("vllm", "triton", "onednn", "native", "torch")
-"""Order `auto` tries backends in for a device: fastest first, the reference last (on CPU:
-oneDNN's float32 expert GEMMs on AVX-512 machines, see `fusion.kernels.onednn_backend`;
-else our native kernel's experts where it is on, `fusion.kernels.native_backend`; else the
-reference). A backend whose `auto_pick` is False (measured slower on this kind of
-machine) or that runs `interpreted` is skipped by `auto`, never by its explicit name."""
+PREFERENCE = ("vllm", "triton", "torch")
+"""Order `auto` tries backends in for a GPU: fastest first, the reference last. A backend
+whose `auto_pick` is False or that runs `interpreted` (Triton's CPU interpreter) is skipped
+by `auto`, never by its explicit name. On a CPU `auto` is the reference: the CPU kernels
+(`native`, `onednn`) are chosen per op, shape and machine by measurement
+(`fusion.kernels.policy`, asked by `fusion.kernels.ops`), never for a whole backend."""
 
 
 _AUTO: dict[str, Kernels] = {}
@@ -163,6 +163,11 @@ def _instance(name: str) -> Kernels | None:
     return _INSTANCES[name]
 
 
+def known_backends() -> list[str]:
+    """Every backend name `get` knows (nothing is built or imported to answer), `auto` first."""
+    return ["auto", *_FACTORIES]
+
+
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Names of the backends that import here (and support `device`, when given)."""
     names = []
@@ -195,7 +200,7 @@ def get(name: str, device: torch.device | str) -> Kernels:
             # `fusion.fuse` resolves `auto` for the model's devices ahead, so this is only
             # met by a model moved to a new device and compiled before any eager call.
             return _reference()
-        for candidate in PREFERENCE:
+        for candidate in PREFERENCE if device.type != "cpu" else ("torch",):
             if candidate in _FACTORIES:
                 backend = _instance(candidate)
                 if (

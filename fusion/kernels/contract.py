@@ -27,7 +27,7 @@ operand types and layouts (guarded on the inputs). A refusal traces the referenc
 compiled graph calls `F.linear` (whose autocast and mode handling Dynamo and AOTAutograd
 apply). The rest is not traceable, and needs no trace-time answer: the precision settings
 change rounding, never an output's dtype or shape, and the operators a fast path is traced
-as (`fusion::decode_linear`, `fusion::moe_experts`) ask this predicate again, whole, each
+as (`fusion::linear_product`, `fusion::moe_experts`) ask this predicate again, whole, each
 time the compiled code runs them (Dynamo guards on the legacy
 `set_float32_matmul_precision` through its CUDA TF32 flag, but not on the oneDNN settings:
 the run-time check covers both, tested); dispatch modes and functorch transforms see the

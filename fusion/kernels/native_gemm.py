@@ -22,7 +22,7 @@ its plain dense kernel (`contract.plain_dense`: autocast, a tensor subclass or a
 `__torch_function__` / `__torch_dispatch__` mode, a functorch transform, a reduced float32
 matmul precision); a weight not unit-stride along K, a K that is not a multiple of 16, more
 rows than `rows_ok` allows, a weight under `MIN_ELEMENTS`;
-under `torch.compile` (the caller traces the `fusion::decode_linear` operator, which asks
+under `torch.compile` (the caller traces the `fusion::linear_product` operator, which asks
 again when it runs); a machine whose ATen capability is not in `LIMITS`; the library
 unavailable (`status()` says why: no compiler, a build error, a failed probe, the CPU, or
 `FUSION_NATIVE_KERNELS=0`).
@@ -103,15 +103,25 @@ class Resolved:
     """'available' where `applies` may pick the kernel, else why not."""
     limits: RowLimits
     """This machine's `LIMITS` entry (no rows where the verdict is not 'available')."""
+    build: str
+    """The built library's file name (it embeds the build's cache key), or 'none'."""
 
 
 _STATE: list[Resolved] = []
 """Explicit one-entry cache, a property of the process computed at first use (`resolve`)."""
 
 
-def _build() -> tuple[object | None, str]:
-    """The kernel's ctypes function, built and probed on this machine, or None and why."""
+def _build() -> tuple[object | None, str, str]:
+    """The kernel's ctypes function, built and probed on this machine, or None and why; and
+    the library's file name (the build's identity)."""
     built = native_build.build(_SOURCE)
+    name = built.path.name if built.path is not None else "none"
+    function, reason = _load(built)
+    return function, reason, name
+
+
+def _load(built: native_build.Built) -> tuple[object | None, str]:
+    """The ctypes function of `built`, typed and probed, or None and why."""
     if built.library is None:
         return None, built.reason
     try:
@@ -146,13 +156,14 @@ def _machine_rule() -> str:
     """'available' where `applies` may pick the kernel, else why not (the setting, the CPU)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return f"disabled by {DISABLE_ENV}=0"
-    capability = _capability()
-    if capability not in LIMITS:
-        return f"ATen CPU capability {capability} is not in {sorted(LIMITS)}"
+    capability_ = capability()
+    if capability_ not in LIMITS:
+        return f"ATen CPU capability {capability_} is not in {sorted(LIMITS)}"
     return "available"
 
 
-def _capability() -> str:
+def capability() -> str:
+    """ATen's CPU capability here ('AVX512', 'AVX2', 'DEFAULT', ...)."""
     try:
         return str(torch.backends.cpu.get_cpu_capability())
     except (AttributeError, RuntimeError):
@@ -193,10 +204,17 @@ def resolve() -> None:
     """Build (or load) and probe the kernel now, and apply the machine rule, outside any
     trace: compiled code only reads `known_ok`."""
     if not _STATE:
-        function, reason = _build()
+        function, reason, build = _build()
         verdict = _machine_rule() if function is not None else reason
-        limits = LIMITS.get(_capability(), _NO_ROWS) if verdict == "available" else _NO_ROWS
-        _STATE.append(Resolved(function, reason, verdict, limits))
+        limits = LIMITS.get(capability(), _NO_ROWS) if verdict == "available" else _NO_ROWS
+        _STATE.append(Resolved(function, reason, verdict, limits, build))
+
+
+def build_id() -> str:
+    """The built library's file name (its build identity), or 'none: why' (resolving first)."""
+    resolve()
+    state = _STATE[0]
+    return state.build if state.function is not None else f"none: {state.reason}"
 
 
 def status() -> str:
@@ -277,7 +295,7 @@ def _operands_ok(
 
 
 def traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """While Dynamo traces: may this product go through `fusion::decode_linear` (which makes
+    """While Dynamo traces: may this product go through `fusion::linear_product` (which makes
     `applies`' choice again when the compiled code runs)? The operand rules and the
     dispatcher's contract as far as a trace can ask it (`contract.plain_dense`: no autocast,
     subclass or mode; the operator asks the rest when it runs), on a machine where the

@@ -197,7 +197,7 @@ def _one_row_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def row_linear_traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """While Dynamo traces: should `F.linear(x, weight, bias)` go through the
-    `fusion::decode_linear` operator, which makes `row_linear_applies`' run-time choice (the
+    `fusion::linear_product` operator, which makes `row_linear_applies`' run-time choice (the
     oneDNN one-row product or `F.linear`) when the compiled code runs? Only what a trace
     may ask: the operands' shape (`_one_row_shape`), on a machine already checked
     (`resolve_machine`), and the dispatcher's contract as far as a trace can ask it
@@ -218,7 +218,7 @@ def row_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (`contract.plain_dense`: no autocast, subclass, mode or functorch transform, a strict
     matmul precision), the weight contiguous on CPU, a reduction of
     `ROW_MAX_K_ONE_THREAD` or less when torch runs one thread, not under `torch.compile`
-    (the caller traces `fusion::decode_linear` then), oneDNN enabled in strict float32 mode,
+    (the caller traces `fusion::linear_product` then), oneDNN enabled in strict float32 mode,
     and an AVX-512 machine (`ROW_CAPABILITIES`). Anything else: False (the caller keeps
     `F.linear`), so the answer depends on shapes, dtypes, the dispatcher's state and
     settings, never on timings."""

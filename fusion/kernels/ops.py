@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from fusion import kernels
-from fusion.kernels import autograd, contract, native_gemm, onednn_backend, torch_ref
+from fusion.kernels import autograd, contract, native_gemm, onednn_backend, policy, torch_ref
 from fusion.kernels.torch_ref import TorchKernels
 
 
@@ -233,64 +233,95 @@ def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     return _kernels(backend, x.device, "act_and_mul", x).act_and_mul(x, activation)
 
 
-@torch.library.custom_op("fusion::decode_linear", mutates_args=())
-def _decode_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`F.linear(x, weight, bias)` at decode sizes, by the choice eager code makes at this
-    call (`_eager_decode_product`; settings read now), else by `F.linear`: what eager
-    `MergedLinear` and `RowLinear` run, made one node of a compiled graph (Inductor cannot
-    lower either kernel itself). Inference only: callers route here only when no gradient
-    is recorded (`native_gemm.traced`, `onednn_backend.row_linear_traced`)."""
-    out = _eager_decode_product(x, weight, bias)
+_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64
+)}  # fmt: skip
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    return str(dtype).removeprefix("torch.") if name is None else name
+
+
+def _fast_product(kernel: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """`F.linear(x, weight, bias)` by `kernel` where it is eligible for this call (each
+    kernel's `applies` asks the dispatcher's contract, `contract.plain_dense`, with its own
+    operand rules), else None."""
+    if kernel == "native":
+        return native_gemm.linear(x, weight, bias) if native_gemm.applies(x, weight, bias) else None
+    if kernel == "onednn-row":
+        if onednn_backend.row_linear_applies(x, weight, bias):
+            return onednn_backend.row_linear(x, weight, bias)
+        return None
+    if kernel == "stacked":
+        return torch.nn.functional.linear(x, weight, bias)
+    return None
+
+
+def _chosen_product(
+    op: str, shape: tuple[int, ...], backend: str, x: Tensor, weight: Tensor, bias: Tensor | None
+) -> Tensor | None:
+    """The eager choice of `product`: the kernels the policy names for this call, the first
+    eligible one; None for the reference."""
+    width = weight.shape[-1]
+    rows = x.numel() // width if width else 0
+    for kernel in policy.POLICY.choose(op, shape, _dtype_name(x.dtype), rows, backend):
+        out = _fast_product(kernel, x, weight, bias)
+        if out is not None:
+            return out
+    return None
+
+
+@torch.library.custom_op("fusion::linear_product", mutates_args=())
+def _linear_product_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, op: str, shape: list[int], backend: str
+) -> Tensor:
+    """`F.linear(x, weight, bias)` by the kernel the policy chooses when the compiled code
+    runs (`_chosen_product`; settings read then), else by `F.linear`: what eager
+    `RowLinear` and `MergedLinear` run, made one node of a compiled graph (Inductor cannot
+    lower the kernels itself). Inference only: callers route here only when no gradient is
+    recorded (`native_gemm.traced`, `onednn_backend.row_linear_traced`)."""
+    out = _chosen_product(op, tuple(shape), backend, x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias) if out is None else out
 
 
-@_decode_linear_op.register_fake
-def _decode_linear_fake(x, weight, bias):
+@_linear_product_op.register_fake
+def _linear_product_fake(x, weight, bias, op, shape, backend):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def decode_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`F.linear` at decode sizes through `fusion::decode_linear` (see there)."""
-    return torch.ops.fusion.decode_linear(x, weight, bias)
-
-
-def _eager_decode_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-    """The eager choice of `decode_product`: each kernel's `applies` asks the dispatcher's
-    contract (`contract.plain_dense`) with its own rules, so neither runs where PyTorch
-    would not run its plain dense kernel."""
-    if native_gemm.applies(x, weight, bias):
-        return native_gemm.linear(x, weight, bias)
-    if onednn_backend.row_linear_applies(x, weight, bias):
-        return onednn_backend.row_linear(x, weight, bias)
-    return None
-
-
-def resolve_decode_kernels() -> None:
-    """Make the machine checks behind `decode_product` now (building the native kernel if
-    needed), outside any trace: compiled code only reads their results."""
-    onednn_backend.resolve_machine()
-    native_gemm.resolve()
-
-
-def decode_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-    """`F.linear(x, weight, bias)` by a decode-sized CPU kernel where one applies, else None
-    (the caller computes it its own way). Eager: the native kernel (`native_gemm`, at the
-    rows `native_gemm.rows_ok` allows) first, else oneDNN's one-row product
-    (`onednn_backend.row_linear`, when the native kernel is unavailable); neither where
-    PyTorch itself would not run its plain dense kernel (`contract.plain_dense`: under
-    autocast, a tensor subclass or mode, a functorch transform, a reduced matmul precision).
-    While Dynamo traces: the `fusion::decode_linear` operator when either would apply by the
-    rules a trace can ask (no autocast, subclass or mode: else the caller traces `F.linear`,
-    which Dynamo handles under all three), which makes the eager choice, settings included,
-    when the compiled code runs. Both read the live weight and cache nothing."""
-    out = _eager_decode_product(x, weight, bias)
-    if out is not None:
-        return out
-    if torch.compiler.is_compiling() and (
+def product(
+    op: str, shape: tuple[int, ...], backend: str, x: Tensor, weight: Tensor, bias: Tensor | None
+) -> Tensor | None:
+    """`F.linear(x, weight, bias)` by the kernel `policy.POLICY` chooses for `op` ('linear'
+    or 'stacked') at this shape, dtype, row count, thread count and `backend`, where that
+    kernel is eligible for the call; None where the reference is chosen or nothing chosen
+    is eligible (the caller computes its reference: `F.linear`, or a merged module's shards
+    apart). Eager: the choice is made now. While Dynamo traces: the `fusion::linear_product`
+    operator where a fast kernel could be eligible by the rules a trace can ask (no
+    autocast, subclass or mode; the operator makes the policy's choice, settings included,
+    when the compiled code runs), else None; `backend="torch"` traces nothing of ours.
+    Every kernel reads the live weight and caches nothing."""
+    if not torch.compiler.is_compiling():
+        return _chosen_product(op, shape, backend, x, weight, bias)
+    if backend != "torch" and (
         native_gemm.traced(x, weight, bias) or onednn_backend.row_linear_traced(x, weight, bias)
     ):
-        return decode_linear(x, weight, bias)
+        return torch.ops.fusion.linear_product(x, weight, bias, op, list(shape), backend)
     return None
+
+
+def prepare(backend: str) -> None:
+    """Make the machine checks behind `product` for `backend` now (building the native
+    kernel only where `backend` may run it, loading the policy's table), outside any trace:
+    compiled code only reads their results. `fusion.fuse` calls it once; no module
+    constructor does."""
+    kernels_allowed = set(policy.allowed("linear", backend) + policy.allowed("stacked", backend))
+    if "onednn-row" in kernels_allowed:
+        onednn_backend.resolve_machine()
+    if "native" in kernels_allowed:
+        native_gemm.resolve()
+    policy.POLICY.table  # noqa: B018  (loads this machine's calibration table)
 
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())
@@ -303,9 +334,31 @@ def _moe_experts_op(
     activation: str,
     backend: str,
 ) -> Tensor:
-    return kernels.get(backend, hidden.device).moe_experts(
+    chosen = _experts_backend(backend, hidden, gate_up, topk_ids)
+    return kernels.get(chosen, hidden.device).moe_experts(
         hidden, gate_up, down, topk_ids, topk_weights, activation
     )
+
+
+def _experts_backend(backend: str, hidden: Tensor, gate_up: Tensor, topk_ids: Tensor) -> str:
+    """The backend whose `moe_experts` computes this call: `backend` itself when it names
+    one or the device is not a CPU; for `auto` on a CPU, the kernel the policy chooses for
+    these experts' shape, dtype, token count and threads (`policy.POLICY`: measured on this
+    machine; 'torch', the reference, where nothing was measured or nothing chosen is
+    available here). `eligible` mode skips a backend `auto` may not pick on this machine
+    (`Kernels.auto_pick`), as `auto` did before the policy measured."""
+    if backend != "auto" or hidden.device.type != "cpu" or gate_up.dim() != 3:
+        return backend
+    shape = (*gate_up.shape, topk_ids.shape[-1])
+    rows = hidden.shape[0] if hidden.dim() == 2 else 0
+    for kernel in policy.POLICY.choose("experts", shape, _dtype_name(hidden.dtype), rows, "auto"):
+        try:
+            candidate = kernels.get(kernel, "cpu")  # builds or probes only this backend
+        except ValueError:  # not available on this machine
+            continue
+        if policy.POLICY.mode != "eligible" or candidate.auto_pick:
+            return kernel
+    return "torch"
 
 
 @_moe_experts_op.register_fake
@@ -332,7 +385,8 @@ def moe_experts(
         if contract.plain_dense(hidden.device.type, *operands) is not None:
             return torch_ref.moe_experts(*operands, activation)
         return torch.ops.fusion.moe_experts(*operands, activation, backend)
-    return _kernels(backend, hidden.device, "moe_experts", *operands).moe_experts(
+    chosen = _experts_backend(backend, hidden, gate_up, topk_ids)
+    return _kernels(chosen, hidden.device, "moe_experts", *operands).moe_experts(
         *operands, activation
     )
 

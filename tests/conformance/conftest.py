@@ -4,7 +4,8 @@ Environment: FUSION_HARNESS_DTYPE (float32), FUSION_HARNESS_DEVICE (cpu), FUSION
 (0) and FUSION_HARNESS_LIFECYCLE (full: every lifecycle operation, torch.compile on
 harness.lifecycle.COMPILE_SELECTION) choose how every architecture is checked;
 FUSION_HARNESS_REPRO_DIR, when set, is where repro bundles of failures are written (a pytest
-temporary directory otherwise).
+temporary directory otherwise); FUSION_HARNESS_STRICT_CORPUS=1 fails an architecture whose
+unfused model does not build or run (an expected failure otherwise: not fusion's).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def check_options() -> CheckOptions:
         seed=int(os.environ.get("FUSION_HARNESS_SEED", "0")),
         lifecycle=os.environ.get("FUSION_HARNESS_LIFECYCLE", "full"),
     )
+
+
+@pytest.fixture(scope="session")
+def strict_corpus() -> bool:
+    """Do corpus problems fail the suite (FUSION_HARNESS_STRICT_CORPUS=1)?"""
+    return os.environ.get("FUSION_HARNESS_STRICT_CORPUS", "") not in ("", "0")
 
 
 @pytest.fixture(scope="session")

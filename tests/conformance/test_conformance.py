@@ -6,6 +6,11 @@ Architectures the corpus cannot build (or run) are tests too: each must carry a 
 still fail (a fixed one has to come back into the corpus). Runs under pytest-xdist:
 `pytest -m conformance -n auto`.
 
+An architecture whose unfused model does not build or run (build-error, forward-error: a
+corpus problem, harness.results.CORPUS_PROBLEMS) is an expected failure with its reason, so
+the suite fails only on fusion failures, as `fusion-harness run` exits 3 for those and 1 only
+for fusion failures; FUSION_HARNESS_STRICT_CORPUS=1 makes them fail (`--strict-corpus`).
+
 Plan conformance (DESIGN.md, oracle 3): each architecture's fusion plan is compared with the
 golden file of the installed Transformers line, corpus/expected/<major.minor>.json
 (harness.plans). Any difference fails the test with the difference in words: a fusion that
@@ -68,13 +73,21 @@ def _plan_diff(arch: str, golden: plans.Golden | None, actual: dict, details=Non
 
 
 @pytest.mark.parametrize("arch", BUILDABLE)
-def test_architecture(arch, check_options, repro_dir, golden):
+def test_architecture(arch, check_options, repro_dir, golden, strict_corpus):
     checked = check_architecture(arch, check_options)
     result = checked.result
     if result.failures and checked.subject is not None:
         result = repro.write_bundles(result, checked.subject, repro_dir)
     healthy = result.ran and summary.exit_status([result]) == 0
     diff = _plan_diff(arch, golden, plans.entry_of(result), plans.details_of(result))
+    if result.corpus_problem and not strict_corpus:
+        # The unfused model does not build or run: nothing fusion did is judged, so only a
+        # fusion failure fails the suite (as `run` exits 3, not 1); asked, it fails.
+        pytest.xfail(
+            "corpus problem, not a fusion failure (FUSION_HARNESS_STRICT_CORPUS=1 fails it): "
+            + _explain(result)
+            + (f"\n{diff}" if diff else "")
+        )
     if diff:
         pytest.fail(diff if healthy else f"{diff}\n{_explain(result)}", pytrace=False)
     if not healthy:

@@ -19,7 +19,9 @@ from tests.fusion.tiny_models import tiny_model
 def test_fuse_rejects_misuse() -> None:
     with pytest.raises(TypeError, match=r"nn\.Module"):
         fusion.fuse("not a model")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="unknown or unavailable backend"):
+    with pytest.raises(
+        ValueError, match=r"unknown kernel backend .no-such-backend.; known: auto, torch"
+    ):
         fusion.fuse(nn.Linear(2, 2), backend="no-such-backend")
 
 

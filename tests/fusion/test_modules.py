@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fusion.kernels.policy import POLICY
 from fusion.modules import ActAndMul, FusedRMSNorm, MergedLinear
 from tests.fusion.dynamo_graphs import compiled_call_targets
 
@@ -306,7 +307,7 @@ def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool) -> None:
-    """Under torch.compile: one row goes through the `fusion::decode_linear` operator (which
+    """Under torch.compile: one row goes through the `fusion::linear_product` operator (which
     makes the eager one-row choice when it runs) where the machine takes the one-row
     product, several rows take one linear per shard; values equal the eager module's."""
     from fusion.kernels import onednn_backend
@@ -320,7 +321,7 @@ def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool)
             torch.testing.assert_close(out, merged(x), rtol=1e-5, atol=1e-6)
             linears = sum("linear" in t and "decode_linear" not in t for t in targets)
             if rows == 1 and onednn_backend.row_machine_known_ok():
-                assert any("fusion.decode_linear" in t for t in targets), targets
+                assert any("fusion.linear_product" in t for t in targets), targets
             elif rows > 1:
                 assert linears == 3, targets
 
@@ -329,7 +330,7 @@ def test_row_linear_operator_reads_settings_when_it_runs(monkeypatch) -> None:
     """The operator's choice is made per call: with oneDNN disabled it is `F.linear`."""
     import torch.nn.functional as F
 
-    from fusion.kernels import onednn_backend, ops
+    from fusion.kernels import onednn_backend
 
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
     weight, x = torch.randn(48, 32), torch.randn(1, 32)
@@ -338,8 +339,12 @@ def test_row_linear_operator_reads_settings_when_it_runs(monkeypatch) -> None:
     monkeypatch.setattr(
         onednn_backend, "row_linear_applies", lambda *a: taken.append(real(*a)) or taken[-1]
     )
+    POLICY.use("eligible")
+    operator = torch.ops.fusion.linear_product
     with torch.backends.mkldnn.flags(enabled=False):
-        assert torch.equal(ops.decode_linear(x, weight, None), F.linear(x, weight))
+        assert torch.equal(
+            operator(x, weight, None, "linear", [48, 32], "auto"), F.linear(x, weight)
+        )
     assert taken == [False]
 
 

@@ -40,7 +40,8 @@ def test_bundle_contents(module_bundle):
     files = sorted(os.listdir(module_bundle))
     assert files == ["bundle.json", "forward.diff", "original.py", "repro.py", "rewritten.py"]
     fields = json.loads((module_bundle / "bundle.json").read_text())
-    assert set(fields) == set(repro.FIELDS)
+    assert set(fields) == set(repro.FIELDS) | set(repro.OPTIONAL_FIELDS)
+    assert fields["system"] == "fusion"
     assert fields["architecture"] == "llama"
     assert (fields["kind"], fields["qualname"], fields["fuser"]) == (
         "module-parity",
@@ -131,6 +132,8 @@ def _corrupt(bundle: Path, tmp_path: Path, edit) -> Path:
         (lambda f: f.update(kind="oops"), "field 'kind' must be one of"),
         (lambda f: f.update(dtype="float8"), "field 'dtype' must be one of"),
         (lambda f: f.update(format=99), "field 'format' is 99"),
+        (lambda f: f.update(system=3), "field 'system' must be str, found int"),
+        (lambda f: f.update(system="tvm"), "field 'system' must be one of"),
         (lambda f: "{not json", "not valid JSON"),
         (lambda f: "[1, 2]", "expected a JSON object"),
     ],
@@ -141,6 +144,19 @@ def test_malformed_bundles_are_clear_errors(module_bundle, tmp_path, capsys, edi
         repro.load_bundle(corrupt)
     assert repro.replay_main(corrupt) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bundle_without_a_system_is_fusion_and_one_with_replays_under_it(module_bundle, tmp_path):
+    """Bundles written before systems existed have no `system` field: fusion's."""
+    old = repro.load_bundle(_corrupt(module_bundle, tmp_path, lambda f: f.pop("system") and None))
+    assert old.system == old.options.system == "fusion"
+    assert "system" not in old.where()
+    other = tmp_path / "other"
+    other.mkdir()
+    fields = {**json.loads((module_bundle / "bundle.json").read_text()), "system": "inductor"}
+    (other / "bundle.json").write_text(json.dumps(fields))
+    bundle = repro.load_bundle(other)
+    assert bundle.options.system == "inductor" and "(system inductor)" in bundle.where()
 
 
 def test_missing_bundle_json_and_missing_directory(tmp_path):

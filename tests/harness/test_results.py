@@ -100,6 +100,33 @@ def test_derived_progress_flags():
     assert not _result(status="timeout").built
 
 
+@pytest.mark.parametrize(
+    ("status", "corpus_problem", "fusion_failure"),
+    [
+        ("pass", False, False),
+        ("inconclusive", False, False),
+        ("fail", False, True),
+        ("fused-error", False, True),
+        ("fuse-error", False, True),
+        ("crashed", False, True),  # no side is known: fail closed
+        ("timeout", False, True),
+        ("build-error", True, False),
+        ("forward-error", True, False),
+    ],
+)
+def test_every_status_is_classified_for_the_exit_status(status, corpus_problem, fusion_failure):
+    result = _result(status=status)
+    assert (result.corpus_problem, result.fusion_failure) == (corpus_problem, fusion_failure)
+
+
+def test_versions_round_trip_and_old_records_have_none():
+    versions = {"transformers": "5.24.0", "torch": "2.13.0+cpu"}
+    assert from_dict(json.loads(to_json_line(_result(versions=versions)))).versions == versions
+    record = json.loads(to_json_line(_result()))
+    del record["versions"]  # records written before the sweep stamped them
+    assert from_dict(record).versions == {}
+
+
 # --- a results file is input too: every bad line is a one-line ResultsError -----------------
 
 
@@ -133,6 +160,11 @@ def _line(**changes) -> str:
         (
             _line(lifecycle={"generate": {"verdict": "pass"}}),
             "record.lifecycle['generate'] lacks field(s) 'detail'",
+        ),
+        (_line(versions=["5.24.0"]), "record.versions must be an object, found array"),
+        (
+            _line(versions={"transformers": 5.24}),
+            "record.versions['transformers'] must be a string, found number",
         ),
     ],
 )

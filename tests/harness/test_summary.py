@@ -23,13 +23,34 @@ def _r(name: str, status: str = "pass", **fields) -> ArchResult:
         (["pass", "fuse-error"], 1),
         (["pass", "crashed"], 1),
         (["pass", "timeout"], 1),
-        (["pass", "build-error"], 1),
-        (["pass", "forward-error"], 1),
+        (["pass", "build-error"], 3),
+        (["pass", "forward-error"], 3),
+        (["build-error", "forward-error", "inconclusive"], 3),
+        (["build-error", "fail"], 1),  # a fusion failure wins
+        (["forward-error", "crashed"], 1),
         ([], 0),
     ],
 )
 def test_exit_status(statuses, code):
-    assert summary.exit_status([_r(str(i), s) for i, s in enumerate(statuses)]) == code
+    results = [_r(str(i), s) for i, s in enumerate(statuses)]
+    assert summary.exit_status(results) == code
+    strict = summary.exit_status(results, strict_corpus=True)
+    assert strict == (1 if code else 0)  # --strict-corpus: corpus problems fail as 1
+
+
+def test_explain_exit_names_what_the_status_is_for():
+    corpus_only = [_r("a"), _r("musicgen", "build-error"), _r("cohere", "forward-error")]
+    line = summary.explain_exit(3, corpus_only)
+    assert line.startswith("exit 3: no fusion failure") and "musicgen, cohere" in line
+    assert "--strict-corpus" in line
+    mixed = [*corpus_only, _r("llama", "fail")]
+    assert summary.explain_exit(1, mixed) == "exit 1: fusion failure(s) in llama"
+    strict = summary.explain_exit(1, corpus_only)
+    assert "musicgen, cohere" in strict and "--strict-corpus" in strict
+    many = [_r(f"m{i}", "fail") for i in range(7)]
+    assert summary.explain_exit(1, many).endswith("m0, m1, m2, m3, m4 and 2 more")
+    assert summary.explain_exit(0, [_r("a")]) == ""
+    assert summary.explain_exit(130, mixed) == ""
 
 
 def test_totals_count_progress_and_fusions():
@@ -144,6 +165,12 @@ def test_problems_say_what_the_golden_file_already_expects():
     )
     assert "opt: fail (recorded in corpus/expected/5.24.json, but a fusion failure" in lines[1]
     assert lines[2] == "gpt2: fail: new"
+
+
+def test_json_document_of_merged_shards_has_no_wall_time():
+    doc = summary.json_document([_r("a", "build-error")], options={}, wall=None, interrupted=False)
+    assert doc["wall_seconds"] is None and doc["exit_status"] == 3
+    json.dumps(doc, allow_nan=False)
 
 
 def test_json_document_carries_the_real_exit_status():

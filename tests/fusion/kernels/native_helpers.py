@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 
 from fusion.kernels import native_gemm, onednn_backend
+from fusion.kernels.policy import POLICY
 
 
 def force_native_on(monkeypatch) -> None:
     """Let `native_gemm.applies` answer for small operands on any machine where the kernel
-    built (skip where it did not): its size and capability rules are speed rules, tested on
-    their own in test_native_gemm.py."""
+    built (skip where it did not), and the kernel policy run every eligible kernel: its
+    size and capability rules are speed rules, tested on their own in test_native_gemm.py,
+    and the measured choice is tested in test_policy.py."""
     if not native_gemm.built():
         pytest.skip(f"native kernel not built here: {native_gemm._STATE[0].reason}")
     monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
@@ -20,10 +22,15 @@ def force_native_on(monkeypatch) -> None:
         "_STATE",
         [
             native_gemm.Resolved(
-                native_gemm._STATE[0].function, "built", "available", native_gemm.LIMITS["AVX512"]
+                native_gemm._STATE[0].function,
+                "built",
+                "available",
+                native_gemm.LIMITS["AVX512"],
+                native_gemm._STATE[0].build,
             )
         ],
     )
+    POLICY.use("eligible")  # the suite's autouse fixture restores the default
 
 
 def force_native_off(monkeypatch) -> None:
@@ -33,7 +40,7 @@ def force_native_off(monkeypatch) -> None:
         "_STATE",
         [
             native_gemm.Resolved(
-                None, "off for this test", "off for this test", native_gemm._NO_ROWS
+                None, "off for this test", "off for this test", native_gemm._NO_ROWS, "none"
             )
         ],
     )
@@ -47,3 +54,4 @@ def force_onednn_row_on(monkeypatch) -> None:
         pytest.skip("oneDNN's linear ops are not in this torch build")
     monkeypatch.setattr(onednn_backend, "_ROW_OK", [True])
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    POLICY.use("eligible")  # the suite's autouse fixture restores the default

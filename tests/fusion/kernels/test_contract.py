@@ -603,7 +603,7 @@ def test_compiled_modules_under_cpu_autocast_are_the_unfused_ones(
     native_only, taken: list[str], rows: int
 ) -> None:
     """Autocast around a compiled fused module: Dynamo guards on autocast, and the trace
-    routes the product to `F.linear` (no `fusion::decode_linear`, whose float32 output would
+    routes the product to `F.linear` (no `fusion::linear_product`, whose float32 output would
     contradict autocast), so the compiled module returns the unfused module's bfloat16."""
     linear, row = _linear_pair()
     unfused, merged = _merged_pair()
@@ -623,12 +623,12 @@ def test_compiled_modules_under_a_device_context_keep_the_fast_path(
     native_only, taken: list[str]
 ) -> None:
     """`torch.device(...)` around compiling and running: the factory-only mode is plain, so
-    the trace still takes `fusion::decode_linear`, which runs the native kernel."""
+    the trace still takes `fusion::linear_product`, which runs the native kernel."""
     _, row = _linear_pair()
     x = torch.randn(1, 4, K)
     with torch.device("cpu"):
         got, targets = compiled_call_targets(row, x)
-    assert targets == ["fusion.decode_linear"]
+    assert targets == ["fusion.linear_product"]
     torch.testing.assert_close(got, F.linear(x, row.weight, row.bias).detach())
     assert taken == ["native"]
 
@@ -654,7 +654,7 @@ def test_compiled_modules_read_precision_settings_when_they_run(
     native_only, taken: list[str], restore_precision
 ) -> None:
     """A precision setting changed after compiling (Dynamo does not guard on the oneDNN
-    ones): the `fusion::decode_linear` operator asks the predicate when it runs, so the
+    ones): the `fusion::linear_product` operator asks the predicate when it runs, so the
     compiled module then runs `F.linear`, without recompiling."""
     _, row = _linear_pair()
     x = torch.randn(1, 4, K)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from fusion import kernels, numerics
-from fusion.kernels import native_backend, native_gemm, onednn_backend, torch_ref
+from fusion.kernels import native_backend, native_gemm, onednn_backend, ops, torch_ref
+from fusion.kernels.calibration import Entry, Ratio, Table
+from fusion.kernels.policy import POLICY, row_bucket
 
 pytestmark = pytest.mark.skipif(
     native_gemm.status() != "available",
@@ -108,19 +110,56 @@ def test_no_weight_state_and_writes_are_seen(small_weights) -> None:
     assert vars(backend) == {}
 
 
-def test_auto_takes_it_where_onednn_is_not_picked(monkeypatch) -> None:
-    """On a machine where oneDNN's GEMMs are not auto-picked (AVX2), `auto` resolves to
-    this backend; where oneDNN is picked it still comes first (it uses the kernel too)."""
-    monkeypatch.setattr(kernels, "_INSTANCES", {})
-    monkeypatch.setattr(kernels, "_AUTO", {})
-    monkeypatch.setattr(onednn_backend, "AUTO_CAPABILITIES", frozenset())
-    assert kernels.get("auto", "cpu").name == "native"
-    assert "native" in kernels.available_backends("cpu")
-    monkeypatch.setattr(kernels, "_INSTANCES", {})
-    monkeypatch.setattr(kernels, "_AUTO", {})
-    monkeypatch.setattr(onednn_backend, "AUTO_CAPABILITIES", frozenset({"AVX512", "AVX2"}))
-    if kernels._instance("onednn") is not None:
-        assert kernels.get("auto", "cpu").name == "onednn"
+def test_auto_experts_take_it_only_where_the_policy_chooses_it(monkeypatch) -> None:
+    """On a CPU `auto` is the reference backend; its experts run on this backend only where
+    the kernel policy chooses it: with nothing measured, the reference; in `eligible` mode
+    (the static rules) here when oneDNN is not auto-picked (AVX2); with a table that
+    measured it faster, here."""
+    if native_backend.create() is None:
+        pytest.skip(f"native kernel off here: {native_gemm.status()}")
+    assert kernels.get("auto", "cpu").name == "torch"
+    x, gate_up, down, ids, weights = _experts(1)
+    chosen = []
+    real = native_backend.NativeKernels.moe_experts
+    monkeypatch.setattr(
+        native_backend.NativeKernels,
+        "moe_experts",
+        lambda self, *a: chosen.append("native") or real(self, *a),
+    )
+    with torch.no_grad():
+        ops.moe_experts("auto", x, gate_up, down, ids, weights, "silu")
+        assert chosen == []
+        monkeypatch.setattr(onednn_backend, "AUTO_CAPABILITIES", frozenset())
+        monkeypatch.setattr(kernels, "_INSTANCES", {})
+        POLICY.use("eligible")
+        ops.moe_experts("auto", x, gate_up, down, ids, weights, "silu")
+        assert chosen == ["native"]
+        POLICY.use("measured")
+        shape = (*gate_up.shape, ids.shape[-1])
+        POLICY.set_table(_table_preferring("native", "experts", shape, x.shape[0]))
+        ops.moe_experts("auto", x, gate_up, down, ids, weights, "silu")
+        assert chosen == ["native", "native"]
+        ops.moe_experts("torch", x, gate_up, down, ids, weights, "silu")
+        assert chosen == ["native", "native"]
+
+
+def _table_preferring(kernel: str, op: str, shape: tuple[int, ...], rows: int) -> Table:
+    """A calibration table in which `kernel` measured 1.5x the reference at this key."""
+    table = Table("test")
+    table.add(
+        Entry(
+            op=op,
+            shape=tuple(shape),
+            dtype="float32",
+            rows=row_bucket(rows),
+            threads=torch.get_num_threads(),
+            median_us={"reference": 150.0, kernel: 100.0},
+            ratios={kernel: Ratio(1.5, 1.4, 1.6)},
+            rounds=9,
+            native_build=native_gemm.build_id(),
+        )
+    )
+    return table
 
 
 def test_unavailable_where_the_kernel_is_off(monkeypatch) -> None:

@@ -34,7 +34,7 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
         assert "no C compiler" in native_gemm.status()
         return
     assert native_gemm.built(), native_gemm._STATE[0].reason
-    capability = native_gemm._capability()
+    capability = native_gemm.capability()
     if capability in native_gemm.LIMITS:
         assert native_gemm.status() == "available"
     else:
@@ -201,7 +201,11 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         monkeypatch.setattr(
             native_gemm,
             "_STATE",
-            [native_gemm.Resolved(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)],
+            [
+                native_gemm.Resolved(
+                    None, "no C compiler", "no C compiler", native_gemm._NO_ROWS, "none"
+                )
+            ],
         )
         assert not native_gemm.applies(x, weight, b)
     monkeypatch.undo()
@@ -213,9 +217,9 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
 def test_machine_rule_and_switch(monkeypatch) -> None:
     """The machine rule answers 'available' only for listed capabilities and without
     FUSION_NATIVE_KERNELS=0, and says which one failed."""
-    monkeypatch.setattr(native_gemm, "_capability", lambda: "AVX512")
+    monkeypatch.setattr(native_gemm, "capability", lambda: "AVX512")
     assert native_gemm._machine_rule() == "available"
-    monkeypatch.setattr(native_gemm, "_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(native_gemm, "capability", lambda: "DEFAULT")
     assert "DEFAULT" in native_gemm._machine_rule()
     monkeypatch.setenv(native_gemm.DISABLE_ENV, "0")
     assert "FUSION_NATIVE_KERNELS=0" in native_gemm._machine_rule()
@@ -226,7 +230,7 @@ def test_machine_rule_and_switch(monkeypatch) -> None:
 def test_row_limits_follow_the_capability(monkeypatch, capability: str) -> None:
     """`resolve` takes the row limits of the machine's capability: AVX2 stops at 64 rows and
     256K input elements, AVX-512 at 256 rows and 1M; elsewhere nothing is taken."""
-    monkeypatch.setattr(native_gemm, "_capability", lambda: capability)
+    monkeypatch.setattr(native_gemm, "capability", lambda: capability)
     monkeypatch.setattr(native_gemm, "_STATE", [])
     native_gemm.resolve()
     limits = native_gemm.LIMITS.get(capability)
@@ -308,7 +312,7 @@ def test_every_weight_write_is_seen(monkeypatch) -> None:
 
 @needs_kernel
 def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
-    """`ops.decode_product` runs the native kernel where it applies; where it does not
+    """`ops.product` runs the native kernel where it applies; where it does not
     (here: unavailable), oneDNN's one-row product where that applies, else None."""
     from fusion.kernels import onednn_backend
 
@@ -322,14 +326,21 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
     )
     x, weight = torch.randn(1, 64), torch.randn(32, 64)
     with torch.no_grad():
-        assert ops.decode_product(x, weight, None) is not None
+        assert ops.product("linear", tuple(weight.shape), "auto", x, weight, None) is not None
         monkeypatch.setattr(
             native_gemm,
             "_STATE",
-            [native_gemm.Resolved(None, "no C compiler", "no C compiler", native_gemm._NO_ROWS)],
+            [
+                native_gemm.Resolved(
+                    None, "no C compiler", "no C compiler", native_gemm._NO_ROWS, "none"
+                )
+            ],
         )
-        fallback = ops.decode_product(x, weight, None)
-        assert ops.decode_product(torch.randn(3, 64), weight, None) is None
+        fallback = ops.product("linear", tuple(weight.shape), "auto", x, weight, None)
+        assert (
+            ops.product("linear", tuple(weight.shape), "auto", torch.randn(3, 64), weight, None)
+            is None
+        )
     onednn_row = onednn_backend.row_linear_applies(x, weight, None)
     assert taken == ["native"] + (["onednn"] if onednn_row else [])
     assert (fallback is not None) == onednn_row
@@ -338,7 +349,7 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
 @needs_kernel
 def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
     """Under torch.compile (fullgraph) RowLinear at 16 rows becomes one
-    `fusion::decode_linear` node and MergedLinear one per shard (compiled, it computes its
+    `fusion::linear_product` node and MergedLinear one per shard (compiled, it computes its
     shards apart: Dynamo guards neither the views of the stacked weight nor `.data`), whose
     eager choice (the native kernel) runs when the compiled code runs; values equal the
     eager modules'."""
@@ -352,7 +363,7 @@ def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
     ):
         x = torch.randn(1, 16, 32)
         out, targets = compiled_call_targets(module, x)
-        assert sum("fusion.decode_linear" in t for t in targets) == nodes, targets
+        assert sum("fusion.linear_product" in t for t in targets) == nodes, targets
         assert not any("aten.linear" in t or "functional.linear" in t for t in targets), targets
         with torch.no_grad():
             torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-6)

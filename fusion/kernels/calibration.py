@@ -1,0 +1,388 @@
+"""Kernel timings measured on this machine, and the table the kernel policy reads.
+
+`measure` times every kernel of one op (`fusion.kernels.policy.OPS`) against its reference
+on one (shape, dtype, threads, rows) and returns an `Entry`; `Table` holds the entries of
+this machine and is saved as JSON under the cache directory, in a file named by
+`machine_key()`: the CPU model and flags, ATen's CPU capability and the environment that
+limits it (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`) and the
+torch version. Anything that changes the code a product runs changes the key, so a table is
+never read on a machine it was not measured on. The native kernel's build is recorded per
+entry (`Entry.native_build`) instead, and the policy ignores a native measurement of another
+build: that way reading the table never builds the kernel (`backend="torch"` builds nothing).
+
+How a kernel is judged (`judge`): calls are interleaved (each round calls every kernel once,
+in a rotating order), each call on a weight not read since many calls (copies cycled through
+more memory than a last-level cache holds, as a model's layers are), so every kernel sees
+the same machine state; the per-round ratio reference time / kernel time is paired, which
+cancels the drift of a busy machine. A kernel *wins* only if its median ratio is at least
+`1 + MARGIN` and its lower quartile at least 1: measurably faster, not faster on average.
+The policy runs the winner with the highest median ratio, else the reference, so no measured
+choice makes a product slower than the reference beyond the noise of its own measurement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fusion import kernels
+from fusion.kernels import native_build, native_gemm, onednn_backend
+
+SCHEMA = 1
+MARGIN = 0.03
+"""A kernel must beat the reference by this fraction (median of paired ratios) to be used."""
+
+STREAM_BYTES = 256 << 20
+"""Weight copies cycled per measurement cover at least this much memory (8x a 32 MB L3), so
+each call reads its weight from memory, as a decode step reads a model's layers."""
+
+MAX_COPIES = 64
+MIN_ROUNDS = 7
+MAX_ROUNDS = 101
+BUDGET_S = 0.6
+"""Rounds continue past `MIN_ROUNDS` until the calls took this long (or `MAX_ROUNDS`)."""
+
+_LIMITING_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Reference time / kernel time over the paired rounds of one measurement."""
+
+    median: float
+    q25: float
+    q75: float
+
+    def wins(self) -> bool:
+        return self.median >= 1 + MARGIN and self.q25 >= 1.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One measurement: `op` at `shape`, `dtype`, `threads`, `rows` (a row bucket)."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    rows: int
+    threads: int
+    median_us: dict[str, float]
+    """Median time per call of each kernel measured (the reference included)."""
+    ratios: dict[str, Ratio]
+    """Each non-reference kernel's paired ratio against the reference."""
+    rounds: int
+    native_build: str = ""
+    """`native_gemm.build_id()` of the kernel measured as 'native' ('' if it was not)."""
+
+    def best(self, kernels: Iterable[str]) -> str:
+        """Of `kernels`, the winner (`Ratio.wins`) with the highest median ratio; else
+        'reference'."""
+        winners = [(r.median, k) for k, r in self.ratios.items() if k in kernels and r.wins()]
+        return max(winners)[1] if winners else "reference"
+
+    def summary(self, kernels: Iterable[str]) -> str:
+        """One line: each kernel's measured ratio (median [q25-q75]) and the verdict."""
+        kernels = tuple(kernels)
+        parts = [
+            f"{k} {r.median:.2f}x [{r.q25:.2f}-{r.q75:.2f}]"
+            for k, r in self.ratios.items()
+            if k in kernels
+        ]
+        best = self.best(kernels)
+        verdict = f"{best} measured fastest" if best != "reference" else "no kernel beat it"
+        ref = self.median_us.get("reference", float("nan"))
+        return (
+            f"measured at {self.rows} rows, {self.threads} threads: reference {ref:.0f} us; "
+            f"{', '.join(parts) or 'no other kernel eligible'}; {verdict}"
+        )
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> Entry:
+        return cls(
+            op=str(data["op"]),
+            shape=tuple(int(v) for v in data["shape"]),
+            dtype=str(data["dtype"]),
+            rows=int(data["rows"]),
+            threads=int(data["threads"]),
+            median_us={str(k): float(v) for k, v in data["median_us"].items()},
+            ratios={str(k): Ratio(**v) for k, v in data["ratios"].items()},
+            rounds=int(data["rounds"]),
+            native_build=str(data.get("native_build", "")),
+        )
+
+
+@dataclass
+class Table:
+    """The entries measured on one machine (`key`), looked up by (op, shape, dtype, rows,
+    threads)."""
+
+    key: str
+    machine: dict[str, str] = field(default_factory=dict)
+    entries: dict[tuple, Entry] = field(default_factory=dict)
+
+    def lookup(
+        self, op: str, shape: tuple[int, ...], dtype: str, rows: int, threads: int
+    ) -> Entry | None:
+        return self.entries.get((op, tuple(shape), dtype, rows, threads))
+
+    def add(self, entry: Entry) -> None:
+        self.entries[(entry.op, entry.shape, entry.dtype, entry.rows, entry.threads)] = entry
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "key": self.key,
+            "machine": self.machine,
+            "entries": [e.to_json() for e in self.entries.values()],
+        }
+
+
+def machine() -> dict[str, str]:
+    """What the code a product runs depends on here (the module docstring)."""
+    info = {
+        "cpu": _cpu_field("model name") or platform.processor() or platform.machine(),
+        "flags": hashlib.sha256(_cpu_field("flags").encode()).hexdigest()[:12],
+        "capability": native_gemm.capability(),
+        "torch": torch.__version__,
+    }
+    for name in _LIMITING_ENV:
+        info[name] = os.environ.get(name, "")
+    return info
+
+
+def machine_key(info: dict[str, str] | None = None) -> str:
+    """16 hex digits naming this machine's table (`machine()` hashed)."""
+    info = machine() if info is None else info
+    text = "\0".join(f"{k}={v}" for k, v in sorted(info.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cpu_field(name: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(name):
+                return line.split(":", 1)[-1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def table_path(key: str | None = None) -> Path:
+    """Where this machine's table lives (`native_build.cache_dir()`/calibration)."""
+    return native_build.cache_dir() / "calibration" / f"{key or machine_key()}.json"
+
+
+def load_table(path: Path | None = None) -> Table:
+    """This machine's table from disk, or an empty one (no file, an unreadable or foreign
+    file: nothing measured, so the policy runs the references)."""
+    info = machine()
+    key = machine_key(info)
+    path = table_path(key) if path is None else path
+    table = Table(key, info)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return table
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("key") != key:
+        return table
+    try:
+        for item in data.get("entries", []):
+            table.add(Entry.from_json(item))
+    except (KeyError, TypeError, ValueError):
+        return Table(key, info)
+    return table
+
+
+def save_table(table: Table, path: Path | None = None) -> Path:
+    """Write `table` atomically (a temporary file renamed); returns the path."""
+    path = table_path(table.key) if path is None else path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(table.to_json(), indent=1))
+    temporary.replace(path)
+    return path
+
+
+def judge(times: dict[str, list[float]]) -> dict[str, Ratio]:
+    """Each kernel's paired ratio against `times['reference']` (same-round pairs)."""
+    reference = times["reference"]
+    out = {}
+    for kernel, samples in times.items():
+        if kernel == "reference":
+            continue
+        ratios = sorted(r / s for r, s in zip(reference, samples) if s > 0)
+        if not ratios:
+            continue
+        q25, median, q75 = statistics.quantiles(ratios, n=4, method="inclusive")
+        out[kernel] = Ratio(round(median, 4), round(q25, 4), round(q75, 4))
+    return out
+
+
+Call = Callable[[int], object]
+"""A kernel under measurement: called with the index of the weight copy to read."""
+
+
+def time_calls(
+    calls: dict[str, Call],
+    copies: int,
+    *,
+    budget_s: float = BUDGET_S,
+    sync: Callable = lambda: None,
+) -> tuple[dict[str, list[float]], int]:
+    """Interleaved timings (seconds per call) of `calls`, and the number of rounds. Each
+    call reads the next of `copies` weight copies, so none reads a weight left in cache by
+    the call before it. Two warm-up rounds are not counted."""
+    names = list(calls)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    index = 0
+    rounds = 0
+    spent = 0.0
+    for warm_or_timed in range(MAX_ROUNDS + 2):
+        order = names[warm_or_timed % len(names) :] + names[: warm_or_timed % len(names)]
+        for name in order:
+            sync()
+            start = time.perf_counter()
+            calls[name](index % copies)
+            sync()
+            elapsed = time.perf_counter() - start
+            index += 1
+            if warm_or_timed >= 2:
+                times[name].append(elapsed)
+                spent += elapsed
+        if warm_or_timed >= 2:
+            rounds += 1
+            if rounds >= MIN_ROUNDS and spent >= budget_s:
+                break
+    return times, rounds
+
+
+def copies_for(nbytes: int) -> int:
+    """How many weight copies cover `STREAM_BYTES` (at least 2, at most `MAX_COPIES`)."""
+    return max(2, min(MAX_COPIES, -(-STREAM_BYTES // max(nbytes, 1))))
+
+
+def measure(
+    op: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    rows: int,
+    calls: dict[str, Call],
+    copies: int,
+    *,
+    budget_s: float = BUDGET_S,
+) -> Entry:
+    """Time `calls` (a 'reference' and the eligible kernels, built by the caller on
+    `copies` weight copies) at torch's current thread count; the `Entry` of the result."""
+    times, rounds = time_calls(calls, copies, budget_s=budget_s)
+    return Entry(
+        op=op,
+        shape=tuple(shape),
+        dtype=str(dtype).removeprefix("torch."),
+        rows=rows,
+        threads=torch.get_num_threads(),
+        median_us={k: round(statistics.median(v) * 1e6, 2) for k, v in times.items()},
+        ratios=judge(times),
+        rounds=rounds,
+        native_build=native_gemm.build_id() if "native" in calls else "",
+    )
+
+
+def _weights(rows_n: int, width: int, dtype: torch.dtype, copies: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(rows_n * 31 + width)
+    first = torch.randn(rows_n, width, generator=generator).mul_(0.02).to(dtype)
+    return [first] + [first.clone() for _ in range(copies - 1)]
+
+
+def _product_calls(
+    op: str, shape: tuple[int, ...], dtype: torch.dtype, rows: int
+) -> tuple[dict[str, Call], int]:
+    """The eligible kernels of a `linear` or `stacked` product, as calls on weight copies,
+    and the number of copies. A kernel is eligible where its own rules take the sample
+    operands now (`native_gemm.applies`, `onednn_backend.row_linear_applies`)."""
+    sizes, width = list(shape[:-1]), shape[-1]
+    total = sum(sizes)
+    element = torch.tensor([], dtype=dtype).element_size()
+    copies = copies_for(total * width * element)
+    weights = _weights(total, width, dtype, copies)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    linear = torch.nn.functional.linear
+    calls: dict[str, Call] = {}
+    if op == "stacked":
+        pieces = [w.split(sizes, dim=0) for w in weights]
+        calls["reference"] = lambda i: torch.cat([linear(x, p) for p in pieces[i]], dim=-1)
+        calls["stacked"] = lambda i: linear(x, weights[i])
+    else:
+        calls["reference"] = lambda i: linear(x, weights[i])
+    if native_gemm.applies(x, weights[0], None):
+        calls["native"] = lambda i: native_gemm.linear(x, weights[i], None)
+    if onednn_backend.row_linear_applies(x, weights[0], None):
+        calls["onednn-row"] = lambda i: onednn_backend.row_linear(x, weights[i], None)
+    return calls, copies
+
+
+def _experts_calls(
+    shape: tuple[int, ...], dtype: torch.dtype, rows: int
+) -> tuple[dict[str, Call], int]:
+    """The available experts backends (`native`, `onednn`) and the reference, as calls on
+    one set of expert weights with a different random routing per call (so each call reads
+    experts the one before did not, as decode steps do), and the number of routings."""
+    experts, gate_up_rows, hidden_size, top_k = shape
+    generator = torch.Generator().manual_seed(experts + hidden_size)
+    gate_up = torch.randn(experts, gate_up_rows, hidden_size, generator=generator)
+    down = torch.randn(experts, hidden_size, gate_up_rows // 2, generator=generator)
+    gate_up, down = gate_up.mul_(0.02).to(dtype), down.mul_(0.02).to(dtype)
+    hidden = torch.randn(rows, hidden_size, generator=generator).to(dtype)
+    routings = []
+    for _ in range(8):
+        scores = torch.rand(rows, experts, generator=generator)
+        ids = scores.topk(min(top_k, experts), dim=-1).indices
+        routings.append((ids, torch.softmax(torch.rand(ids.shape, generator=generator), -1)))
+    routings = [(ids, w.to(dtype)) for ids, w in routings]
+    reference = kernels.get("torch", "cpu")
+    backends = {"reference": reference}
+    for name in ("native", "onednn"):
+        try:
+            backends[name] = kernels.get(name, "cpu")
+        except ValueError:  # not available on this machine
+            continue
+
+    def call(backend: kernels.Kernels) -> Call:
+        return lambda i: backend.moe_experts(hidden, gate_up, down, *routings[i], "silu")
+
+    return {name: call(b) for name, b in backends.items()}, len(routings)
+
+
+def measure_key(
+    op: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    rows: int,
+    *,
+    budget_s: float = BUDGET_S,
+) -> Entry | None:
+    """Measure `op`'s eligible kernels at one key (`rows`: a row bucket) at torch's current
+    thread count, on CPU; None where no kernel but the reference is eligible (nothing to
+    choose: the reference runs)."""
+    torch_dtype = getattr(torch, dtype)
+    with torch.no_grad():
+        if op == "experts":
+            calls, copies = _experts_calls(shape, torch_dtype, rows)
+        else:
+            calls, copies = _product_calls(op, shape, torch_dtype, rows)
+        if len(calls) < 2:
+            return None
+        return measure(op, shape, torch_dtype, rows, calls, copies, budget_s=budget_s)

@@ -1,0 +1,223 @@
+"""Which kernel computes each fused product: the one explicit, resettable kernel policy.
+
+A fused module asks `POLICY.choose(op, shape, dtype, rows, backend)` where it could run
+more than one kernel for the same function, and gets a kernel name back:
+
+- `linear` (`RowLinear`: one weight `[N, K]`, shape `(N, K)`): `reference` (`F.linear`),
+  `native` (`native_gemm`), `onednn-row` (`onednn_backend.row_linear`, one row);
+- `stacked` (`MergedLinear`: shards `[N_i, K]` stacked, shape `(N_1, ..., N_s, K)`):
+  `reference` (each shard's own `F.linear`: the unfused calls), `stacked` (one `F.linear`
+  on the stacked weight), `native` and `onednn-row` on the stacked weight;
+- `experts` (CPU routed experts, shape `(E, 2I, H, topk)`): `reference` (`torch_ref`),
+  `native`, `onednn` (those backends' `moe_experts`).
+
+Every kernel computes the reference's function (their tests bound the rounding); they differ
+in speed, and speed differs by machine. So, in the default mode, **a kernel other than the
+reference runs only where it was measured on this machine to beat the reference**
+(`fusion.kernels.calibration`: interleaved timing, per (op, shape, dtype, threads, row
+bucket), cached on disk under this machine's key); where nothing was measured the reference
+runs, so an uncalibrated fused model computes exactly what its unfused twin computes, at its
+speed. Which kernel runs depends only on the table and the call's shape, dtype, thread count
+and backend: the same inputs on the same machine take the same path.
+
+`backend` restricts the choice, as `fusion.fuse(backend=...)` promises: `torch` allows only
+torch's own ops (`reference`, `stacked`), still chosen by measurement; `native` and `onednn`
+pin their kernel wherever it is eligible (no measurement: the name means that kernel);
+`auto` (and the GPU backends, which have no CPU products) choose by measurement among all.
+
+Modes (`FUSION_KERNELS` in the environment, read at first use; `POLICY.use(mode)`):
+`measured` (default, above), `reference` (every op on its reference: fast paths off) and
+`eligible` (every fast kernel wherever its static rules allow it, unmeasured: what a kernel's
+own tests and the benchmarks that find the rules need). Eligibility (the dispatcher's
+contract, the operand rules, the kernel built here) is always checked again at the call: the
+policy only ever narrows what may run, never widens it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from fusion.kernels import native_gemm
+from fusion.kernels.calibration import Entry, Table, load_table
+
+MODES = ("measured", "reference", "eligible")
+MODE_ENV = "FUSION_KERNELS"
+
+OPS: dict[str, tuple[str, ...]] = {
+    "linear": ("reference", "native", "onednn-row"),
+    "stacked": ("reference", "stacked", "native", "onednn-row"),
+    "experts": ("reference", "native", "onednn"),
+}
+"""Per op, its kernels; the reference first."""
+
+ELIGIBLE: dict[str, tuple[str, ...]] = {
+    "linear": ("native", "onednn-row"),
+    "stacked": ("native", "onednn-row"),
+    "experts": ("onednn", "native"),
+}
+"""`eligible` mode: the fast kernels tried in this order, the first eligible one runs (the
+static rules the kernels had before they were measured; the reference otherwise)."""
+
+TORCH_ONLY = frozenset({"reference", "stacked"})
+"""The kernels that are torch's own ops (what `backend="torch"` allows)."""
+
+PINNED: dict[str, tuple[str, ...]] = {
+    "native": ("native",),
+    "onednn": ("onednn-row", "onednn"),
+    "triton": ("stacked",),
+    "vllm": ("stacked",),
+}
+"""Backends that name kernels: theirs run wherever eligible, unmeasured (the GPU backends'
+fused modules are the stacked GEMM: they have no products of their own)."""
+
+MAX_BUCKET = 512
+"""Rows past this fall in no bucket: the reference (no fast kernel is for prompts that long)."""
+
+
+def row_bucket(rows: int) -> int:
+    """The bucket `rows` is timed and looked up in: the smallest power of two >= `rows`
+    (1, 2, 4, ..., `MAX_BUCKET`), or 0 for none (no rows, or more than `MAX_BUCKET`)."""
+    if rows < 1 or rows > MAX_BUCKET:
+        return 0
+    return 1 << (rows - 1).bit_length()
+
+
+def allowed(op: str, backend: str) -> tuple[str, ...]:
+    """The kernels of `op` that `backend` allows, reference first. A pinned backend's tuple
+    is its own kernel alone (see `pinned`)."""
+    kernels = OPS[op]
+    if backend == "torch":
+        return tuple(k for k in kernels if k in TORCH_ONLY)
+    pin = PINNED.get(backend)
+    if pin is not None:
+        return tuple(k for k in kernels if k in pin)
+    return kernels
+
+
+@dataclass
+class KernelPolicy:
+    """The process's kernel choices: a mode, the calibration table of this machine (loaded
+    at first use) and a memo of answers. `reset()` forgets all three (tests, a refreshed
+    table); nothing else in the package keeps kernel-choice state."""
+
+    _mode: str | None = None
+    _table: Table | None = None
+    _memo: dict[tuple, tuple[str, ...]] = field(default_factory=dict)
+    asked: set[tuple[str, tuple[int, ...], str, int, int]] = field(default_factory=set)
+    """Every (op, shape, dtype, row bucket, threads) a choice was asked for with a kernel
+    to choose between: what `fusion.calibrate` measures after running a model."""
+
+    def reset(self) -> None:
+        self._mode = None
+        self._table = None
+        self._memo.clear()
+        self.asked.clear()
+
+    @property
+    def mode(self) -> str:
+        if self._mode is None:
+            mode = os.environ.get(MODE_ENV, "measured").strip() or "measured"
+            if mode not in MODES:
+                raise ValueError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
+            self._mode = mode
+        return self._mode
+
+    def use(self, mode: str) -> None:
+        """Set the mode for the rest of the process (until `reset`)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown kernel policy mode {mode!r}; known: {', '.join(MODES)}")
+        self._mode = mode
+        self._memo.clear()
+
+    @contextmanager
+    def override(self, mode: str) -> Iterator[None]:
+        """`use(mode)` for a block, then the previous mode again."""
+        previous = self._mode
+        self.use(mode)
+        try:
+            yield
+        finally:
+            self._mode = previous
+            self._memo.clear()
+
+    @property
+    def table(self) -> Table:
+        if self._table is None:
+            self._table = load_table()
+        return self._table
+
+    def set_table(self, table: Table) -> None:
+        """Use `table` (a fresh calibration, or a test's) instead of the one on disk."""
+        self._table = table
+        self._memo.clear()
+
+    def choose(
+        self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
+    ) -> tuple[str, ...]:
+        """The kernels `op` may run for `rows` rows of this shape and dtype under `backend`
+        at torch's current thread count, in the order to try them: the caller runs the
+        first that is eligible for the call (the dispatcher's contract, the operand rules),
+        and the reference when none is (an empty tuple: the reference). One dict lookup
+        after the first call per key."""
+        threads = torch.get_num_threads()
+        key = (op, shape, dtype, row_bucket(rows), threads, backend)
+        chosen = self._memo.get(key)
+        if chosen is None:
+            chosen = self._decide(op, shape, dtype, key[3], threads, backend)
+            self._memo[key] = chosen
+        return chosen
+
+    def explain(
+        self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
+    ) -> tuple[str, str]:
+        """(kernel, why) for a report: the first kernel `choose` answers (where eligible)
+        and the reason it was chosen."""
+        order = self.choose(op, shape, dtype, rows, backend)
+        kernel = order[0] if order else "reference"
+        if backend in PINNED:
+            return kernel, f"backend={backend} pins {' / '.join(allowed(op, backend)) or 'none'}"
+        if row_bucket(rows) == 0:
+            return kernel, f"{rows} rows: past every fast kernel's sizes"
+        if self.mode != "measured":
+            return kernel, f"{MODE_ENV}={self.mode}"
+        entry = self.table.lookup(op, shape, dtype, row_bucket(rows), torch.get_num_threads())
+        if entry is None:
+            return kernel, "not measured on this machine: the reference runs"
+        summary = entry.summary(allowed(op, backend))
+        if "native" in entry.ratios and entry.native_build != native_gemm.build_id():
+            summary += " (native measured on another kernel build: not used)"
+        return kernel, summary
+
+    def _decide(
+        self, op: str, shape: tuple[int, ...], dtype: str, bucket: int, threads: int, backend: str
+    ) -> tuple[str, ...]:
+        kernels = allowed(op, backend)
+        if backend in PINNED:
+            return tuple(k for k in kernels if k != "reference")
+        if bucket == 0 or self.mode == "reference":
+            return ()
+        if self.mode == "eligible":
+            return tuple(k for k in ELIGIBLE[op] if k in kernels)
+        if len(kernels) > 1:
+            self.asked.add((op, shape, dtype, bucket, threads))
+        entry = self.table.lookup(op, shape, dtype, bucket, threads)
+        best = "reference" if entry is None else _best(entry, kernels)
+        return () if best == "reference" else (best,)
+
+
+def _best(entry: Entry, kernels: tuple[str, ...]) -> str:
+    """`entry.best(kernels)`, not counting a native measurement of another kernel build
+    than this process runs (asked only when native won, so nothing else builds it)."""
+    best = entry.best(kernels)
+    if best == "native" and entry.native_build != native_gemm.build_id():
+        best = entry.best(tuple(k for k in kernels if k != "native"))
+    return best
+
+
+POLICY = KernelPolicy()
+"""The process's one policy object (`POLICY.reset()` restores the defaults)."""

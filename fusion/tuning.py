@@ -1,0 +1,162 @@
+"""`fusion.calibrate` (defined here): time, on this machine, the kernels a fused model could
+run, so the kernel policy (`fusion.kernels.policy`) runs a fast kernel only where it measured faster.
+
+Which products to time is not guessed from module types: the fused model is run once per
+token count, and every (op, shape, dtype, row bucket, threads) the policy was asked to
+choose for is timed (`fusion.kernels.calibration.measure_key`). The table is saved under
+this machine's key, so later processes on the same machine (and build) choose the same
+kernels without measuring again; any other machine starts from nothing measured, which
+runs the references.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion.kernels import calibration, policy
+from fusion.modules import MergedLinear, RowLinear
+from fusion.report import KernelChoice
+
+
+@dataclass
+class Calibrated:
+    """What one `calibrate` call measured."""
+
+    entries: list[calibration.Entry] = field(default_factory=list)
+    """The new measurements (one per key and thread count)."""
+    unchanged: int = 0
+    """Keys the table already held (not measured again without `refresh`)."""
+    nothing_to_choose: int = 0
+    """Keys where only the reference was eligible here (nothing to time)."""
+    path: Path | None = None
+    """Where the table was saved (None with `save=False`)."""
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        lines = [
+            f"calibrated {len(self.entries)} products in {self.seconds:.1f} s "
+            f"({self.unchanged} already measured, {self.nothing_to_choose} with one kernel)"
+        ]
+        for entry in self.entries:
+            shape = "x".join(map(str, entry.shape))
+            kernels = tuple(entry.ratios)
+            lines.append(f"  {entry.op} {shape} {entry.dtype}: {entry.summary(kernels)}")
+        if self.path is not None:
+            lines.append(f"table: {self.path}")
+        return "\n".join(lines)
+
+
+def default_run(model: nn.Module) -> Callable[[int], Any]:
+    """A forward of a Transformers causal LM on `tokens` random ids (batch 1, no cache)."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise TypeError(
+            f"{type(model).__name__} has no config.vocab_size: pass `run=` to "
+            "fusion.calibrate (a function of the token count that calls the model)"
+        )
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    def run(tokens: int) -> Any:
+        ids = torch.randint(0, vocab, (1, tokens), device=device)
+        return model(input_ids=ids, use_cache=False)
+
+    return run
+
+
+def products_asked(run: Callable[[int], Any], tokens: Iterable[int]) -> set[tuple]:
+    """The keys the policy is asked about while `run` runs at each token count (no grad)."""
+    asked = policy.POLICY.asked
+    with policy.POLICY.override("measured"), torch.no_grad():
+        asked.clear()
+        for count in tokens:
+            run(count)
+        found = set(asked)
+    return found
+
+
+def calibrate(
+    model: nn.Module,
+    *,
+    tokens: Sequence[int] = (1, 16, 128),
+    threads: Sequence[int] | None = None,
+    run: Callable[[int], Any] | None = None,
+    refresh: bool = False,
+    save: bool = True,
+    budget_s: float = calibration.BUDGET_S,
+    progress: Callable[[str], None] | None = None,
+) -> Calibrated:
+    """Measure the kernels `model` (already fused) could run at `tokens` tokens, at each
+    thread count of `threads` (default: torch's current one), add them to this machine's
+    table, save it (unless `save` is False) and make the process's policy use it.
+
+    Safe to call on any model: it only runs forwards and times products on random weights
+    of the same shapes; a model with nothing to choose measures nothing. `run(tokens)`
+    calls the model (default: `default_run`, a causal LM on random ids)."""
+    started = time.perf_counter()
+    run = default_run(model) if run is None else run
+    keys = products_asked(run, tokens)
+    table = policy.POLICY.table
+    result = Calibrated()
+    previous = torch.get_num_threads()
+    try:
+        for count in tuple(threads) if threads else (previous,):
+            torch.set_num_threads(count)
+            for op, shape, dtype, rows, _ in sorted(keys):
+                if not refresh and table.lookup(op, shape, dtype, rows, count) is not None:
+                    result.unchanged += 1
+                    continue
+                if progress is not None:
+                    progress(f"{op} {'x'.join(map(str, shape))} {dtype} {rows} rows {count}t")
+                entry = calibration.measure_key(op, shape, dtype, rows, budget_s=budget_s)
+                if entry is None:
+                    result.nothing_to_choose += 1
+                    continue
+                table.add(entry)
+                result.entries.append(entry)
+    finally:
+        torch.set_num_threads(previous)
+    if save:
+        result.path = calibration.save_table(table)
+    policy.POLICY.set_table(table)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+DECODE_ROWS = 1
+PREFILL_ROWS = 128
+"""The row counts `kernel_choices` reports: one decode step, a prompt chunk."""
+
+
+def kernel_choices(model: nn.Module) -> list[KernelChoice]:
+    """For each distinct product of a fused model (merged projections, `RowLinear`s), the
+    kernel the policy runs at `DECODE_ROWS` and `PREFILL_ROWS` rows on this machine, now,
+    and why (`policy.KernelPolicy.explain`). Routed experts choose per call (their row
+    counts depend on the routing): not listed."""
+    seen: dict[tuple, KernelChoice] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            op, shape, backend = "stacked", module.kernel_shape, module.backend
+            weight = module.stacked_weight
+            dtype = module.shards[0].weight.dtype if weight is None else weight.dtype
+        elif isinstance(module, RowLinear):
+            op, shape, backend = "linear", tuple(module.weight.shape), module.kernel_backend
+            dtype = module.weight.dtype
+        else:
+            continue
+        dtype_name = str(dtype).removeprefix("torch.")
+        key = (op, shape, dtype_name, backend)
+        if key in seen:
+            seen[key].modules.append(name)
+            continue
+        decode = policy.POLICY.explain(op, shape, dtype_name, DECODE_ROWS, backend)
+        prefill = policy.POLICY.explain(op, shape, dtype_name, PREFILL_ROWS, backend)
+        seen[key] = KernelChoice(op, shape, dtype_name, backend, decode, prefill, [name])
+    return list(seen.values())

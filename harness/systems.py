@@ -1,0 +1,181 @@
+"""Systems under test: what the harness does to a built model before the oracles judge it.
+
+The harness's oracles (parity against the unfused model and a float64 reference, the
+lifecycle checks, golden plans, repro bundles) judge a *system*: something that takes an
+unfused model and returns the model to run. Each system is a `System` record:
+
+- `fusion` (the default): this project's engine, `fusion.fuse` in place. Its FusionReport is
+  the plan (applied and refused modules, golden plans compare it), every lifecycle check
+  applies, and its failures are `fuse-error` / `fused-error`.
+- `inductor`: `torch.compile` with its default Inductor backend, applied in place
+  (`nn.Module.compile`), so every call of the model, `generate` included, runs compiled
+  code and `state_dict` keys stay the model's own. Compilation happens at the first call; an
+  error there (or in the compile call) where the eager model runs is `compile-error`. The
+  plan it reports is what Dynamo counted: graphs and graph breaks.
+- `inductor-freezing`: the same with Inductor's `freezing` option, for inference under
+  `torch.no_grad` (the harness's forwards): weights are folded into the compiled graph as
+  constants when it is compiled, so later weight edits are not seen by design.
+
+Lifecycle checks do not apply to the Inductor systems yet: most of them (a training step,
+save/load, weight edits) would each compile again (tens of seconds apiece on a 2-core CPU),
+and `harness.lifecycle.check` runs all of its operations or none. They are recorded `n/a`
+with the reason (`not_applicable`).
+
+`get(name)` makes a system; `NAMES` lists them. Nothing here holds state between calls: a
+System is frozen, and `apply` changes only the model it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import fusion
+from fusion.report import FusionReport
+
+DEFAULT = "fusion"
+NAMES = ("fusion", "inductor", "inductor-freezing")
+"""Every system `get` makes; the first is the default."""
+
+FUSION_TIMEOUT = 120.0
+"""Seconds one architecture may take in a sweep of `fusion` (build, fuse, three forwards and
+the quick lifecycle checks take a few seconds on a 2-core CPU)."""
+
+INDUCTOR_TIMEOUT = 600.0
+"""Seconds one architecture may take in a sweep of an Inductor system: a tiny model's first
+compile measured 13-42 s on a loaded 2-core CPU (gpt2 13 s, llama 42 s including Inductor's
+one-time start-up), more for deep MoE models whose experts loop unrolls."""
+
+
+class UnknownSystem(ValueError):
+    """A system name that `get` does not know; the message lists the known ones."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `System.apply` returns: the model to judge (the argument itself, changed in
+    place) and the fusion report when the system is our engine (None otherwise)."""
+
+    model: nn.Module
+    report: FusionReport | None = None
+
+
+@dataclass(frozen=True)
+class System:
+    """One system under test: how to apply it and how the harness records its outcomes."""
+
+    name: str
+    description: str
+    apply: Callable[[nn.Module], Prepared]
+    """Apply the system to a model (in place) and return the model to run."""
+    note: Callable[[], str]
+    """After the forwards: what the system can say about what it did, beyond a
+    FusionReport ("" when nothing): Inductor's graph and graph-break counts."""
+    lifecycle: bool
+    """Whether the lifecycle checks (harness.lifecycle) apply; when not, each operation is
+    recorded `n/a` with `not_applicable(...)` as the reason."""
+    golden: bool
+    """Whether golden plans (harness.plans) describe this system's results."""
+    apply_status: str
+    """Result status (and failure kind) when `apply` raises."""
+    forward_status: str
+    """Result status when the applied model's forward raises where the eager one runs."""
+    forward_kind: str
+    """Failure kind recorded for that forward error (harness.repro.KINDS)."""
+    timeout: float
+    """Default seconds per architecture in a sweep."""
+
+
+def not_applicable(system: System) -> str:
+    """The detail of a lifecycle verdict recorded `n/a` because `system` has no such check."""
+    return f"not applicable to system {system.name}"
+
+
+def get(name: str = DEFAULT, *, fuse: Callable[[nn.Module], Any] | None = None) -> System:
+    """The system called `name`; UnknownSystem (listing NAMES) for any other name.
+
+    `fuse` replaces `fusion.fuse` for the `fusion` system (tests inject faults with it); it
+    is a ValueError for any other system, which would silently ignore it.
+    """
+    if name == "fusion":
+        return _fusion(fuse)
+    if fuse is not None:
+        raise ValueError(f"a fuse function applies only to system fusion, not {name!r}")
+    if name == "inductor":
+        return _inductor("inductor", {}, "torch.compile, default Inductor, of the unfused model")
+    if name == "inductor-freezing":
+        return _inductor(
+            "inductor-freezing",
+            {"freezing": True},
+            "torch.compile, Inductor with freezing (weights folded as constants), inference "
+            "under torch.no_grad",
+        )
+    raise UnknownSystem(f"unknown system {name!r}; known systems: {', '.join(NAMES)}")
+
+
+def _fusion(fuse: Callable[[nn.Module], Any] | None) -> System:
+    def apply(model: nn.Module) -> Prepared:
+        # fusion.fuse looked up at call time, so a patched fusion.fuse is the one used.
+        report = fusion.fuse(model) if fuse is None else fuse(model)
+        return Prepared(model, report)
+
+    return System(
+        name="fusion",
+        description="fusion.fuse (this project's engine), in place",
+        apply=apply,
+        note=_no_note,
+        lifecycle=True,
+        golden=True,
+        apply_status="fuse-error",
+        forward_status="fused-error",
+        forward_kind="fused-forward-error",
+        timeout=FUSION_TIMEOUT,
+    )
+
+
+def _no_note() -> str:
+    """Nothing beyond the FusionReport, which the result records field by field."""
+    return ""
+
+
+def _inductor(name: str, options: dict[str, Any], description: str) -> System:
+    def apply(model: nn.Module) -> Prepared:
+        # A fresh Dynamo per model: a worker checks many architectures, and code objects
+        # they share (Transformers' masking and generic forwards) would otherwise reach
+        # Dynamo's recompile limit and silently run eager, judging nothing compiled.
+        torch._dynamo.reset()
+        counters.clear()
+        model.compile(backend="inductor", options=dict(options) or None)
+        return Prepared(model)
+
+    return System(
+        name=name,
+        description=description,
+        apply=apply,
+        note=compiled_note,
+        lifecycle=False,
+        golden=False,
+        apply_status="compile-error",
+        forward_status="compile-error",
+        forward_kind="compile-error",
+        timeout=INDUCTOR_TIMEOUT,
+    )
+
+
+def compiled_note() -> str:
+    """Dynamo's counts since the last `apply` of an Inductor system: "N graph(s), M graph
+    break(s)" and the most frequent break reason. Read from Dynamo's process-wide counters,
+    which `apply` clears, so it describes the model compiled last."""
+    graphs = counters["stats"].get("unique_graphs", 0)
+    breaks = counters["graph_break"]
+    text = f"compiled: {graphs} graph(s), {sum(breaks.values())} graph break(s)"
+    if breaks:
+        reason, count = breaks.most_common(1)[0]
+        first = reason.strip().splitlines()[0] if reason.strip() else "?"
+        text += f", most often ({count}x): {first[:120]}"
+    return text

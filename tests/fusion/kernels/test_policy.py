@@ -1,0 +1,135 @@
+"""The kernel policy: measured choices, modes, backend restrictions (no timing here: the
+tables are written by hand; `test_calibration.py` tests the measuring)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion.kernels import native_gemm, policy
+from fusion.kernels.calibration import Entry, Ratio, Table
+from fusion.kernels.policy import POLICY, allowed, row_bucket
+
+SHAPE = (64, 32, 32, 128)
+
+
+def entry(op: str, shape: tuple[int, ...], rows: int, **ratios: Ratio) -> Entry:
+    return Entry(
+        op=op,
+        shape=shape,
+        dtype="float32",
+        rows=row_bucket(rows),
+        threads=torch.get_num_threads(),
+        median_us={"reference": 100.0, **{k: 100.0 / r.median for k, r in ratios.items()}},
+        ratios=dict(ratios),
+        rounds=9,
+        native_build=native_gemm.build_id() if "native" in ratios else "",
+    )
+
+
+def table(*entries: Entry) -> Table:
+    out = Table("test")
+    for e in entries:
+        out.add(e)
+    return out
+
+
+WIN = Ratio(1.4, 1.2, 1.6)
+NOISE = Ratio(1.02, 0.97, 1.08)  # faster on average, within noise: not a win
+LOSS = Ratio(0.6, 0.5, 0.7)
+
+
+@pytest.mark.parametrize(
+    ("rows", "bucket"), [(0, 0), (1, 1), (2, 2), (3, 4), (16, 16), (17, 32), (512, 512), (513, 0)]
+)
+def test_row_buckets(rows: int, bucket: int) -> None:
+    assert row_bucket(rows) == bucket
+
+
+def test_backends_restrict_the_kernels() -> None:
+    assert allowed("stacked", "torch") == ("reference", "stacked")
+    assert allowed("linear", "torch") == ("reference",)
+    assert allowed("experts", "torch") == ("reference",)
+    assert allowed("linear", "native") == ("native",)
+    assert allowed("linear", "onednn") == ("onednn-row",)
+    assert allowed("stacked", "auto") == policy.OPS["stacked"]
+
+
+def test_nothing_measured_runs_the_reference() -> None:
+    assert POLICY.mode == "measured"
+    for op in policy.OPS:
+        assert POLICY.choose(op, SHAPE, "float32", 16, "auto") == ()
+
+
+def test_a_measured_winner_runs_only_where_allowed_and_measured() -> None:
+    POLICY.set_table(
+        table(
+            entry("stacked", SHAPE, 16, stacked=WIN, native=Ratio(1.8, 1.5, 2.0)),
+            entry("stacked", SHAPE, 1, stacked=NOISE, native=LOSS),
+        )
+    )
+    assert POLICY.choose("stacked", SHAPE, "float32", 16, "auto") == ("native",)
+    assert POLICY.choose("stacked", SHAPE, "float32", 9, "auto") == ("native",)  # bucket 16
+    assert POLICY.choose("stacked", SHAPE, "float32", 16, "torch") == ("stacked",)
+    assert POLICY.choose("stacked", SHAPE, "float32", 1, "auto") == ()  # noise is no win
+    assert POLICY.choose("stacked", SHAPE, "float32", 32, "auto") == ()  # not measured
+    assert POLICY.choose("stacked", SHAPE, "bfloat16", 16, "auto") == ()
+    assert POLICY.choose("stacked", (1, 2, 3), "float32", 16, "auto") == ()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(previous + 1)
+    try:
+        assert POLICY.choose("stacked", SHAPE, "float32", 16, "auto") == ()  # other threads
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_native_measurement_of_another_build_is_not_used() -> None:
+    stale = entry("linear", (64, 128), 16, native=WIN)
+    POLICY.set_table(table(Entry(**{**stale.__dict__, "native_build": "another.so"})))
+    assert POLICY.choose("linear", (64, 128), "float32", 16, "auto") == ()
+    kernel, why = POLICY.explain("linear", (64, 128), "float32", 16, "auto")
+    assert kernel == "reference" and "another kernel build" in why
+
+
+def test_modes_and_pins() -> None:
+    POLICY.set_table(table(entry("linear", (64, 128), 16, native=LOSS)))
+    assert POLICY.choose("linear", (64, 128), "float32", 16, "auto") == ()
+    assert POLICY.choose("linear", (64, 128), "float32", 16, "native") == ("native",)
+    assert POLICY.choose("linear", (64, 128), "float32", 16, "torch") == ()
+    with POLICY.override("eligible"):
+        assert (
+            POLICY.choose("linear", (64, 128), "float32", 16, "auto") == policy.ELIGIBLE["linear"]
+        )
+        assert POLICY.choose("linear", (64, 128), "float32", 16, "torch") == ()
+    POLICY.set_table(table(entry("linear", (64, 128), 16, native=WIN)))
+    with POLICY.override("reference"):
+        assert POLICY.choose("linear", (64, 128), "float32", 16, "auto") == ()
+    assert POLICY.choose("linear", (64, 128), "float32", 16, "auto") == ("native",)
+
+
+def test_mode_from_the_environment(monkeypatch) -> None:
+    POLICY.reset()
+    monkeypatch.setenv(policy.MODE_ENV, "reference")
+    assert POLICY.mode == "reference"
+    POLICY.reset()
+    monkeypatch.setenv(policy.MODE_ENV, "fastest")
+    with pytest.raises(ValueError, match="FUSION_KERNELS='fastest': expected one of measured"):
+        POLICY.mode  # noqa: B018
+    with pytest.raises(ValueError, match="unknown kernel policy mode"):
+        POLICY.use("fastest")
+
+
+def test_asked_records_what_had_a_choice() -> None:
+    POLICY.choose("stacked", SHAPE, "float32", 5, "auto")
+    POLICY.choose("linear", (64, 128), "float32", 1, "torch")  # nothing to choose
+    POLICY.choose("linear", (64, 128), "float32", 600, "auto")  # past every bucket
+    threads = torch.get_num_threads()
+    assert POLICY.asked == {("stacked", SHAPE, "float32", 8, threads)}
+
+
+def test_explain_names_the_reason() -> None:
+    assert "not measured" in POLICY.explain("linear", (64, 128), "float32", 1, "auto")[1]
+    assert "pins native" in POLICY.explain("linear", (64, 128), "float32", 1, "native")[1]
+    POLICY.set_table(table(entry("linear", (64, 128), 1, native=WIN)))
+    kernel, why = POLICY.explain("linear", (64, 128), "float32", 1, "auto")
+    assert kernel == "native" and "native 1.40x [1.20-1.60]" in why and "fastest" in why
