@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from fusion import apply, kernels
 from fusion.errors import RewriteRefused
-from fusion.kernels import available_backends
+from fusion.kernels import available_backends, ops
 from fusion.report import Applied, FusionReport, Skipped
 from fusion.tuning import calibrate, kernel_choices
 
@@ -39,9 +40,6 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
     raises for a model it cannot fuse; raises TypeError if `model` is not an nn.Module,
     ValueError for an unknown backend or one that cannot run on the model's devices.
     """
-    from fusion import apply, kernels
-    from fusion.kernels import ops
-
     devices = set()
     if isinstance(model, nn.Module):
         devices = {t.device for t in (*model.parameters(), *model.buffers())} or {"cpu"}
@@ -65,6 +63,4 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
 def plan(model: nn.Module) -> FusionReport:
     """What `fuse` would do to `model`, without changing it (matching, rewriting and
     per-instance validation all run; nothing is installed)."""
-    from fusion import apply
-
     return apply.run(model, dry_run=True)

@@ -171,6 +171,7 @@ def check_model(
             "applied": dict(report.counts()),
             "applied_by_class": count_by_class(report.applied),
             "refusals": group_refusals(report.skipped),
+            "kernels": [str(choice) for choice in getattr(report, "kernels", ())],
         }
 
     runs = _Forwards()

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fusion.kernels import policy
 from harness import architectures, check, systems
 from harness.results import ArchResult, Failure, json_safe
 
@@ -85,7 +86,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
 }
 """Every bundle.json field and the JSON types it may hold; replay checks each one."""
 
-OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"system": (str,)}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"system": (str,), "machine": (dict,)}
 """Fields a bundle may lack (written before they existed), with their JSON types: `system`,
 the system under test (harness.systems), is "fusion" when absent."""
 
@@ -251,6 +252,7 @@ def bundle_fields(failure: Failure, subject: check.Subject) -> dict[str, Any]:
         "observed": json_safe(failure.observed),
         "signature": failure.signature,
         "system": options.system,
+        "machine": policy.describe(),
     }
 
 
@@ -634,11 +636,23 @@ def _error(message: str) -> int:
 
 
 def version_notes(bundle: Bundle) -> list[str]:
-    """One line per library whose version differs from the one that wrote the bundle."""
+    """One line per library whose version differs from the one that wrote the bundle, and
+    one per kernel-deciding fact (CPU, ATen capability, native kernel, policy, table) that
+    differs: the replay may then run other kernels than the failing run did."""
     now = versions()
     recorded = bundle["versions"]
-    return [
+    notes = [
         f"bundle written with {lib} {recorded[lib]}, replaying with {now[lib]}"
         for lib in ("torch", "transformers")
         if lib in recorded and recorded[lib] != now[lib]
     ]
+    machine = bundle.fields.get("machine")
+    if isinstance(machine, dict):
+        here = policy.describe()
+        notes += [
+            f"bundle recorded {key} {machine[key]!r}, replaying with {here[key]!r}: the "
+            "replay may take other kernels"
+            for key in ("cpu", "capability", "native", "policy", "table")
+            if key in machine and machine[key] != here.get(key)
+        ]
+    return notes

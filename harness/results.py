@@ -138,6 +138,12 @@ class ArchResult:
     """{operation: {"verdict": "pass"|"fail"|"n/a", "detail": str}} of the lifecycle checks
     (empty when none ran)."""
     versions: dict[str, str] = field(default_factory=dict)
+    kernels: list[str] = field(default_factory=list)
+    """Which kernel each fused product runs on this machine at decode and prefill sizes,
+    and why (`fusion.FusionReport.kernels`, one line per distinct product)."""
+    machine: dict[str, str] = field(default_factory=dict)
+    """What decided those kernels: CPU, ATen capability, native kernel status, kernel policy
+    mode and calibration table (`fusion.kernels.policy.describe`)."""
     """{"transformers": ..., "torch": ...} of the process that judged it (stamped by the sweep;
     empty in records written before it was, or made outside a sweep): `merge` refuses to mix
     results of different versions, and `report` picks the golden line by it."""
@@ -352,6 +358,8 @@ _RESULT: dict[str, Callable[[str, Any], Any]] = {
     ),
     "lifecycle": lambda w, v: _mapping(w, v, _lifecycle_entry),
     "versions": lambda w, v: _mapping(w, v, _string),
+    "kernels": lambda w, v: _array(w, v, _string),
+    "machine": lambda w, v: _mapping(w, v, _string),
     "system": _string,
 }
 _RESULT_REQUIRED = ("architecture", "status", "dtype", "device", "seed", "seconds")

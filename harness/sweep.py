@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fusion.kernels import policy
 from harness import architectures, check, plans, pool, repro, systems
 from harness.results import ArchResult, ResultsError, ResultsWriter, from_dict
 
@@ -203,10 +204,13 @@ def sweep(
         )
         unwritten = 0
         stamp = plans.versions()  # every record says what judged it (merge checks it)
+        machine = policy.describe()  # ...and what chose its kernels
         try:
             with contextlib.closing(outcomes):
                 for outcome in outcomes:
-                    result = dataclasses.replace(result_of(outcome, options.check), versions=stamp)
+                    result = dataclasses.replace(
+                        result_of(outcome, options.check), versions=stamp, machine=machine
+                    )
                     if write_error is None:
                         try:
                             writer.write(result)

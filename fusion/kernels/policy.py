@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusion.kernels import native_gemm
-from fusion.kernels.calibration import Entry, Table, load_table
+from fusion.kernels.calibration import Entry, Table, load_table, machine
 
 MODES = ("measured", "reference", "eligible")
 MODE_ENV = "FUSION_KERNELS"
@@ -217,6 +217,18 @@ def _best(entry: Entry, kernels: tuple[str, ...]) -> str:
     if best == "native" and entry.native_build != native_gemm.build_id():
         best = entry.best(tuple(k for k in kernels if k != "native"))
     return best
+
+
+def describe() -> dict[str, str]:
+    """What decides the kernels of this process, as strings for a result line or a repro
+    bundle: the machine's calibration key fields (`calibration.machine`), the native
+    kernel's status, the policy mode and the table in use (key, measured entries)."""
+    info = dict(machine())
+    info["native"] = native_gemm.status()
+    info["policy"] = POLICY.mode
+    table = POLICY.table
+    info["table"] = f"{table.key} ({len(table.entries)} measured)"
+    return info
 
 
 POLICY = KernelPolicy()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from fusion import kernels
 from fusion.kernels import torch_ref
 
 _VLLM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,8 +80,6 @@ class VllmKernels:
         return torch.device(device).type == "cuda"
 
     def _fallback(self, device: torch.device):
-        from fusion import kernels
-
         try:
             return kernels.get("triton", device)
         except ValueError:

@@ -350,10 +350,14 @@ def _model_case(
     name: str,
     *,
     compiled: bool = False,
+    calibrate: bool = False,
 ) -> Case:
     """A slice of a real model (real widths, random weights, small vocabulary since only the
     decoder stack is timed): the unfused decoder forward vs the fused one, and with
-    `compiled` both under `torch.compile` too (compiled before timing: minutes on a CPU)."""
+    `compiled` both under `torch.compile` too (compiled before timing: minutes on a CPU).
+    `calibrate`: measure the fused model's kernels at this token count first
+    (`fusion.calibrate`, cached per machine), so "fused" times what `fusion.fuse` gives a
+    user of this machine; without it, whatever this machine's table already holds."""
 
     def make() -> dict[str, Callable[[], Any]]:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -366,6 +370,8 @@ def _model_case(
             model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         fused = copy.deepcopy(model)
         report = fusion.fuse(fused)
+        if calibrate and report.applied:
+            fusion.calibrate(fused, tokens=(tokens,))
         ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
 
         def forward(m: torch.nn.Module) -> Callable[[], Any]:
@@ -456,12 +462,22 @@ def end_to_end_cases(
     *,
     compiled: bool = False,
     tokens: Sequence[int] | None = None,
+    calibrate: bool = False,
 ) -> list[Case]:
     """One case per `END_TO_END` model and token count: unfused vs fused decoder forward
-    (plus both under `torch.compile` with `compiled`)."""
+    (plus both under `torch.compile` with `compiled`; `calibrate`: see `_model_case`)."""
     common = dict(vocab_size=1024, max_position_embeddings=8192)
     return [
-        _model_case(arch, {**common, **config}, t, dtype, device, name, compiled=compiled)
+        _model_case(
+            arch,
+            {**common, **config},
+            t,
+            dtype,
+            device,
+            name,
+            compiled=compiled,
+            calibrate=calibrate,
+        )
         for name, arch, config in END_TO_END
         for t in (tuple(tokens) if tokens else END_TO_END_TOKENS)
     ]
@@ -474,6 +490,7 @@ def model_cases(
     full: bool = False,
     models: Sequence[str] = MODELS,
     tokens: Sequence[int] | None = None,
+    calibrate: bool = False,
 ) -> list[Case]:
     """Per-model cases: a Llama-shaped and a Qwen3-MoE-shaped 2-layer slice. Full grid: both
     Llama widths, Qwen3-30B-A3B's 128 experts, every token count; reduced (default): Llama-1B
@@ -492,7 +509,11 @@ def model_cases(
                 head_dim=q // 32,
             )
             for t in token_grid:
-                cases.append(_model_case("llama", kwargs, t, dtype, device, f"{name}-2L"))
+                cases.append(
+                    _model_case(
+                        "llama", kwargs, t, dtype, device, f"{name}-2L", calibrate=calibrate
+                    )
+                )
     if "model_qwen3_moe" in models:
         experts = 128 if full else 64
         kwargs = dict(
@@ -509,7 +530,8 @@ def model_cases(
             mlp_only_layers=[],
         )
         for t in token_grid:
+            name = f"30b-a3b-E{experts}-2L"
             cases.append(
-                _model_case("qwen3_moe", kwargs, t, dtype, device, f"30b-a3b-E{experts}-2L")
+                _model_case("qwen3_moe", kwargs, t, dtype, device, name, calibrate=calibrate)
             )
     return cases

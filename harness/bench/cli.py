@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 import torch
 
+from fusion.kernels import policy
 from harness.bench.cases import KERNELS, MODELS, Case, end_to_end_cases, kernel_cases, model_cases
 from harness.bench.table import Row, compiled_ratios, format_table, machine_info, run_case
 from harness.bench.timers import (
@@ -76,6 +77,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget", type=float, default=0.3, metavar="S", help="seconds per variant (default 0.3)"
     )
+    parser.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="model cases: time the fused model with this machine's calibration table as it "
+        "is (default: measure its kernels at each token count first, `fusion.calibrate`, "
+        "cached per machine, so 'fused' is what fusion.fuse gives a user here)",
+    )
     parser.add_argument("--json", type=str, default=None, metavar="FILE", help="write rows here")
     parser.add_argument(
         "--clock",
@@ -130,7 +139,9 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
         torch.set_num_threads(args.threads)
     selected = args.kernel or [*KERNELS, *MODELS]
     if args.models:
-        cases = end_to_end_cases(device, dtype, compiled=args.compile, tokens=args.tokens)
+        cases = end_to_end_cases(
+            device, dtype, compiled=args.compile, tokens=args.tokens, calibrate=args.calibrate
+        )
         return _run_and_print(cases, args, device, dtype)
     cases = kernel_cases(
         device,
@@ -144,6 +155,7 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
         full=args.full,
         models=[k for k in selected if k in MODELS],
         tokens=args.tokens,
+        calibrate=args.calibrate,
     )
     return _run_and_print(cases, args, device, dtype)
 
@@ -157,6 +169,8 @@ def _run_and_print(
     copy_bw = copy_bandwidth(device) if gpu else None
     info = machine_info(device)
     info["clock"] = args.clock
+    policy_state = policy.describe()
+    info["kernel_policy"] = f"{policy_state['policy']}, table {policy_state['table']}"
     print(
         f"bench: {len(cases)} cases on {info.get('gpu', 'cpu')} ({device}, {args.dtype or dtype}); "
         f"torch {info['torch']}, transformers {info['transformers']}, triton {info['triton']}; "

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import apply, registry
+from fusion import apply, matches, registry
 from fusion.fusers.qkv import QKVFuser
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import outputs_match
@@ -108,13 +108,13 @@ def test_replacing_fuser_installs_in_parent_and_rolls_back(monkeypatch: pytest.M
 
 def test_one_class_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    original_trace = registry.trace
+    original_trace = matches.trace
 
     def counting_trace(module):
         calls.append(type(module).__name__)
         return original_trace(module)
 
-    monkeypatch.setattr(registry, "trace", counting_trace)
+    monkeypatch.setattr(matches, "trace", counting_trace)
     registry.clear_cache()
     fusion.plan(tiny_model("llama", num_hidden_layers=4))
     registry.clear_cache()

@@ -11,6 +11,7 @@ from typing import ClassVar
 from torch import fx, nn
 
 from fusion.callpath import has_hooks, own_call_path
+from fusion.checkpoint import register_packed_experts_layout
 from fusion.errors import RewriteRefused
 from fusion.experts_modules import FusedExperts
 from fusion.fusers.base import Fuser, per_signature
@@ -223,8 +224,6 @@ class MoEFuser(Fuser):
         self.instance_match(module)
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
-        from fusion.checkpoint import register_packed_experts_layout
-
         found = self.instance_match(module)
         if isinstance(found, ExpertsMatch):
             experts = module.get_submodule(found.experts_name)

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from torch import fx, nn
 
-from fusion import bound, source
+from fusion import bound, matches, source
 from fusion.alias import check_input_stable
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
@@ -34,13 +34,11 @@ def norm_verdict(child: nn.Module | None) -> RMSNormFuser | str | None:
     This is the RMSNorm fuser's own verdict, from the registry's per-class cache, so the
     norm is proven by exactly the proof that will replace it (and is traced once per class).
     """
-    from fusion.registry import candidates  # the registry imports this fuser
-
     if type(child) is FusedRMSNorm:
         return None
     if not isinstance(child, nn.Module) or not RMSNormFuser.candidate(child):
         return NOT_A_NORM
-    found = candidates(child, (RMSNormFuser,))
+    found = matches.candidates(child, (RMSNormFuser,))
     if not found:
         return NOT_A_NORM
     verdict = found[0]

@@ -1,0 +1,112 @@
+"""The per-class cache of fuser matches: which fusers matched a module class, or why not.
+
+Kept apart from the registry (which lists the fusers) so that a fuser can ask another
+fuser's verdict on a child (`residual_norm` asks the RMSNorm fuser's) without importing the
+registry that imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fusion.callpath import has_hooks, own_call_path
+from fusion.errors import RewriteRefused
+from fusion.fusers.base import Fuser
+from fusion.trace import trace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One fuser's verdict on one module class: a ready fuser, or the reason it refused."""
+
+    fuser_name: str
+    fuser: Fuser | None
+    reason: str | None
+    redefines_forward: bool = True
+
+
+CacheKey = tuple
+
+
+@dataclass
+class MatchCache:
+    """Explicit cache: (`cache_key(module)`, fusers) -> the candidates for that class and
+    child layout. `clear()` forgets every match (tests and fuzzers that generate many
+    classes)."""
+
+    entries: dict[tuple, tuple[Candidate, ...]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+CACHE = MatchCache()
+"""The process's one match cache."""
+
+
+def cache_key(module: nn.Module) -> CacheKey:
+    """The class, and for each child its name, exact type, `inplace` flag, `max_norm`
+    (`nn.Embedding` renormalises its own weight in place when set), whether it carries
+    hooks, a call path of its own, or an instance-level `forward`.
+
+    Matching reads the forward (per class) and asks of each child whether calling it can
+    write its input or state (its type, `inplace=True`, `max_norm`, hooks, what runs instead
+    of the class forward), so all of that is in the key: two instances share a cached
+    verdict only if the analysis would say the same of both. Widths, biases, dtypes and
+    devices vary per instance and are checked by `validate`.
+    """
+    return (
+        type(module),
+        tuple(
+            (
+                name,
+                type(child),
+                getattr(child, "inplace", None),
+                getattr(child, "max_norm", None),
+                has_hooks(child) is not None,
+                own_call_path(child),
+                "forward" in child.__dict__,
+            )
+            for name, child in module.named_children()
+        ),
+    )
+
+
+def candidates(module: nn.Module, fusers: tuple[type[Fuser], ...]) -> tuple[Candidate, ...]:
+    """Every fuser that matched `module`'s class (or refused it with a reason), in priority
+    order; traced at most once per cache key."""
+    key = (cache_key(module), fusers)
+    if key in CACHE.entries:
+        return CACHE.entries[key]
+    interested = [cls for cls in fusers if cls.candidate(module)]
+    result: list[Candidate] = []
+    if interested:
+        graph = trace(module)
+        for cls in interested:
+            try:
+                fuser = cls.match(graph, module)
+            except RewriteRefused as exc:
+                result.append(Candidate(cls.name, None, str(exc), cls.redefines_forward))
+                continue
+            except Exception as exc:  # a matcher bug must not take the whole pass down
+                logger.debug(
+                    "%s.match raised on %s", cls.__name__, type(module).__name__, exc_info=True
+                )
+                result.append(
+                    Candidate(
+                        cls.name,
+                        None,
+                        f"matcher error: {type(exc).__name__}: {exc}",
+                        cls.redefines_forward,
+                    )
+                )
+                continue
+            if fuser is not None:
+                result.append(Candidate(cls.name, fuser, None, cls.redefines_forward))
+    CACHE.entries[key] = tuple(result)
+    return CACHE.entries[key]
