@@ -6,8 +6,11 @@
     fusion-harness show   the fusion plan of one architecture and the diff of every rewrite
     fusion-harness repro  replay a repro bundle (exit 1 if the failure reproduces)
     fusion-harness bench  fused vs unfused timings (harness.bench)
+    fusion-harness perf   performance verdict per architecture at real widths (harness.perf;
+                          also `run --perf`): exit 1 if fused is measurably slower
     fusion-harness report a results file as Markdown for a reviewer (harness.report_md)
     fusion-harness merge  shards' results files (run --shard K/N) into one (harness.shard)
+    fusion-harness check  your own model: a local checkpoint or config.json (harness.own_model)
 
 Exit status: 0 success; 1 a fusion failure (run, merge: parity of the logits, a fused module
 or a lifecycle operation, a fused-only error, a fuse error, a crashed or timed-out worker) or a
@@ -104,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(commands)
     _add_other_parsers(commands)
     _add_results_parsers(commands)
+    _add_check_parser(commands)
     return parser
 
 
@@ -123,6 +127,12 @@ def _add_run_parser(commands: Any) -> None:
     )
     _add_arch_option(run)
     _add_model_options(run)
+    run.add_argument(
+        "--perf",
+        action="store_true",
+        help="the performance verdict instead of the parity sweep: the same as "
+        "`fusion-harness perf` with the other options (see `fusion-harness perf --help`)",
+    )
     run.add_argument(
         "-j",
         "--jobs",
@@ -269,6 +279,11 @@ def _add_other_parsers(commands: Any) -> None:
         help="measure which kernels are faster on this machine",
         description="see `fusion-harness calibrate --help`",
     )
+    commands.add_parser(
+        "perf",
+        help="performance verdict per architecture (fused vs unfused at real widths)",
+        description="see `fusion-harness perf --help`",
+    )
 
 
 def _add_results_parsers(commands: Any) -> None:
@@ -341,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:
             return _bench(argv[1:])
+        if argv[:1] == ["perf"] or (argv[:1] == ["run"] and "--perf" in argv):
+            from harness import perf  # imports torch: only for this command
+
+            return perf.main([a for a in argv[1:] if a != "--perf"])
         if argv[:1] == ["calibrate"]:
             from harness import calibration  # imports torch: only for this command
 
@@ -383,6 +402,10 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
         from harness import shard
 
         errors.append(shard.ShardError)
+    if "harness.own_model" in sys.modules:
+        from harness import own_model
+
+        errors.append(own_model.OwnModelError)
     return tuple(errors)
 
 
@@ -766,6 +789,110 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"\n### {record}")
         print(repro.source_files([record])["forward.diff"] or "(rewritten source is identical)")
     return 0
+
+
+def _add_check_parser(commands: Any) -> None:
+    """The `check` subcommand: one local model (harness.own_model)."""
+    own = commands.add_parser(
+        "check",
+        help="your own model: a local checkpoint or config.json",
+        description="Check a model of your own with the oracles the sweep runs on the corpus: "
+        "the fusion plan, fused vs unfused parity against a float64 reference, the lifecycle "
+        "checks and a repro bundle for each failure. PATH is a local directory written by "
+        "save_pretrained (config.json + safetensors) or a config.json file; nothing is ever "
+        "downloaded, and a config naming custom code (auto_map, trust_remote_code) is refused. "
+        "With --tiny the config is shrunk by the corpus's rules and the weights are random "
+        "(seconds); without it the model runs at its real size with the checkpoint's weights "
+        "(random ones for a bare config), after a memory estimate that refuses what would not "
+        "fit. Exit status: 0 green (inconclusive included); 1 a fusion failure; 3 the unfused "
+        "model could not be built or run (1 with --strict-corpus); 2 bad usage or a refused "
+        "PATH; 130 interrupted.",
+    )
+    own.add_argument("path", metavar="PATH", help="checkpoint directory or config.json")
+    _add_model_options(own)
+    own.add_argument(
+        "--tiny",
+        action="store_true",
+        help="shrink the config with the corpus's rules and use seeded random weights",
+    )
+    own.add_argument(
+        "--force",
+        action="store_true",
+        help="run even when the memory estimate exceeds the available memory",
+    )
+    own.add_argument(
+        "--lifecycle",
+        choices=("off", "quick", "full"),
+        default="quick",
+        help="lifecycle parity after the forward verdict (as `run`): 'quick' (default) every "
+        "operation but torch.compile, 'full' torch.compile too, 'off' none",
+    )
+    own.add_argument("--json", type=Path, metavar="FILE", help="write the result record here")
+    own.add_argument(
+        "--repro-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"where repro bundles of failures go (default {DEFAULT_REPRO_DIR})",
+    )
+    _add_gate_option(own)
+    own.set_defaults(handler=cmd_check)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`fusion-harness check PATH`: validate PATH, print the model and the memory estimate
+    (refusing what would not fit unless --force), check it as `run` checks an architecture,
+    write --json, print the plan and `run`'s table; returns `run`'s exit status for the one
+    result. Outputs are probed first; a refused PATH is a usage error (2)."""
+    if args.json is not None:
+        _probe_file(args.json, "--json")
+    repro_dir = _repro_dir(args)
+
+    from harness import own_model, summary
+
+    options = dataclasses.replace(
+        _check_options(args), lifecycle="all" if args.lifecycle == "full" else args.lifecycle
+    )
+    prepared = own_model.prepare(args.path, tiny=args.tiny)
+    print(f"checking {prepared.source.path}: {prepared.describe()}", flush=True)
+    estimate = None
+    if prepared.parameters is not None:
+        estimate = own_model.estimate_memory(prepared.parameters, options.dtype, options.lifecycle)
+    available = own_model.available_memory(options.device)
+    print(own_model.check_memory(estimate, available, force=args.force), flush=True)
+    outcome = own_model.run_check(prepared, options, repro_dir=repro_dir)
+    results = [outcome.result]
+    verdict = summary.exit_status(results, strict_corpus=args.strict_corpus)
+    status = verdict
+    if args.json:
+        document = summary.json_document(
+            results,
+            options={**vars(options), "source": own_model.source_options(prepared)},
+            wall=outcome.result.seconds,
+            interrupted=False,
+            status=status,
+        )
+        try:
+            _write_text(args.json, json.dumps(document, indent=1, allow_nan=False) + "\n")
+        except OSError as exc:
+            _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
+            status = status or EXIT_USAGE
+    try:
+        plan = own_model.format_plan(outcome.result)
+        print(f"{plan}\n" if plan else "", end="")
+        print(summary.format_table(results))
+        problems = summary.format_problems(results)
+        if problems:
+            print("\n" + problems)
+        print("\n" + summary.format_totals(summary.totals(results)))
+        for note in outcome.notes:
+            print(f"note: {note}")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_closed()
+    if summary.explain_exit(verdict, results):
+        print(summary.explain_exit(verdict, results), file=sys.stderr)
+    return status
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
