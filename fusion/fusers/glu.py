@@ -240,6 +240,11 @@ class GLUFuser(Fuser):
     """A gated MLP's gate/up projections and activation-times-up product."""
 
     moves_parameters: ClassVar[bool] = True
+    changes_layout: ClassVar[bool] = False
+    """The merged children stay in place with their own Parameters (views of the stacked
+    weight), so a tensor-parallel plan keeps naming what exists; applying it puts hooks and
+    DTensor Parameters on those children, which the rewritten forward's guards see (it then
+    runs the original forward, so the plan's sharding computes as on the unfused model)."""
 
     name: ClassVar[str] = "glu"
     gate: str = ""

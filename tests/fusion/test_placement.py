@@ -79,13 +79,43 @@ def test_fused_model_plan_names_only_what_exists() -> None:
         assert plan, "the plan keeps what fusion left alone"
         prefix = "model." if owner is model.model else ""
         assert all(f"{prefix}{key}" in names for key in plan), plan
-    assert model.tp_plan == {
-        k: v for k, v in unfused_plan.items() if ".self_attn." not in k and ".mlp." not in k
-    }
+    # Qwen3's attention holds q_norm / k_norm, replaced by FusedRMSNorm (a layout change):
+    # its block goes; merged projections (qkv, glu) and the residual_norm rewrite keep
+    # every child in place, guarded, so the MLP's entries stay.
+    assert model.tp_plan == {k: v for k, v in unfused_plan.items() if ".self_attn." not in k}
+    assert any(".mlp." in k for k in model.tp_plan)
     # the class and config plans (shared with every unfused model) are untouched
     assert type(model)._tp_plan == {"lm_head": "colwise_gather_output"}
     assert "layers.*.self_attn.q_proj" in model.config.base_model_tp_plan
     assert tiny_model("qwen3").tp_plan == unfused_plan
+
+
+def test_merging_keeps_the_plan_and_a_plan_applied_later_meets_the_guards() -> None:
+    """Llama (no norms inside its blocks): fusing merges q/k/v and gate/up but keeps every
+    plan entry, since the merged children stay; hooks a plan would put on one of them make
+    the rewritten forward fall back, so the result is the unfused model's."""
+    model = tiny_model("llama")
+    unfused_plan = dict(model.tp_plan)
+    reference = tiny_model("llama")
+    report = fusion.fuse(model)
+    assert report.counts()["qkv"] == 2 and report.counts()["glu"] == 2
+    assert model.tp_plan == unfused_plan
+    names = _plan_names(model)
+    assert all(key in names for key in model.tp_plan)
+    attention = model.model.layers[0].self_attn
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    for child in (attention.q_proj, model.model.layers[0].mlp.up_proj):
+        # a colwise-style output hook, as a plan's would be: doubles the projection
+        handle = child.register_forward_hook(lambda m, args, out: out * 2)
+        theirs = getattr(
+            reference.model.layers[0], "self_attn" if child is attention.q_proj else "mlp"
+        )
+        twin = getattr(theirs, "q_proj" if child is attention.q_proj else "up_proj")
+        twin_handle = twin.register_forward_hook(lambda m, args, out: out * 2)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+        handle.remove()
+        twin_handle.remove()
 
 
 class _Recorder:

@@ -142,6 +142,10 @@ class ResidualNormFuser(Fuser):
 
     name: ClassVar[str] = "residual_norm"
     redefines_forward: ClassVar[bool] = True
+    changes_layout: ClassVar[bool] = False
+    """Only the layer's forward changes: every child stays and is called as before, but the
+    norms it adds into, whose hooks and call paths the runtime checks on every call (a
+    tensor-parallel plan's hooks make it call the norm as the original forward did)."""
 
     norms: tuple[str, ...] = ()
     refused: tuple[Refused, ...] = ()
