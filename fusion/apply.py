@@ -153,6 +153,9 @@ def run(
                 if cls.candidate(module) and cls.applies_to(module)
             )
             continue
+        wrapped = placement.adapter_refusal(module)
+        if wrapped is not None:
+            report.skipped.append(Skipped(qualname, None, cls_name, wrapped))
         found = registry.candidates(module, chosen_fusers)
         redefined = False
         for candidate in found:

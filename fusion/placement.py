@@ -8,6 +8,10 @@ ours, and what fusion does about each:
   would need per-rank slices of q, of k and of v (a plain column split of the merged weight
   hands rank 0 all of q), and fused kernels would bypass the plan's hooks. So every module
   holding a DTensor parameter or buffer is refused, with that reason (`placement_refusal`).
+- **adapters** (PEFT's LoRA and its kin): a projection wrapped by an adapter layer (a child
+  holding the linear as `base_layer`) computes the linear plus the adapter's low-rank path,
+  so it is not a plain linear and is never merged; `adapter_refusal` says so in the report,
+  naming the children, instead of leaving the module without a reason.
 - **accelerate dispatch** (`device_map=...`, offloading): `_hf_hook`s on modules move
   inputs and load offloaded weights just before each forward. A fused forward would skip
   the hooks of the children it merged, so modules carrying such a hook anywhere in their
@@ -139,3 +143,24 @@ def prune_model_plans(model: nn.Module, fused_qualnames: Iterable[str]) -> None:
             start = f"{wildcard(prefix)}." if prefix else ""
             inside = [f[len(start) :] for f in fused if f.startswith(start) or not start]
             setattr(owner, attr, prune_plan(plan, inside))
+
+
+def adapter_refusal(module: nn.Module) -> str | None:
+    """Why `module`'s adapter-wrapped projections are not merged, or None when no direct
+    child is one: a child that is not itself an `nn.Linear` but holds an `nn.Linear` as its
+    `base_layer` (how PEFT's LoRA, DoRA, IA3 and similar layers wrap a projection). Such a
+    child computes more than its linear, so no stacking fuser may treat it as one (they
+    only take exact `nn.Linear`s): this only adds the reason to the report."""
+    wrapped = [
+        f"{name} ({type(child).__module__}.{type(child).__qualname__})"
+        for name, child in module.named_children()
+        if type(child) is not nn.Linear
+        and isinstance(getattr(child, "base_layer", None), nn.Linear)
+    ]
+    if not wrapped:
+        return None
+    return (
+        f"adapter-wrapped projections are not merged: {', '.join(wrapped)}; apply adapters "
+        "after fusing (the original projections stay in place for them) or merge them into "
+        "the weights first (merge_and_unload)"
+    )

@@ -266,3 +266,29 @@ def test_device_map_offload_fused_or_refused(tmp_path: Path) -> None:
     assert dict(dispatched.named_modules()) == before
     with torch.no_grad():
         torch.testing.assert_close(dispatched(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_lora_before_fusing_is_refused_with_the_reason() -> None:
+    """PEFT LoRA applied first wraps q_proj / v_proj: the attention is not merged, the report
+    says why (naming the wrapped children), and the fused model computes the LoRA model's
+    logits (the MLP and norms still fuse)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_model("llama"), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4)
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # LoRA starts at zero: make the adapter change the function
+            torch.nn.init.normal_(param, std=0.1)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    report = fusion.fuse(model)
+    assert "qkv" not in report.counts() and report.counts()["glu"] == 2
+    reasons = [s.reason for s in report.skipped if s.qualname.endswith("layers.0.self_attn")]
+    assert any(
+        "adapter-wrapped projections are not merged: q_proj (peft.tuners.lora" in r
+        and "v_proj" in r
+        for r in reasons
+    ), reasons
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected)
