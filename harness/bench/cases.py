@@ -38,7 +38,7 @@ MOE_SHAPES = (
 KERNELS = ("rmsnorm_llama", "rmsnorm_gemma", "act_and_mul", "qkv", "gate_up", "moe")
 
 
-MODELS = ("model_llama", "model_qwen3_moe")
+MODELS = ("model_llama", "model_qwen3", "model_qwen3_moe")
 
 
 UNFUSED = "unfused"
@@ -492,7 +492,8 @@ def model_cases(
     tokens: Sequence[int] | None = None,
     calibrate: bool = False,
 ) -> list[Case]:
-    """Per-model cases: a Llama-shaped and a Qwen3-MoE-shaped 2-layer slice. Full grid: both
+    """Per-model cases: a Llama-shaped and a Qwen3-MoE-shaped 2-layer slice, and the Qwen3-0.6B
+    slice of `END_TO_END` (4 layers, every grid). Full grid: both
     Llama widths, Qwen3-30B-A3B's 128 experts, every token count; reduced (default): Llama-1B
     widths, 64 experts (half Qwen3-30B-A3B's, to fit a CPU's memory), 16 tokens."""
     token_grid = tuple(tokens) if tokens else (TOKENS if full else (16,))
@@ -514,6 +515,11 @@ def model_cases(
                         "llama", kwargs, t, dtype, device, f"{name}-2L", calibrate=calibrate
                     )
                 )
+    if "model_qwen3" in models:
+        name, arch, config = next(entry for entry in END_TO_END if entry[1] == "qwen3")
+        kwargs = dict(config, vocab_size=1024, max_position_embeddings=8192)
+        for t in token_grid:
+            cases.append(_model_case(arch, kwargs, t, dtype, device, name, calibrate=calibrate))
     if "model_qwen3_moe" in models:
         experts = 128 if full else 64
         kwargs = dict(

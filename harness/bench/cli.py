@@ -142,6 +142,8 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
         cases = end_to_end_cases(
             device, dtype, compiled=args.compile, tokens=args.tokens, calibrate=args.calibrate
         )
+        if args.kernel:  # --kernel model_* narrows --models to those models
+            cases = [case for case in cases if case.kernel in args.kernel]
         return _run_and_print(cases, args, device, dtype)
     cases = kernel_cases(
         device,

@@ -27,7 +27,8 @@ def test_reduced_grid_is_small_and_full_grid_covers_the_spec() -> None:
     )
     assert len(reduced) < len(full)
     assert {c.tokens for c in full} == {1, 16, 512, 4096}
-    assert {c.kernel for c in full} == {*bench.KERNELS, "model_llama", "model_qwen3_moe"}
+    assert {c.kernel for c in full} == {*bench.KERNELS, *bench.MODELS}
+    assert set(bench.MODELS) == {f"model_{arch}" for _, arch, _ in bench.END_TO_END}
     shapes = " ".join(c.shape for c in full)
     for width in ("H2048", "H4096", "I8192", "I14336", "E8-top2", "E64-top8"):
         assert width in shapes, width

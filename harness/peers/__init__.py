@@ -1,0 +1,8 @@
+"""Peer systems: other fusion engines whose decisions are compared with ours, module by module.
+
+- `agreement`: the comparison itself, with no peer imported: decisions, the per-family
+  agreement table, every disagreement classified, the JSON report.
+- `vllm`: vLLM's Transformers-backend fuser detection (imported lazily, from a separate
+  environment: `scripts/vllm_peer.sh`, `tox -e vllm-peer`) against `fusion.plan` over the
+  corpus; `python -m harness.peers.vllm`.
+"""
