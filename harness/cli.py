@@ -199,7 +199,8 @@ def _add_run_parser(commands: Any) -> None:
         "Transformers line, corpus/expected/MAJOR.MINOR.json (only the architectures run are "
         "replaced), and print what changed; review it as a git diff",
     )
-    _add_gate_option(run)
+    _add_flag(run, "--strict-corpus", STRICT_CORPUS_HELP)
+    _add_flag(run, "--wide", WIDE_HELP)
     run.add_argument(
         "--shard",
         metavar="K/N",
@@ -219,13 +220,19 @@ def _add_run_parser(commands: Any) -> None:
     run.set_defaults(handler=cmd_run)
 
 
-def _add_gate_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--strict-corpus",
-        action="store_true",
-        help="exit 1, not 3, when the only problems are the corpus's (an unfused model that "
-        "could not be built or run)",
-    )
+STRICT_CORPUS_HELP = (
+    "exit 1, not 3, when the only problems are the corpus's (an unfused model that could not "
+    "be built or run)"
+)
+WIDE_HELP = (
+    "print the table in full: whole names, fusions and per-operation lifecycle verdicts, and "
+    "the tolerance column (default: cut to fit 100 columns)"
+)
+
+
+def _add_flag(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
+    """A boolean option shared by several subcommands (`--strict-corpus`, `--wide`)."""
+    parser.add_argument(flag, action="store_true", help=help_text)
 
 
 def _add_other_parsers(commands: Any) -> None:
@@ -310,7 +317,7 @@ def _add_results_parsers(commands: Any) -> None:
         help="golden plan file to compare with (default: the one of the Transformers line the "
         "results record, else of the installed one)",
     )
-    _add_gate_option(report)
+    _add_flag(report, "--strict-corpus", STRICT_CORPUS_HELP)
     report.set_defaults(handler=cmd_report)
 
     merge = commands.add_parser(
@@ -331,7 +338,8 @@ def _add_results_parsers(commands: Any) -> None:
         help="write the merged results file here (JSONL, as `run` writes)",
     )
     merge.add_argument("--json", type=Path, metavar="FILE", help="also write a JSON summary here")
-    _add_gate_option(merge)
+    _add_flag(merge, "--strict-corpus", STRICT_CORPUS_HELP)
+    _add_flag(merge, "--wide", WIDE_HELP)
     merge.set_defaults(handler=cmd_merge)
 
 
@@ -517,7 +525,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
             status = status or EXIT_USAGE
     try:
-        _print_summary(run.results, options, wall=run.wall, jobs=args.jobs)
+        _print_summary(run.results, options, wall=run.wall, jobs=args.jobs, wide=args.wide)
         print(f"results: {results_path}", flush=True)
     except BrokenPipeError:
         _stdout_closed()
@@ -547,9 +555,14 @@ def _stdout_closed() -> None:
 
 
 def _print_summary(
-    results: Sequence[Any], options: Any, *, wall: float | None = None, jobs: int | None = None
+    results: Sequence[Any],
+    options: Any,
+    *,
+    wall: float | None = None,
+    jobs: int | None = None,
+    wide: bool = False,
 ) -> None:
-    """The table, the problems (with what the golden file already expects), the totals and
+    """The table (in full with `wide`) and its legend, the problems (with what the golden file already expects), the totals and
     the per-family reach of a finished (or interrupted) sweep, or of merged shards (`options`:
     anything with dtype, device and seed attributes). The first line names the system under
     test; golden plans and fusion reach describe only the `fusion` system, so another system
@@ -559,7 +572,8 @@ def _print_summary(
     system = getattr(options, "system", SYSTEM_NAMES[0])
     ours = system == SYSTEM_NAMES[0]
     print(f"system under test: {system}")
-    print(summary.format_table(results))
+    print(summary.format_table(results, wide=wide))
+    print(summary.format_legend(wide=wide))
     golden = _golden_entries(options) if ours else None
     problems = summary.format_problems(results, golden=golden)
     if problems:
@@ -835,7 +849,8 @@ def _add_check_parser(commands: Any) -> None:
         metavar="DIR",
         help=f"where repro bundles of failures go (default {DEFAULT_REPRO_DIR})",
     )
-    _add_gate_option(own)
+    _add_flag(own, "--strict-corpus", STRICT_CORPUS_HELP)
+    _add_flag(own, "--wide", WIDE_HELP)
     own.set_defaults(handler=cmd_check)
 
 
@@ -880,7 +895,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         plan = own_model.format_plan(outcome.result)
         print(f"{plan}\n" if plan else "", end="")
-        print(summary.format_table(results))
+        print(summary.format_table(results, wide=args.wide))
+        print(summary.format_legend(wide=args.wide))
         problems = summary.format_problems(results)
         if problems:
             print("\n" + problems)
@@ -1002,7 +1018,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
             status = status or EXIT_USAGE
     try:
-        _print_summary(merged.results, argparse.Namespace(**options))
+        _print_summary(merged.results, argparse.Namespace(**options), wide=args.wide)
         repeated = f" ({merged.repeated} recorded twice, identically)" if merged.repeated else ""
         print(f"merged {len(args.inputs)} files: {len(merged.results)} architectures{repeated}")
         if args.results is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,8 @@ class Totals:
     fusions: dict[str, int]
     seconds: float
     lifecycle: dict[str, dict[str, int]] = field(default_factory=dict)
-    """{operation: {verdict: architectures}} of the lifecycle checks (harness.lifecycle)."""
+    """{operation: {verdict: architectures}} of the lifecycle checks (harness.lifecycle), verdicts
+    as `shown_verdict` words: a `compile` the mode skipped counts as "not run", not "n/a"."""
 
 
 def totals(results: Sequence[ArchResult]) -> Totals:
@@ -46,7 +48,7 @@ def totals(results: Sequence[ArchResult]) -> Totals:
     for result in results:
         fusions.update(result.applied)
         for op, verdict in result.lifecycle.items():
-            cycle.setdefault(op, Counter())[verdict["verdict"]] += 1
+            cycle.setdefault(op, Counter())[shown_verdict(op, verdict)] += 1
     return Totals(
         architectures=len(results),
         built=sum(r.built for r in results),
@@ -100,12 +102,15 @@ def _some(names: Sequence[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _error(value: float | None) -> str:
+def _error(value: float | None, *, short: bool = False) -> str:
+    """`value` with two significant digits (`2.8e-07`; `short`: `2.8e-7`), "nan", or "-" when
+    nothing was measured."""
     if value is None:
         return "-"
     if math.isnan(value):
         return "nan"
-    return f"{value:.1e}"
+    text = f"{value:.1e}"
+    return text.replace("e-0", "e-").replace("e+0", "e+") if short else text
 
 
 NO_FUSION_STATUSES = frozenset({"build-error", "crashed", "timeout", "fuse-error"})
@@ -139,55 +144,130 @@ def _fusions(result: ArchResult) -> str:
     return f"none ({main_refusal(result)})"
 
 
-def _lifecycle(result: ArchResult) -> str:
-    """`-` when no lifecycle check ran; else the failed operations, or `N pass` (and how many
-    were not applicable)."""
+LIFECYCLE_SHOWN = ("pass", "fail", "n/a", "not run")
+"""How the table and the totals show a lifecycle verdict. `n/a` is what the unfused model cannot
+do (README); `not run` is what the lifecycle mode did not try (harness.report_md counts the
+same way)."""
+
+
+def shown_verdict(op: str, entry: Mapping[str, str]) -> str:
+    """The LIFECYCLE_SHOWN word for one recorded lifecycle verdict.
+
+    Returns "not run" for a `compile` the mode skipped: it is recorded as `n/a` with the detail
+    `harness.lifecycle.NOT_COMPILED` (so results files and golden plans keep their format), but
+    nothing was tried, and calling it `n/a` would say the unfused model cannot compile.
+    """
+    from harness.lifecycle import NOT_COMPILED  # torch: only once a lifecycle verdict exists
+
+    if op == "compile" and entry.get("detail") == NOT_COMPILED:
+        return "not run"
+    verdict = entry.get("verdict", "")
+    return verdict if verdict in LIFECYCLE_SHOWN else "n/a"
+
+
+def _lifecycle(result: ArchResult, *, wide: bool = False) -> str:
+    """`-` when no lifecycle check ran; else the failed operations (`fail: op, ...`), or the
+    counts (`14 pass, 1 not run`). `wide` adds the counts to a failure and names every
+    operation that did not pass (`; n/a: op` ...), so nothing is left to the results file."""
     if not result.lifecycle:
         return "-"
-    verdicts = {op: v["verdict"] for op, v in result.lifecycle.items()}
-    failed = [op for op, v in verdicts.items() if v == "fail"]
-    if failed:
-        return "fail: " + ", ".join(failed)
-    passed = sum(v == "pass" for v in verdicts.values())
-    other = len(verdicts) - passed
-    return f"{passed} pass" + (f", {other} n/a" if other else "")
+    shown = {op: shown_verdict(op, entry) for op, entry in result.lifecycle.items()}
+    named = {v: [op for op, w in shown.items() if w == v] for v in LIFECYCLE_SHOWN}
+    counts = ", ".join(f"{len(named[v])} {v}" for v in LIFECYCLE_SHOWN if named[v])
+    if not wide:
+        return "fail: " + ", ".join(named["fail"]) if named["fail"] else counts
+    details = "; ".join(f"{v}: {', '.join(named[v])}" for v in LIFECYCLE_SHOWN[1:] if named[v])
+    return counts + (f" ({details})" if details else "")
 
 
-def format_table(results: Sequence[ArchResult]) -> str:
+TABLE_WIDTH = 100
+"""Columns the default (narrow) table fits in; `--wide` prints every cell in full."""
+
+ELLIPSIS = "..."
+
+_SHRINK = ((0, 20), (1, 16), (0, 12), (3, 14), (1, 12))
+"""(column, narrowest) in the order a narrow table cuts cells to fit TABLE_WIDTH: an over-long
+architecture name to 20 first, then the fusions, then the name again, then the lifecycle.
+The narrowest widths plus the fixed columns fit in 100 for any result (see test_summary)."""
+
+_GAP = "  "
+
+
+def _fit(cell: str, width: int) -> str:
+    """`cell` cut to `width` characters, the cut marked by ELLIPSIS."""
+    return cell if len(cell) <= width else cell[: width - len(ELLIPSIS)] + ELLIPSIS
+
+
+def _narrow_widths(widths: list[int], limit: int) -> list[int]:
+    """`widths` with the shrinkable columns (_SHRINK) cut until the row fits `limit`
+    characters, or as far as their narrowest widths allow."""
+    widths = list(widths)
+    for column, narrowest in _SHRINK:
+        excess = sum(widths) + len(_GAP) * (len(widths) - 1) - limit
+        if excess <= 0:
+            break
+        widths[column] -= max(0, min(excess, widths[column] - narrowest))
+    return widths
+
+
+def format_table(
+    results: Sequence[ArchResult], *, wide: bool = False, width: int = TABLE_WIDTH
+) -> str:
     """One row per architecture: fusions by fuser (or, when none, the main refusal reason),
-    verdict, worst errors, seconds."""
-    header = (
-        "architecture",
-        "fusions",
-        "verdict",
-        "lifecycle",
-        "unfused err",
-        "fused err",
-        "seconds",
-    )
-    rows = [
-        (
-            r.architecture,
-            _fusions(r),
-            r.status,
-            _lifecycle(r),
-            _error(r.unfused_error),
-            _error(r.fused_error),
-            f"{r.seconds:.2f}",
-        )
-        for r in results
-    ]
+    verdict, lifecycle, worst errors, seconds.
+
+    By default the table fits `width` columns: short headers ("arch" for the architecture, whose
+    names are mostly shorter than the word), the lifecycle as counts, and
+    over-long names, fusions and lifecycle cells cut with an ellipsis. `wide` prints every cell
+    in full and adds the tolerance, whatever the width. `format_legend` says what it all means.
+    """
+    header = ["architecture" if wide else "arch", "fusions", "verdict", "lifecycle"]
+    header += ["unfused err", "fused err", "tol", "seconds"] if wide else ["unfused", "fused", "s"]
+    rows = []
+    for r in results:
+        row = [r.architecture, _fusions(r), r.status, _lifecycle(r, wide=wide)]
+        row += [_error(r.unfused_error, short=not wide), _error(r.fused_error, short=not wide)]
+        row += [_error(r.tolerance), f"{r.seconds:.2f}"] if wide else [f"{r.seconds:.1f}"]
+        rows.append(row)
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    right = {4, 5, 6}
+    if not wide:
+        widths = _narrow_widths(widths, width)
+    right = set(range(4, len(header)))
 
     def line(row: Sequence[str]) -> str:
         cells = (
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+            _fit(c, w).rjust(w) if i in right else _fit(c, w).ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths))
         )
-        return "  ".join(cells).rstrip()
+        return _GAP.join(cells).rstrip()
 
-    rule = "  ".join("-" * w for w in widths)
+    rule = _GAP.join("-" * w for w in widths)
     return "\n".join([line(header), rule, *(line(row) for row in rows)])
+
+
+def format_legend(*, wide: bool = False) -> str:
+    """What the table's columns and words mean, a few lines under TABLE_WIDTH each: the error
+    columns (what is compared with what, and the allowance), the lifecycle words (`n/a` versus
+    `not run`), `-`, and, in the narrow table, that `...` cuts a cell and `--wide` shows it."""
+    errors = "unfused err / fused err" if wide else "unfused / fused"
+    seconds = "seconds" if wide else "s"
+    lines = [
+        "legend:",
+        f"  {'architecture' if wide else 'arch'}: the corpus architecture (or your model) checked",
+        "  fusions: fuser:instances applied; none (fuser: reason): the refusal covering most "
+        "modules",
+        "  verdict: the forward's parity status (pass, fail, inconclusive, fused-error, ...)",
+        f"  {errors}: worst relative error of the unfused / fused logits against float64",
+        "  lifecycle: counts of operations after fusing (generate, train, compile, ...): pass;",
+        "    fail (named); n/a: the unfused model cannot do it; not run: not tried in this",
+        "    --lifecycle mode (compile: `full` compiles a selection, `all` every model)",
+        f"  {seconds}: wall time of the check; -: nothing to show (not measured, nothing ran)",
+    ]
+    if wide:
+        lines.insert(5, "  tol: what the fused error may reach, max(2 x unfused err, dtype floor)")
+    else:
+        lines.append("  ...: cut to fit 100 columns; --wide shows every cell and the tolerance")
+    return "\n".join(lines)
 
 
 def format_problems(
@@ -222,7 +302,8 @@ def format_problems(
 
 
 def format_totals(t: Totals, *, wall: float | None = None, jobs: int | None = None) -> str:
-    """Two or three lines: counts, statuses, fusions per fuser, and the wall time."""
+    """Counts, statuses, fusions per fuser, lifecycle verdicts per operation and the wall time,
+    one item each, wrapped at TABLE_WIDTH (continuations indented) so no line wraps."""
     statuses = ", ".join(f"{n} {s}" for s, n in t.statuses.items()) or "none"
     fusions = ", ".join(f"{f} {n}" for f, n in t.fusions.items()) or "none"
     lines = [
@@ -242,7 +323,10 @@ def format_totals(t: Totals, *, wall: float | None = None, jobs: int | None = No
         lines.append(
             f"wall time {wall:.1f} s{on} (sum of per-architecture times {t.seconds:.1f} s)"
         )
-    return "\n".join(lines)
+    wrap = textwrap.TextWrapper(
+        TABLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
+    )
+    return "\n".join(part for line in lines for part in wrap.wrap(line))
 
 
 def json_document(

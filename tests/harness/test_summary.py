@@ -7,7 +7,8 @@ import json
 import pytest
 
 from harness import summary
-from harness.results import ArchResult, Failure, Refusal
+from harness.lifecycle import NOT_COMPILED, OPERATIONS
+from harness.results import STATUSES, ArchResult, Failure, Refusal
 
 
 def _r(name: str, status: str = "pass", **fields) -> ArchResult:
@@ -78,17 +79,19 @@ def test_table_and_problems():
     ]
     table = summary.format_table(results).splitlines()
     assert table[0].split() == [
-        "architecture",
+        "arch",
         "fusions",
         "verdict",
         "lifecycle",
         "unfused",
-        "err",
         "fused",
-        "err",
-        "seconds",
+        "s",
     ]
-    assert table[2].split() == ["llama", "qkv:2", "pass", "-", "1.0e-07", "2.0e-07", "0.50"]
+    assert table[2].split() == ["llama", "qkv:2", "pass", "-", "1.0e-7", "2.0e-7", "0.5"]
+    wide = summary.format_table(results, wide=True).splitlines()
+    assert wide[0].split()[0] == "architecture"
+    assert wide[0].split()[4:] == ["unfused", "err", "fused", "err", "tol", "seconds"]
+    assert wide[2].split()[4:] == ["1.0e-07", "2.0e-07", "-", "0.50"]
     problems = summary.format_problems(results)
     assert "gpt2: fail: m (A) [qkv]: bad" in problems
     assert problems.count(bundle) == 1  # one line per distinct bundle
@@ -137,10 +140,10 @@ def test_an_architecture_without_fusion_shows_its_main_refusal():
         ),
         Refusal("glu", "MLP", "no gate: fc1 -> act -> fc2", 1, "b"),
     ]
-    rows = summary.format_table(
-        [_r("big_bird", refusals=refusals), _r("x"), _r("y", "build-error")]
-    ).splitlines()[2:]
+    results = [_r("big_bird", refusals=refusals), _r("x"), _r("y", "build-error")]
+    rows = summary.format_table(results, wide=True).splitlines()[2:]
     assert "none (qkv: the forward does not trace as far as its projections)" in rows[0]
+    assert "none (qkv: the forward" in summary.format_table(results)  # cut to fit, not dropped
     assert "none (no candidate module)" in rows[1]
     assert rows[2].split()[1] == "-"  # never built: nothing was refused
 
@@ -183,3 +186,121 @@ def test_json_document_carries_the_real_exit_status():
         ]
         == 1
     )
+
+
+def _every_operation(**verdicts: str) -> dict[str, dict[str, str]]:
+    """A lifecycle record of every operation: `pass` unless named (`train="fail"`), and the
+    `compile` that `--lifecycle quick` skips."""
+    record = {op: {"verdict": "pass", "detail": ""} for op in OPERATIONS}
+    record["compile"] = {"verdict": "n/a", "detail": NOT_COMPILED}
+    for op, verdict in verdicts.items():
+        record[op.replace("_", "-")] = {"verdict": verdict, "detail": "x"}
+    return record
+
+
+def _crowded() -> list[ArchResult]:
+    """The widest rows the corpus can make: long names, many fusers, a long refusal, every
+    lifecycle operation (failures, n/a and not run), the longest status, a slow check."""
+    many = {f: 12 for f in ("glu", "layernorm", "moe", "qkv", "residual_norm", "rmsnorm")}
+    refusal = Refusal(
+        "qkv", "X", "the forward does not trace as far as its projections " * 3, 4, "a"
+    )
+    return [
+        _r(
+            "vision_text_dual_encoder_with_a_really_long_name",
+            applied=many,
+            unfused_error=2.8e-7,
+            fused_error=3.1e-7,
+            tolerance=1e-6,
+            lifecycle=_every_operation(guard_round_trip="n/a", lora_after_fuse="n/a"),
+        ),
+        _r(
+            "x" * 80,
+            max(STATUSES, key=len),
+            refusals=[refusal],
+            lifecycle=_every_operation(generate="fail", train="fail", deepcopy="fail"),
+        ),
+        ArchResult("llama", "fail", "float32", "cpu", 0, 123456.78, unfused_error=float("nan")),
+    ]
+
+
+def _width(text: str) -> int:
+    return max(len(line) for line in text.splitlines())
+
+
+def test_the_table_fits_100_columns_and_wide_shows_everything():
+    """Issue 28: the table was ~150 columns and wrapped."""
+    results = _crowded()
+    narrow = summary.format_table(results)
+    assert _width(narrow) <= summary.TABLE_WIDTH
+    rows = narrow.splitlines()[2:]
+    for row, result in zip(rows, results):
+        name = row.split()[0]  # long names cut with an ellipsis, short ones whole
+        assert name == result.architecture or (
+            name.endswith("...") and result.architecture.startswith(name[:-3])
+        )
+    assert rows[0].split()[0] != results[0].architecture and rows[2].split()[0] == "llama"
+    assert "x" * 30 not in narrow
+    wide = summary.format_table(results, wide=True)
+    assert _width(wide) > summary.TABLE_WIDTH
+    assert "x" * 80 in wide and "vision_text_dual_encoder_with_a_really_long_name" in wide
+    assert "glu:12 layernorm:12 moe:12 qkv:12 residual_norm:12 rmsnorm:12" in wide
+    assert "fail: generate, train, deepcopy" in wide and "1.0e-06" in wide  # the tolerance
+    short = summary.format_table([_r("llama", applied={"qkv": 2})])
+    assert "..." not in short  # nothing is cut that fits
+
+
+def test_the_table_says_not_run_for_what_the_mode_skipped_and_n_a_for_the_rest():
+    """Issue 28: a skipped compile was printed as `n/a`, which says the unfused model cannot
+    compile."""
+    results = [
+        _r("llama", lifecycle=_every_operation()),
+        _r("gpt2", lifecycle=_every_operation(guard_round_trip="n/a")),
+        _r("gemma", lifecycle={**_every_operation(), "compile": {"verdict": "n/a", "detail": "x"}}),
+    ]
+    rows = summary.format_table(results).splitlines()[2:]
+    assert "14 pass, 1 not run" in rows[0] and "n/a" not in rows[0]
+    assert "13 pass, 1 n/a, 1 not run" in rows[1]
+    assert "14 pass, 1 n/a" in rows[2] and "not run" not in rows[2]  # a compile that was tried
+    wide = summary.format_table(results, wide=True).splitlines()[2:]
+    assert "(not run: compile)" in wide[0]
+    assert "(n/a: guard-round-trip; not run: compile)" in wide[1]
+    t = summary.totals(results)
+    assert t.lifecycle["compile"] == {"not run": 2, "n/a": 1}
+    assert "compile 1 n/a / 2 not run" in summary.format_totals(t).replace("\n  ", " ")
+
+
+def test_totals_wrap_at_100_columns():
+    text = summary.format_totals(summary.totals(_crowded()), wall=1.0, jobs=1)
+    assert _width(text) <= summary.TABLE_WIDTH
+    assert text.count("\nlifecycle: ") == 1 and "\n  " in text  # continuations indented
+    assert "optimizer-before-fuse" in text  # never split at a hyphen
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_legend_explains_every_column_and_word(wide):
+    legend = summary.format_legend(wide=wide)
+    assert _width(legend) <= summary.TABLE_WIDTH
+    for word in ("arch", "fusions:", "verdict:", "lifecycle:", "n/a:", "not run:", "float64", "-:"):
+        assert word in legend
+    assert ("tol:" in legend) is wide and ("--wide" in legend) is not wide
+
+
+def test_merge_prints_the_narrow_table_with_its_legend_and_wide_on_request(tmp_path, capsys):
+    """The CLI path (`merge` reads results files, so no model runs): the default output's
+    table and legend fit 100 columns and say `not run`; `--wide` prints the full table."""
+    from harness import cli
+    from harness.results import ResultsWriter
+
+    path = tmp_path / "r.jsonl"
+    with ResultsWriter(path, append=False) as writer:
+        for result in _crowded()[:2]:
+            writer.write(result)
+    assert cli.main(["merge", str(path)]) == 3  # the forward-error is the corpus's problem
+    out = capsys.readouterr().out
+    table = out[out.index("arch ") : out.index("\n\n")]
+    assert _width(table) <= summary.TABLE_WIDTH and "not run" in table
+    assert "legend:" in table and "--wide" in table
+    assert cli.main(["merge", str(path), "--wide"]) == 3
+    wide = capsys.readouterr().out
+    assert "vision_text_dual_encoder_with_a_really_long_name" in wide and "tol:" in wide
