@@ -11,6 +11,7 @@ runs the references.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ class Calibrated:
     """Keys where only the reference was eligible here (nothing to time)."""
     path: Path | None = None
     """Where the table was saved (None with `save=False`)."""
+    model_ratios: dict[int, calibration.Ratio] = field(default_factory=dict)
+    """Per token count checked, the whole model with the chosen kernels against all
+    references (`model_check`); a count that did not win had its choices vetoed."""
     seconds: float = 0.0
 
     def __str__(self) -> str:
@@ -48,6 +52,12 @@ class Calibrated:
             shape = "x".join(map(str, entry.shape))
             kernels = tuple(entry.ratios)
             lines.append(f"  {entry.op} {shape} {entry.dtype}: {entry.summary(kernels)}")
+        for count, ratio in sorted(self.model_ratios.items()):
+            verdict = "kept" if ratio.wins() else "vetoed: the references run"
+            lines.append(
+                f"  whole model at {count} tokens: {ratio.median:.2f}x "
+                f"[{ratio.q25:.2f}-{ratio.q75:.2f}] with the chosen kernels; {verdict}"
+            )
         if self.path is not None:
             lines.append(f"table: {self.path}")
         return "\n".join(lines)
@@ -71,15 +81,40 @@ def default_run(model: nn.Module) -> Callable[[int], Any]:
     return run
 
 
-def products_asked(run: Callable[[int], Any], tokens: Iterable[int]) -> set[tuple]:
-    """The keys the policy is asked about while `run` runs at each token count (no grad)."""
+def products_asked(run: Callable[[int], Any], tokens: Iterable[int]) -> dict[int, set[tuple]]:
+    """Per token count, the keys the policy is asked about while `run` runs (no grad)."""
     asked = policy.POLICY.asked
+    found: dict[int, set[tuple]] = {}
     with policy.POLICY.override("measured"), torch.no_grad():
-        asked.clear()
         for count in tokens:
+            asked.clear()
             run(count)
-        found = set(asked)
+            found[count] = set(asked)
+        asked.clear()
     return found
+
+
+def model_check(run: Callable[[int], Any], count: int, *, budget_s: float) -> calibration.Ratio:
+    """The whole forward at `count` tokens with the table's choices against the same forward
+    with every product on its reference (`FUSION_KERNELS=reference`), interleaved round by
+    round (`calibration.time_calls`): reference time / chosen time.
+
+    Why: a product timed alone can win while the model loses (another kernel's cache or
+    thread-pool effects on its neighbours; on a 2-core AVX2 EPYC, Qwen3-0.6B's gate/up at one
+    row measured 1.12x alone and made the decode step 7% slower). Only this check sees that."""
+
+    def chosen(_: int) -> object:
+        return run(count)
+
+    def reference(_: int) -> object:
+        with policy.POLICY.override("reference"):
+            return run(count)
+
+    with torch.no_grad():
+        times, _ = calibration.time_calls(
+            {"reference": reference, "chosen": chosen}, copies=1, budget_s=budget_s
+        )
+    return calibration.judge(times)["chosen"]
 
 
 def calibrate(
@@ -102,7 +137,8 @@ def calibrate(
     calls the model (default: `default_run`, a causal LM on random ids)."""
     started = time.perf_counter()
     run = default_run(model) if run is None else run
-    keys = products_asked(run, tokens)
+    per_count = products_asked(run, tokens)
+    keys = set().union(*per_count.values()) if per_count else set()
     table = policy.POLICY.table
     result = Calibrated()
     previous = torch.get_num_threads()
@@ -121,6 +157,8 @@ def calibrate(
                     continue
                 table.add(entry)
                 result.entries.append(entry)
+            policy.POLICY.set_table(table)
+            _check_models(run, per_count, table, count, result, budget_s, progress)
     finally:
         torch.set_num_threads(previous)
     if save:
@@ -128,6 +166,41 @@ def calibrate(
     policy.POLICY.set_table(table)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _check_models(
+    run: Callable[[int], Any],
+    per_count: dict[int, set[tuple]],
+    table: calibration.Table,
+    threads: int,
+    result: Calibrated,
+    budget_s: float,
+    progress: Callable[[str], None] | None,
+) -> None:
+    """At each token count whose products have a winner, time the whole model with the
+    winners against all references (`model_check`); where it is not measurably faster
+    (`Ratio.wins`), veto every winner of that count's products, so the reference runs
+    there. Counts with nothing chosen are not timed (nothing would change)."""
+    for count, keys in sorted(per_count.items()):
+        entries = [
+            table.lookup(op, shape, dtype, rows, threads) for op, shape, dtype, rows, _ in keys
+        ]
+        chosen = [e for e in entries if e is not None and e.best(tuple(e.ratios)) != "reference"]
+        if not chosen:
+            continue
+        if progress is not None:
+            progress(f"model at {count} tokens {threads}t: chosen kernels vs references")
+        ratio = model_check(run, count, budget_s=max(budget_s, 1.0))
+        result.model_ratios[count] = ratio
+        if ratio.wins():
+            continue
+        veto = (
+            f"the model at {count} tokens measured {ratio.median:.2f}x "
+            f"[{ratio.q25:.2f}-{ratio.q75:.2f}] with the products' winners"
+        )
+        for entry in chosen:
+            table.add(dataclasses.replace(entry, veto=veto))
+    policy.POLICY.set_table(table)
 
 
 DECODE_ROWS = 1

@@ -82,10 +82,15 @@ class Entry:
     rounds: int
     native_build: str = ""
     """`native_gemm.build_id()` of the kernel measured as 'native' ('' if it was not)."""
+    veto: str = ""
+    """Why the whole model did not get faster with this key's winners (`fusion.tuning`'s
+    model-level check): then the reference runs, whatever the product's own timing said."""
 
     def best(self, kernels: Iterable[str]) -> str:
         """Of `kernels`, the winner (`Ratio.wins`) with the highest median ratio; else
         'reference'."""
+        if self.veto:
+            return "reference"
         winners = [(r.median, k) for k, r in self.ratios.items() if k in kernels and r.wins()]
         return max(winners)[1] if winners else "reference"
 
@@ -99,6 +104,8 @@ class Entry:
         ]
         best = self.best(kernels)
         verdict = f"{best} measured fastest" if best != "reference" else "no kernel beat it"
+        if self.veto:
+            verdict = f"reference: {self.veto}"
         ref = self.median_us.get("reference", float("nan"))
         return (
             f"measured at {self.rows} rows, {self.threads} threads: reference {ref:.0f} us; "
@@ -122,6 +129,7 @@ class Entry:
             ratios={str(k): Ratio(**v) for k, v in data["ratios"].items()},
             rounds=int(data["rounds"]),
             native_build=str(data.get("native_build", "")),
+            veto=str(data.get("veto", "")),
         )
 
 

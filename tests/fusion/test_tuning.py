@@ -56,8 +56,13 @@ def test_calibrate_measures_what_the_model_asks_and_the_policy_uses_it(cache, mo
     merged = [m for m in fused.modules() if isinstance(m, MergedLinear)]
     assert merged
     monkeypatch.setattr(calibration, "measure_key", _synthetic("stacked"))
+    checked: list[int] = []
+    monkeypatch.setattr(
+        tuning, "model_check", lambda run, count, budget_s: checked.append(count) or WINS
+    )
     POLICY.reset()  # the table on disk (the temporary cache: empty)
     result = tuning.calibrate(fused, tokens=(1, 3))
+    assert checked == [1, 3] and "whole model at 3 tokens: 1.20x" in str(result)
     shapes = {e.shape for e in result.entries}
     assert shapes == {m.kernel_shape for m in merged}
     assert {e.rows for e in result.entries} == {1, 4}
@@ -79,6 +84,41 @@ def test_calibrate_measures_what_the_model_asks_and_the_policy_uses_it(cache, mo
     assert calibration.load_table().entries.keys() == POLICY.table.entries.keys()
     again = tuning.calibrate(fused, tokens=(1, 3))
     assert again.entries == [] and again.unchanged == len(result.entries)
+
+
+WINS = Ratio(1.2, 1.1, 1.3)
+
+
+def test_a_model_that_is_not_faster_vetoes_its_products_winners(cache, monkeypatch) -> None:
+    """Products that won alone but leave the whole forward no faster (the model-level
+    check) are vetoed: the references run, and the report and table say why."""
+    model, fused = _fused_llama()
+    monkeypatch.setattr(calibration, "measure_key", _synthetic("stacked"))
+    monkeypatch.setattr(tuning, "model_check", lambda run, count, budget_s: Ratio(0.9, 0.85, 0.95))
+    POLICY.reset()
+    result = tuning.calibrate(fused, tokens=(3,))
+    assert "vetoed: the references run" in str(result)
+    entries = list(POLICY.table.entries.values())
+    assert entries and all("measured 0.90x" in e.veto for e in entries)
+    taken: list[str] = []
+    real = ops._fast_product
+    monkeypatch.setattr(ops, "_fast_product", lambda k, *a: taken.append(k) or real(k, *a))
+    ids = corpus.make_inputs(model, seed=0)["input_ids"][:1, :3]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert "stacked" not in taken
+    POLICY.reset()
+    assert all(e.veto for e in calibration.load_table().entries.values())  # saved with it
+
+
+def test_model_check_pairs_the_chosen_and_reference_forwards(monkeypatch) -> None:
+    """`model_check` runs the model once per variant per round, the reference one under
+    `FUSION_KERNELS=reference`, and returns their paired ratio."""
+    modes: list[str] = []
+    ratio = tuning.model_check(lambda count: modes.append(POLICY.mode), 4, budget_s=0.0)
+    assert set(modes) == {"measured", "reference"}
+    assert modes.count("reference") == modes.count("measured")
+    assert ratio.q25 <= ratio.median <= ratio.q75
 
 
 def test_calibrate_needs_a_way_to_run_the_model() -> None:
