@@ -209,9 +209,14 @@ class MergedLinear(nn.Module):
         self, x: torch.Tensor, current: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     ) -> torch.Tensor:
         """Each shard's `F.linear` on its own current Parameters, concatenated: the unfused
-        calls exactly (autograd included). Without a gradient to record, a shard's product
-        may take the kernel the policy chooses for its shape (`ops.product('linear', ...)`),
-        as an unmerged `RowLinear` would."""
+        calls exactly (autograd included). Eager, nothing else (the cheapest path: it is the
+        reference of every call the policy gives no kernel). While Dynamo traces (the merged
+        module always computes apart then), a shard's product without a gradient may be the
+        `fusion::linear_product` operator, which makes the policy's choice for its shape when
+        the compiled code runs, as an unmerged `RowLinear` would."""
+        if not torch.compiler.is_compiling():
+            # eager: exactly the unfused calls (the policy's stacked choice was asked first)
+            return torch.cat([F.linear(x, weight, bias) for weight, bias in current], dim=-1)
         pieces = []
         for weight, bias in current:
             tensors = (x, weight) if bias is None else (x, weight, bias)
