@@ -519,11 +519,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             interrupted=run.interrupted,
             status=status,
         )
-        try:
-            _write_text(args.json, json.dumps(document, indent=1, allow_nan=False) + "\n")
-        except OSError as exc:
-            _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
-            status = status or EXIT_USAGE
+        status = _write_json(args.json, document, status)
     try:
         _print_summary(run.results, options, wall=run.wall, jobs=args.jobs, wide=args.wide)
         print(f"results: {results_path}", flush=True)
@@ -552,6 +548,18 @@ def _stdout_closed() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+def _write_json(path: Path, document: dict[str, Any], status: int) -> int:
+    """Write the --json `document` to `path`; returns `status`, or EXIT_USAGE for a green
+    run whose JSON could not be written (one line on stderr): a failed output never changes
+    a red verdict."""
+    try:
+        _write_text(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
+    except OSError as exc:
+        _error(f"cannot write --json {path}: {exc.strerror or exc}")
+        return status or EXIT_USAGE
+    return status
 
 
 def _print_summary(
@@ -887,11 +895,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             interrupted=False,
             status=status,
         )
-        try:
-            _write_text(args.json, json.dumps(document, indent=1, allow_nan=False) + "\n")
-        except OSError as exc:
-            _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
-            status = status or EXIT_USAGE
+        status = _write_json(args.json, document, status)
     try:
         plan = own_model.format_plan(outcome.result)
         print(f"{plan}\n" if plan else "", end="")
@@ -1012,11 +1016,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         document = summary.json_document(
             merged.results, options=options, wall=None, interrupted=False, status=status
         )
-        try:
-            _write_text(args.json, json.dumps(document, indent=1, allow_nan=False) + "\n")
-        except OSError as exc:
-            _error(f"cannot write --json {args.json}: {exc.strerror or exc}")
-            status = status or EXIT_USAGE
+        status = _write_json(args.json, document, status)
     try:
         _print_summary(merged.results, argparse.Namespace(**options), wide=args.wide)
         repeated = f" ({merged.repeated} recorded twice, identically)" if merged.repeated else ""

@@ -228,7 +228,7 @@ def read_config_dict(file: Path) -> dict[str, Any]:
         raise OwnModelError(f"{file}: not a JSON config: {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict):
         raise OwnModelError(f"{file}: expected a JSON object, found {type(data).__name__}")
-    if _depth(data) > MAX_CONFIG_DEPTH:
+    if repro.json_depth(data) > MAX_CONFIG_DEPTH:
         raise OwnModelError(f"{file}: JSON nested more than {MAX_CONFIG_DEPTH} levels deep")
     if "auto_map" in data or data.get("trust_remote_code"):
         raise OwnModelError(
@@ -240,18 +240,6 @@ def read_config_dict(file: Path) -> dict[str, Any]:
     except repro.BundleError as exc:
         raise OwnModelError(str(exc)) from None
     return data
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of a parsed JSON value, measured without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, level)
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, level + 1) for child in children)
-    return deepest
 
 
 def load_config(data: Mapping[str, Any]) -> tuple[Any, str]:

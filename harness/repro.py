@@ -392,7 +392,7 @@ def _read_bundle_json(file: Path) -> bytes:
     return data
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
     """Nesting depth of a parsed JSON value, without recursion (any depth is measured safely)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -425,7 +425,7 @@ def load_bundle(path: Path) -> Bundle:
         raise BundleError(f"{file}: JSON nested too deeply") from None
     if not isinstance(fields, dict):
         raise BundleError(f"{file}: expected a JSON object, found {type(fields).__name__}")
-    if _depth(fields) > MAX_DEPTH:
+    if json_depth(fields) > MAX_DEPTH:
         raise BundleError(f"{file}: JSON nested more than {MAX_DEPTH} levels deep")
     for name, types in FIELDS.items():
         if name not in fields:
