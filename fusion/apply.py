@@ -113,8 +113,8 @@ def run(
     that validates. A candidate whose `fuse` raises is rolled back and the next one tried.
     A module whose weights another engine places (tensor-parallel DTensors, accelerate
     hooks: `placement.placement_refusal`) is refused whole. After fusing, the model's
-    tensor-parallel plans lose the blocks fusion changed (`placement.prune_model_plans`), so
-    they stay valid for the fused model. Returns the report; never raises for a model it
+    tensor-parallel plans lose the blocks whose names fusion lost (`_layout`,
+    `placement.prune_model_plans`), so they name only what the fused model has. Returns the report; never raises for a model it
     cannot fuse.
     """
     if not isinstance(model, nn.Module):
@@ -176,6 +176,7 @@ def run(
                 continue
             if owners is None:
                 owners = parameter_owners(model)
+            layout = None if dry_run else _layout(module)
             if dry_run:
                 error = _untie_in_a_copy(module, fuser, backend, owners)
             else:
@@ -185,7 +186,9 @@ def run(
                 continue
             redefined = redefined or fuser.redefines_forward
             report.applied.append(_applied(qualname, fuser))
-            if fuser.changes_layout:
+            if layout is not None and (
+                fuser.changes_layout or not layout <= _layout(module_at(model, qualname))
+            ):
                 relaid.append(qualname)
             if fuser.replaces_module:
                 replaced.append(f"{qualname}." if qualname else "")
@@ -195,6 +198,20 @@ def run(
         # The model's tensor-parallel plans must stay true of the fused model (placement).
         placement.prune_model_plans(model, relaid)
     return report
+
+
+def _layout(module: nn.Module) -> frozenset[tuple[str, int]]:
+    """What a tensor-parallel plan can name under `module`: every submodule's relative name
+    (with 0) and every parameter's (with the Parameter's id).
+
+    A fused module whose layout still holds all of its unfused layout (same names, same
+    Parameter objects; added modules such as a `qkv_proj` do not matter) keeps the plan's
+    entries true: a plan applied later puts hooks on those children or makes their
+    Parameters DTensors, and the fused forward's guards see either and run the original
+    forward (`fusion.guards`, `FusedMoE._experts_hold`). Anything lost prunes the block."""
+    names = {(name, 0) for name, _ in module.named_modules()}
+    names.update((name, id(p)) for name, p in module.named_parameters())
+    return frozenset(names)
 
 
 def _is_fused_module(module: nn.Module) -> bool:

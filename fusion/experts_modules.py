@@ -497,6 +497,11 @@ class FusedExperts(nn.Module):
         # Not a submodule: its parameters are ours (the same objects), registered above
         # (first: `register_parameter` asks `hasattr`, which the original would answer).
         object.__setattr__(self, "original", original)
+        # Its children (the activation) are ours too, the same objects under the same names,
+        # so the model's module tree (what `get_submodule`, hooks by name and parallel
+        # plans see) is the unfused one; `__setattr__` keeps the two slots one.
+        for name, child in original._modules.items():
+            self._modules[name] = child
         self.program = program
         self.program_json = program.to_json()
         self.transposed = transposed
@@ -542,6 +547,8 @@ class FusedExperts(nn.Module):
             and (name in original.__dict__ or name in original._modules)
         ):
             setattr(original, name, value)
+            if name in self._modules:  # a child both hold: the same object in both trees
+                self._modules[name] = original._modules.get(name)
             return
         super().__setattr__(name, value)
 

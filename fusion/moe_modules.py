@@ -206,6 +206,11 @@ def experts_reads(
     return tuple(reads)
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """Is `tensor` a dense tensor or Parameter (no subclass: a DTensor shard is not)?"""
+    return type(tensor) in (nn.Parameter, torch.Tensor)
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(
         module._forward_hooks
@@ -288,8 +293,9 @@ class FusedMoE(nn.Module):
     fused and bit-identical. Setting it back returns to the fused kernel. The same happens
     when anything else the kernel took from the experts at fuse time changed
     (`experts_guard`, `experts_reads`: the experts module, its activation module and that
-    module's settings, its flags, its class's functions) or a hook was put on them (or a
-    global one), counted in `guard_failures`.
+    module's settings, its flags, its class's functions), a hook was put on them (or a
+    global one), or their weights changed shape or became a tensor subclass (a parallel
+    plan's shard), counted in `guard_failures`.
     """
 
     def __init__(
@@ -337,6 +343,15 @@ class FusedMoE(nn.Module):
         # Hooks are looked for on these (the experts and their activation): replacing either
         # fails `experts_guard` first, so the tuple never goes stale while it is read.
         self.hooked_modules = tuple(experts.modules()) if self.experts_guard.checks else ()
+        # A tensor-parallel plan applied after fusing would make these local shards (or
+        # DTensors): the kernel reads them per call, and only the experts' own forward knows
+        # what a shard means. (None for repacked Transformers 4 experts, which are ours and
+        # have no forward to fall back to.)
+        self.expert_shapes = (
+            (experts.gate_up_proj.shape, experts.down_proj.shape)
+            if self.experts_guard.checks
+            else None
+        )
         self.guard_failures = 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -367,6 +382,12 @@ class FusedMoE(nn.Module):
         them (or inside, or global) that the kernel would skip?"""
         if experts_implementation(experts) != self.fused_with or not self.experts_guard.holds():
             return False
+        if self.expert_shapes is not None:
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            if (gate_up.shape, down.shape) != self.expert_shapes or not (
+                _plain(gate_up) and _plain(down)
+            ):
+                return False
         # (None for repacked Transformers 4 experts: the block never called them.)
         return not any(has_hooks(module) for module in self.hooked_modules)
 

@@ -39,7 +39,10 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   trains outside the model), and the logits must agree after the steps.
 - `parameters`: fusing an unfused copy keeps its Parameter objects (same identities, in
   the same order), and the fused model's `named_parameters()`, `named_buffers()` and
-  `state_dict()` keys are the unfused model's, in order, with the same `requires_grad`.
+  `state_dict()` keys are the unfused model's, in order, with the same `requires_grad`;
+  every module name of the unfused model is still there (fused-only modules such as a
+  `qkv_proj` may be added) and its tensor- and expert-parallel plans (`_tp_plan`,
+  `_ep_plan`) are the unfused model's.
 - `guard-round-trip`: a child a rewritten forward's guards watch (a merged projection's
   shard first) is replaced in both models by a wrapper that doubles its output, as a LoRA
   or any user replacement would: the logits must agree (the fused forward falls back to
@@ -745,7 +748,21 @@ def _parameters(ctx: Context) -> str:
                 f"{got[where] if where < len(got) else 'nothing'}, unfused "
                 f"{want[where] if where < len(want) else 'nothing'}"
             )
-    return f"{len(identities)} Parameters kept; names, order, buffers and keys identical"
+    kept = {name for name, _ in ctx.fused.named_modules()}
+    gone = [name for name, _ in ctx.unfused.named_modules() if name not in kept]
+    if gone:  # fused-only modules (a `qkv_proj`) may be added; none may go
+        raise _Failed(f"{len(gone)} modules are gone from named_modules() ({gone[:3]})")
+    for attr in ("_tp_plan", "_ep_plan"):
+        # a plan applied later must meet the names it was written for (fusion.placement)
+        want_plan = getattr(ctx.unfused, attr, None) or {}
+        got_plan = getattr(ctx.fused, attr, None) or {}
+        if got_plan != want_plan:
+            lost = sorted(set(want_plan) - set(got_plan))
+            raise _Failed(f"{attr.strip('_')} differs: {len(lost)} entries lost ({lost[:3]})")
+    return (
+        f"{len(identities)} Parameters kept; names, order, buffers, keys and parallel plans "
+        "identical; every module name kept"
+    )
 
 
 class Doubled(nn.Module):

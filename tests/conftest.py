@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, settings
 from fusion.kernels.calibration import Table
 from fusion.kernels.policy import POLICY
 from fusion.trace import FP32_PRECISION_KEYS, preserved_globals
+from harness.shard import Shard, ShardError
 
 DEFAULT_SELECTION = "not slow and not conformance"
 
@@ -48,9 +49,35 @@ on two CPU cores. Paths are relative to the repository root."""
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The conformance suite's sharding options (tests/conformance/conftest.py applies
+    them); registered here, the tests' root, so pytest knows them however it is started."""
+    group = parser.getgroup("fusion-harness conformance")
+    group.addoption(
+        "--shard",
+        metavar="K/N",
+        help="conformance suite: run shard K of N, the architectures `fusion-harness run "
+        "--shard K/N` checks (a stable partition: sorted names round-robin, or balanced by "
+        "--shard-balance); the whole-suite tests run in shard 1",
+    )
+    group.addoption(
+        "--shard-balance",
+        metavar="RESULTS.jsonl",
+        help="with --shard: balance shards by the seconds per architecture recorded in an "
+        "earlier results file (every shard must be given the same file)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Apply DEFAULT_SELECTION to a run that names no paths and gives no `-m` (not even an
-    empty one: `-m ""` asks for everything)."""
+    empty one: `-m ""` asks for everything). A bad --shard is a usage error before anything
+    is collected."""
+    shard_text = config.getoption("--shard")
+    if shard_text is not None:
+        try:
+            Shard.parse(shard_text)
+        except ShardError as exc:
+            raise pytest.UsageError(str(exc)) from exc
     given = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))]
     chose_marks = any(str(arg).startswith("-m") and not str(arg).startswith("--") for arg in given)
     named_paths = config.args_source != pytest.Config.ArgsSource.TESTPATHS

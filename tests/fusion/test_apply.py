@@ -13,6 +13,7 @@ from fusion import apply, matches, registry
 from fusion.fusers.qkv import QKVFuser
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import outputs_match
+from tests.fusion.fusers.test_moe import SparseMoeV4, randomized
 from tests.fusion.tiny_models import tiny_model
 
 
@@ -158,18 +159,49 @@ def test_a_merge_that_would_untie_weights_is_refused() -> None:
     assert twice["a"] is twice["b"] and hasattr(twice["b"], "qkv_proj")
 
 
-def test_fuse_prunes_the_parallel_plans_and_plan_does_not() -> None:
-    """The tensor-parallel plan loses exactly the blocks whose layout fusion changed
-    (fusion.placement): on Qwen3 the attention, whose q_norm / k_norm become FusedRMSNorm;
-    not the MLP, whose merged gate/up keep their children. `plan` changes nothing."""
-    model = tiny_model("qwen3")
-    before = dict(model.tp_plan)
-    fusion.plan(model)
-    assert model.tp_plan == before
-    fusion.fuse(model)
-    assert "model.embed_tokens" in model.tp_plan
-    assert not any(".self_attn." in key for key in model.tp_plan)
-    assert {k for k in model.tp_plan if ".mlp." in k} == {k for k in before if ".mlp." in k}
+def test_fuse_keeps_the_parallel_plans_whose_names_survive() -> None:
+    """Every fusion of Qwen3 and Qwen3-MoE keeps the names a tensor-parallel plan can hold
+    (merged shards stay, FusedRMSNorm holds the norm's Parameter under its name, FusedMoE
+    keeps router and experts as children), so the plans stay whole; `plan` changes nothing."""
+    for arch in ("qwen3", "qwen3_moe"):
+        model = tiny_model(arch)
+        before = dict(model.tp_plan)
+        ep_before = dict(model._ep_plan or {})
+        fusion.plan(model)
+        assert model.tp_plan == before
+        report = fusion.fuse(model)
+        assert "rmsnorm" in report.counts(), str(report)
+        if arch == "qwen3_moe":
+            assert "moe" in report.counts(), str(report)
+            assert ep_before and model._ep_plan == ep_before
+        assert model.tp_plan == before
+        assert any(".self_attn.q_norm" in key for key in before)
+
+
+class _PlannedBlock(nn.Module):
+    """A Transformers 4 style MoE block and an attention under one owner of a TP plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = randomized(SparseMoeV4())
+        self.attn = hazards.Attention()
+        self._tp_plan = {
+            "mlp.gate": "replicate",
+            "mlp.experts.*.w1": "colwise",
+            "mlp.experts.*.w2": "rowwise",
+            "attn.q_proj": "colwise",
+            "attn.o_proj": "rowwise",
+        }
+
+
+def test_fuse_prunes_the_block_whose_names_are_lost() -> None:
+    """A repacked Transformers 4 MoE block loses its `ModuleList` of experts (and their
+    Parameters): the plan's entries for that block go, the attention's (merged, names kept)
+    stay."""
+    owner = _PlannedBlock()
+    report = fusion.fuse(owner)
+    assert {"moe", "qkv"} <= set(report.counts()), str(report)
+    assert owner._tp_plan == {"attn.q_proj": "colwise", "attn.o_proj": "rowwise"}
 
 
 def test_a_root_module_is_fused_in_place_or_refused_with_the_reason() -> None:

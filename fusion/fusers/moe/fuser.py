@@ -115,6 +115,10 @@ class MoEFuser(Fuser):
 
     name: ClassVar[str] = "moe"
     redefines_forward: ClassVar[bool] = True
+    # The router, experts and shared expert stay children under their names, hooks on them
+    # are honoured (FusedMoE calls a hooked child); repacked Transformers 4 experts lose
+    # their names, which `fusion.apply` sees and prunes.
+    changes_layout: ClassVar[bool] = False
 
     class_match: Match | None = None
     signature: tuple = ()

@@ -35,6 +35,7 @@ class RMSNormFuser(Fuser):
     name: ClassVar[str] = "rmsnorm"
     redefines_forward: ClassVar[bool] = True
     replaces_module: ClassVar[bool] = True
+    changes_layout: ClassVar[bool] = False  # same slot, same Parameter under the same name
 
     class_match: NormMatch | None = None
     signature: tuple = ()

@@ -708,7 +708,18 @@ def hook_experts(model: nn.Module) -> None:
         layer.mlp.experts.register_forward_hook(lambda module, args, out: out * 0.5)
 
 
-@pytest.mark.parametrize("edit", [edit_act_fn, edit_class_forward, hook_experts])
+def shard_experts(model: nn.Module) -> None:
+    """What a tensor-parallel plan applied after fusing does to the experts' weights: each
+    keeps half of every expert's intermediate width (gate rows, up rows, down columns)."""
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        gate, up = experts.gate_up_proj.detach().chunk(2, dim=1)
+        half = gate.shape[1] // 2
+        experts.gate_up_proj = nn.Parameter(torch.cat([gate[:, :half], up[:, :half]], dim=1))
+        experts.down_proj = nn.Parameter(experts.down_proj.detach()[:, :, :half].contiguous())
+
+
+@pytest.mark.parametrize("edit", [edit_act_fn, edit_class_forward, hook_experts, shard_experts])
 def test_experts_edited_after_fusing_are_called_by_the_fused_block(edit) -> None:
     """What the experts kernel took from the experts module at fuse time (its activation,
     class, hooks: none) is guarded per call: an edit after fusing makes the fused block call
