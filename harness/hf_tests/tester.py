@@ -121,6 +121,9 @@ def make_test_case(
         self.model_tester = CorpusModelTester(arch, parent=self)
 
     attrs: dict[str, Any] = {
+        # a class attribute, so `setUp` may set it: the tensor-parallel mixin declares it an
+        # abstract property
+        "model_tester": None,
         "all_model_classes": tester.all_model_classes,
         "test_torch_exportable": False,
         "setUp": set_up,

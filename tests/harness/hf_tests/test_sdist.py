@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import sys
 import tarfile
+import unittest
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,36 @@ def test_a_real_mixin_module_is_not_replaced(tmp_path):
     try:
         common = sdist.import_common(tests_dir, package)
         assert common.GenerationTesterMixin.real is True
+    finally:
+        for name in [m for m in sys.modules if m.startswith(package)]:
+            del sys.modules[name]
+
+
+PARALLEL = b"""
+from .distributed_testing_utils import run_distributed
+
+
+class TensorParallelTesterMixin:
+    def launch(self):
+        run_distributed(world_size=2)(print)()
+"""
+
+
+def test_import_mixin_stands_in_for_missing_helpers_and_skips_their_callers(tmp_path):
+    tests_dir = tmp_path / "tests"
+    tests_dir.mkdir()
+    (tests_dir / "test_modeling_common.py").write_bytes(COMMON)
+    (tests_dir / "test_tensor_parallel_mixin.py").write_bytes(PARALLEL)
+    package = "hf_sdist_tests_parallel"
+    try:
+        mixin = sdist.import_mixin(
+            tests_dir, "test_tensor_parallel_mixin", "TensorParallelTesterMixin", package
+        )
+        assert mixin is not None and mixin.__name__ == "TensorParallelTesterMixin"
+        with pytest.raises(unittest.SkipTest, match="multi-process"):
+            mixin().launch()
+        absent = sdist.import_mixin(tests_dir, "test_fsdp_mixin", "FSDPTesterMixin", package)
+        assert absent is None  # an older line's sdist without the module
     finally:
         for name in [m for m in sys.modules if m.startswith(package)]:
             del sys.modules[name]
