@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import architectures, lifecycle, localise, parity, systems
+from harness import architectures, lifecycle, localise, parity, systems, warned
 from harness.results import ArchResult, Failure, ModuleResult, Refusal
 
 DTYPES: dict[str, torch.dtype] = {
@@ -101,6 +101,8 @@ class _Forwards:
     reference_error: BaseException | None = None
     fused_error: BaseException | None = None
     calls: dict[str, list] = field(default_factory=dict)
+    unfused_warnings: list[str] = field(default_factory=list)
+    fused_warnings: list[str] = field(default_factory=list)
 
 
 def check_architecture(name: str, options: CheckOptions, *, fuse: FuseFn | None = None) -> Checked:
@@ -154,7 +156,8 @@ def check_model(
     fused = copy.deepcopy(model)
     reference = float64_reference(model)
     try:
-        prepared = system.apply(fused)
+        with warned.capture() as fusing_warnings:
+            prepared = system.apply(fused)
     except Exception as exc:
         failure = _failure(system.apply_status, None, None, None, exc)
         result = _result(
@@ -176,7 +179,10 @@ def check_model(
 
     runs = _Forwards()
     try:
-        with localise.record_calls(model, list(applied)) as runs.calls:
+        with (
+            warned.capture() as runs.unfused_warnings,
+            localise.record_calls(model, list(applied)) as runs.calls,
+        ):
             runs.unfused = _forward(model, inputs, options.torch_dtype)
     except Exception as exc:
         message = f"unfused model does not run: {localise.one_line(exc)}"
@@ -202,6 +208,10 @@ def check_model(
             fuse=lambda model: system.apply(model).report,
         )
         status, message = _with_lifecycle(status, message, cycle, judged.failures)
+    warnings_record = _warnings(runs, fusing_warnings)
+    status, message = _with_fused_warnings(
+        status, message, warnings_record.get("fused-only", []), judged.failures
+    )
     message = _with_note(status, message, system.note())
     verdict = judged.verdict
     result = _result(
@@ -217,8 +227,20 @@ def check_model(
         modules=judged.modules,
         failures=judged.failures,
         lifecycle=cycle,
+        warnings=warnings_record,
     )
     return Checked(result, subject)
+
+
+def _warnings(runs: _Forwards, fusing: list[str]) -> dict[str, list[str]]:
+    """The result's `warnings` record: what the unfused forward raised, what fusing raised,
+    and what the fused forward raised that the unfused one did not (empty lists left out)."""
+    record = {
+        "unfused": runs.unfused_warnings,
+        "fusing": fusing,
+        "fused-only": warned.only_in(runs.fused_warnings, runs.unfused_warnings),
+    }
+    return {key: lines for key, lines in record.items() if lines}
 
 
 def not_applicable(system: systems.System, mode: str) -> dict[str, dict[str, str]]:
@@ -256,7 +278,8 @@ def _run_reference_and_fused(
     except Exception as exc:
         runs.reference_error = exc
     try:
-        runs.fused = _forward(fused, inputs, dtype)
+        with warned.capture() as runs.fused_warnings:
+            runs.fused = _forward(fused, inputs, dtype)
     except Exception as exc:
         runs.fused_error = exc
 
@@ -338,6 +361,30 @@ def _with_lifecycle(
         return status, message
     more = f"; {len(failed) - 1} more lifecycle operation(s) fail" if len(failed) > 1 else ""
     return "fail", f"lifecycle {failed[0][0]}: {failed[0][1]}{more}"
+
+
+def _with_fused_warnings(
+    status: str, message: str, fused_only: list[str], failures: list[Failure]
+) -> tuple[str, str]:
+    """Status and message once the warnings are compared: a warning only the fused forward
+    raises is something a user of the fused model sees and a user of the unfused one does
+    not (fusion is not invisible), so it fails a run that otherwise passed, recorded as one
+    `fused-warning` failure per line."""
+    for text in fused_only:
+        failures.append(
+            Failure(
+                kind="fused-warning",
+                qualname=None,
+                fuser=None,
+                source_class=None,
+                message=f"only the fused model warns: {text}",
+                signature=signature("fused-warning", None, None, text),
+            )
+        )
+    if not fused_only or status in {"fail", "fused-error"}:
+        return status, message
+    more = f"; {len(fused_only) - 1} more" if len(fused_only) > 1 else ""
+    return "fail", f"only the fused model warns: {fused_only[0]}{more}"
 
 
 def float64_reference(model: nn.Module) -> nn.Module:

@@ -242,6 +242,31 @@ def _golden(comparison: GoldenComparison | None, note: str) -> list[str]:
     return lines
 
 
+def _warnings(results: Sequence[ArchResult], top: int = 5) -> list[str]:
+    """Warning lines by where they were raised (harness.warned), each with the number of
+    architectures that raised it, most common first."""
+    lines: list[str] = []
+    for where, title in (
+        ("fused-only", "Only the fused model (a verdict: fails its architecture)"),
+        ("fusing", "While fusing"),
+        ("unfused", "The unfused model itself"),
+    ):
+        counts: dict[str, list[str]] = {}
+        for result in results:
+            for text in result.warnings.get(where, []):
+                counts.setdefault(text, []).append(result.architecture)
+        if not counts:
+            continue
+        ranked = sorted(counts.items(), key=lambda item: (-len(item[1]), item[0]))
+        rows = [
+            [code(_cut(text, 120)), str(len(archs)), ", ".join(sorted(archs)[:3])]
+            for text, archs in ranked[:top]
+        ]
+        more = f" ({len(ranked) - top} more lines in the results file)" if len(ranked) > top else ""
+        lines += [f"**{title}**{more}", "", table(["warning", "archs", "e.g."], rows, [1]), ""]
+    return lines or ["None recorded."]
+
+
 def _slowest(results: Sequence[ArchResult], count: int) -> list[str]:
     ranked = sorted(results, key=lambda r: (-r.seconds, r.architecture))[:count]
     rows = [[code(r.architecture), f"{r.seconds:.2f}", r.status] for r in ranked]
@@ -313,6 +338,7 @@ def render(
         ("Reach per fuser family", _reach(results)),
         ("Lifecycle verdicts", _lifecycle(results)),
         ("Against the golden plan", _golden(golden, golden_note)),
+        ("Warnings", _warnings(results)),
         (f"Slowest {min(slowest, len(results))} architectures", _slowest(results, slowest)),
         ("Problems", _problems(results)),
     ]

@@ -58,6 +58,7 @@ KINDS = (
     "module-parity",
     "module-error",
     "lifecycle",  # a lifecycle operation (harness.lifecycle) failed on the fused model
+    "fused-warning",  # the fused forward raised a warning the unfused one did not
     "compile-error",  # an Inductor system's compile (or compiled forward) raised
 )
 

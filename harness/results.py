@@ -97,8 +97,9 @@ class Failure:
     """One thing a fix must address; each becomes (at most) one repro bundle.
 
     `kind` is one of fuse-error, fused-forward-error, model-parity, module-parity,
-    module-error, lifecycle; `detail` is the traceback tail when something raised. `signature` identifies "the same failure" for de-duplication and replay
-    (architecture-independent; layer indices folded). `bundle` is the bundle directory
+    module-error, lifecycle, fused-warning (`harness.repro.KINDS`); `detail` is the traceback
+    tail when something raised. `signature` identifies "the same failure" for de-duplication
+    and replay (architecture-independent; layer indices folded). `bundle` is the bundle directory
     written for it, if any.
     """
 
@@ -138,15 +139,19 @@ class ArchResult:
     """{operation: {"verdict": "pass"|"fail"|"n/a", "detail": str}} of the lifecycle checks
     (empty when none ran)."""
     versions: dict[str, str] = field(default_factory=dict)
+    """{"transformers": ..., "torch": ...} of the process that judged it (stamped by the sweep;
+    empty in records written before it was, or made outside a sweep): `merge` refuses to mix
+    results of different versions, and `report` picks the golden line by it."""
     kernels: list[str] = field(default_factory=list)
     """Which kernel each fused product runs on this machine at decode and prefill sizes,
     and why (`fusion.FusionReport.kernels`, one line per distinct product)."""
     machine: dict[str, str] = field(default_factory=dict)
     """What decided those kernels: CPU, ATen capability, native kernel status, kernel policy
     mode and calibration table (`fusion.kernels.policy.describe`)."""
-    """{"transformers": ..., "torch": ...} of the process that judged it (stamped by the sweep;
-    empty in records written before it was, or made outside a sweep): `merge` refuses to mix
-    results of different versions, and `report` picks the golden line by it."""
+    warnings: dict[str, list[str]] = field(default_factory=dict)
+    """Warning lines (harness.warned) by where they were raised: `unfused` (the unfused
+    forward), `fusing` (the system under test preparing the model), `fused-only` (the fused
+    forward, lines the unfused forward did not raise); empty lists left out."""
     system: str = "fusion"
     """The system under test that was judged (harness.systems); "fusion" in records written
     before systems existed."""
@@ -360,6 +365,7 @@ _RESULT: dict[str, Callable[[str, Any], Any]] = {
     "versions": lambda w, v: _mapping(w, v, _string),
     "kernels": lambda w, v: _array(w, v, _string),
     "machine": lambda w, v: _mapping(w, v, _string),
+    "warnings": lambda w, v: _mapping(w, v, lambda w2, v2: _array(w2, v2, _string)),
     "system": _string,
 }
 _RESULT_REQUIRED = ("architecture", "status", "dtype", "device", "seed", "seconds")

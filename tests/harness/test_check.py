@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -156,3 +157,36 @@ def test_refusals_are_grouped_with_counts():
 def test_options_reject_unknown_dtype():
     with pytest.raises(ValueError, match="float8"):
         _ = CheckOptions(dtype="float8").torch_dtype
+
+
+def _warning_change(output):
+    warnings.warn("fused path took a detour", UserWarning, stacklevel=1)
+    return output
+
+
+def test_a_warning_only_the_fused_model_raises_fails(llama, llama_inputs):
+    """Same logits, but the fused forward warns where the unfused one does not: a user sees
+    the difference, so it is a verdict, recorded per line, with the unfused model's own
+    warnings kept apart."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # as the sweep's workers run
+        result = _check(llama, llama_inputs, faulty_fuse(MLP0, change=_warning_change))
+    assert result.status == "fail", result.message
+    assert "only the fused model warns: UserWarning: fused path took a detour" in result.message
+    assert result.warnings == {"fused-only": ["UserWarning: fused path took a detour"]}
+    assert [f.kind for f in result.failures] == ["fused-warning"]
+
+
+def test_warnings_both_models_raise_are_recorded_not_judged(llama, llama_inputs):
+    handle = llama.model.layers[0].mlp.register_forward_hook(
+        lambda module, args, output: _warning_change(output)
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = _check(llama, llama_inputs, faulty_fuse(MLP0, change=lambda o: o))
+    finally:
+        handle.remove()
+    assert result.status == "pass", result.message
+    assert result.warnings["unfused"] == ["UserWarning: fused path took a detour"]
+    assert "fused-only" not in result.warnings

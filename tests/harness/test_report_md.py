@@ -258,3 +258,18 @@ def test_the_problem_list_is_capped(monkeypatch):
     results = [_r(f"f{i}", "fail", message="bad") for i in range(5)]
     body = _section(report_md.render(results, source="r"), "Problems")
     assert body.count("**fail**") == 2 and "... and 3 more (see the results file)." in body
+
+
+def test_warnings_are_counted_per_line_and_fused_only_ones_come_first():
+    results = [
+        _r("a", "fail", warnings={"fused-only": ["UserWarning: x"], "unfused": ["W: y"]}),
+        _r("b", "pass", warnings={"unfused": ["W: y"]}),
+        _r("c", "pass"),
+    ]
+    text = report_md.render(results, source="r.jsonl")
+    section = text.split("### Warnings", 1)[1].split("###", 1)[0]
+    assert section.index("Only the fused model") < section.index("The unfused model itself")
+    assert "| `W: y` | 2 | a, b |" in section
+    assert "| `UserWarning: x` | 1 | a |" in section
+    quiet = report_md.render([_r("c", "pass")], source="r.jsonl")
+    assert "None recorded." in quiet.split("### Warnings", 1)[1]
