@@ -29,8 +29,10 @@ class MergedLinear(nn.Module):
     translation. Every in-place write to a Parameter (an optimiser step, `load_state_dict`,
     `p.data.copy_`) writes the stacked weight the GEMM reads, so it can never be stale.
 
-    `forward` returns the concatenated outputs; the rewritten forward splits them with
-    `output_sizes`. Its reference is each shard's `F.linear` on the shard's current
+    `forward(x)` returns the concatenated outputs; the rewritten forwards call it with
+    `layouts` for `pieces` (each shard's output, laid out as the rewrite's alias analysis
+    asked) or `outputs` (the merged output, or the shards' outputs where they were computed
+    apart), so the reference path never concatenates to split again. The reference is each shard's `F.linear` on the shard's current
     Parameters, exactly the unfused calls (so training computes the unfused gradients, bit
     for bit, into each Parameter's own `.grad`). One product on the stacked weight (one
     `F.linear`, or a CPU decode kernel) runs instead only where the kernel policy chooses
@@ -185,20 +187,54 @@ class MergedLinear(nn.Module):
 
     # -- computing ---------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, layouts: tuple[str, ...] | str | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The concatenated outputs; with `layouts`, what the rewritten forwards take: a
+        tuple of `LAYOUTS` gives `pieces(x, layouts)`, `AS_COMPUTED` gives `outputs(x)`.
+        The rewrites call the module (not the methods), so its hooks and whatever watches
+        module outputs (the harness's dtype oracle) see each call."""
+        if layouts is None:
+            out = self.outputs(x)
+            return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+        if layouts == AS_COMPUTED:
+            return self.outputs(x)
+        return self.pieces(x, layouts)  # type: ignore[arg-type]
+
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`(merged,)` where one product on the stacked weight computed every shard's output
+        (the policy chose a stacked kernel, the views hold, no gradient is recorded), else
+        each shard's own output: its `F.linear` on its current Parameters, exactly the
+        unfused call and tensor (fresh, contiguous), with no concatenation to pay for.
+        The rewritten forwards take this (or `pieces`) through `forward`, so the reference
+        path costs what the unfused calls cost."""
+        counts = self.__dict__  # counters: a plain dict write, not `Module.__setattr__`
         compiling = torch.compiler.is_compiling()
         if compiling or not self.views_hold() or self._records_grad():
             if not compiling:
-                self.shard_calls += 1
+                counts["shard_calls"] += 1
             return self._shards_apart(x, self._current())
-        self.stacked_calls += 1
+        counts["stacked_calls"] += 1
         stacked = ops.product(
             "stacked", self.kernel_shape, self.backend, x, self.stacked_weight, self.stacked_bias
         )
         if stacked is not None:
-            return stacked
+            return (stacked,)
         # the reference: each shard's own product on its Parameters (views of the rows)
         return self._shards_apart(x, self._current())
+
+    def pieces(self, x: torch.Tensor, layouts: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        """Each shard's output, in shard order, laid out as `layouts` asks (one of
+        `LAYOUTS` per shard): where one stacked product computed them, its split views, made
+        `.contiguous()` (`contiguous`) or copies of their own with standard strides
+        (`fresh`: `t.new_empty(t.shape).copy_(t)`, not a view, as the projection's own
+        output was) where the rewrite's alias analysis asked; where each shard computed its
+        own, those outputs as they are: already fresh and contiguous, the unfused tensors."""
+        out = self.outputs(x)
+        if len(out) != 1 or len(self.output_sizes) == 1:
+            return out
+        split = out[0].split(self.output_sizes, -1)
+        return tuple(_laid_out(piece, layout) for piece, layout in zip(split, layouts))
 
     def _records_grad(self) -> bool:
         """Will autograd record a product with the shards' Parameters? Asked once the views
@@ -207,16 +243,16 @@ class MergedLinear(nn.Module):
 
     def _shards_apart(
         self, x: torch.Tensor, current: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-    ) -> torch.Tensor:
-        """Each shard's `F.linear` on its own current Parameters, concatenated: the unfused
-        calls exactly (autograd included). Eager, nothing else (the cheapest path: it is the
-        reference of every call the policy gives no kernel). While Dynamo traces (the merged
-        module always computes apart then), a shard's product without a gradient may be the
+    ) -> tuple[torch.Tensor, ...]:
+        """Each shard's `F.linear` on its own current Parameters: the unfused calls exactly
+        (autograd included). Eager, nothing else (the cheapest path: it is the reference of
+        every call the policy gives no kernel). While Dynamo traces (the merged module
+        always computes apart then), a shard's product without a gradient may be the
         `fusion::linear_product` operator, which makes the policy's choice for its shape when
         the compiled code runs, as an unmerged `RowLinear` would."""
         if not torch.compiler.is_compiling():
             # eager: exactly the unfused calls (the policy's stacked choice was asked first)
-            return torch.cat([F.linear(x, weight, bias) for weight, bias in current], dim=-1)
+            return tuple(F.linear(x, weight, bias) for weight, bias in current)
         pieces = []
         for weight, bias in current:
             tensors = (x, weight) if bias is None else (x, weight, bias)
@@ -225,7 +261,7 @@ class MergedLinear(nn.Module):
                 shape = tuple(weight.shape)
                 decoded = ops.product("linear", shape, self.backend, x, weight, bias)
             pieces.append(F.linear(x, weight, bias) if decoded is None else decoded)
-        return torch.cat(pieces, dim=-1)
+        return tuple(pieces)
 
     def extra_repr(self) -> str:
         shards = ", ".join(
@@ -310,6 +346,23 @@ def restack_refusal(
     return None
 
 
+LAYOUTS = ("view", "contiguous", "fresh")
+"""How `MergedLinear.pieces` hands a piece of a stacked output to the rewritten forward."""
+
+AS_COMPUTED = "as-computed"
+"""`MergedLinear.forward`'s `layouts` asking for `outputs` (one merged tensor, or the
+shards' own outputs where they were computed apart)."""
+
+
+def _laid_out(piece: torch.Tensor, layout: str) -> torch.Tensor:
+    """`piece` (a split view of a stacked output) in `layout` (`LAYOUTS`)."""
+    if layout == "fresh":
+        return piece.new_empty(piece.shape).copy_(piece)
+    if layout == "contiguous":
+        return piece.contiguous()
+    return piece
+
+
 class RowLinear(nn.Linear):
     """An `nn.Linear` whose products take the kernel the policy chooses for its shape
     (`ops.product('linear', ...)`: the native kernel or oneDNN's one-row product where
@@ -328,14 +381,20 @@ class RowLinear(nn.Linear):
 
 
 class ActAndMul(nn.Module):
-    """`act(x[..., :d]) * x[..., d:]`: the activation on the gate half, times the up half."""
+    """`act(x[..., :d]) * x[..., d:]`: the activation on the gate half, times the up half.
+
+    Called with two tensors, `(gate, up)` (a merged projection's shards computed apart,
+    `MergedLinear.outputs`), it is `act(gate) * up`: the unfused expression itself, with no
+    concatenation first."""
 
     def __init__(self, activation: str, backend: str = "auto") -> None:
         super().__init__()
         self.activation = activation
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        if up is not None:
+            return ops.act_and_mul_pair(self.backend, x, up, self.activation)
         return ops.act_and_mul(self.backend, x, self.activation)
 
     def extra_repr(self) -> str:

@@ -13,7 +13,7 @@ it may be written in place ("Output 0 of SplitWithSizes is a view and is being m
 inplace"), while the projection's own output may (OLMo clamps q/k/v in place, rotary
 embeddings are written back, queries are scaled with `q *= s`). A piece that may be written,
 directly or through anything holding or viewing it, therefore becomes a copy of its own
-(FRESH; `fusion.fusers.stacked.make_fresh`): a new, non-view tensor with standard
+(FRESH; `fusion.fusers.stacked.settle_layouts`): a new, non-view tensor with standard
 contiguous strides, like the projection's. So does a piece whose layout is asked
 (`stride()`, `untyped_storage()`, ...) or that is returned: `.contiguous()` hands back the
 piece itself where it already counts as contiguous (size-1 leading dimensions), merged
@@ -137,7 +137,7 @@ def _run(node: fx.Node, module: nn.Module, values: dict[fx.Node, object]) -> obj
 
 OK, CONTIGUOUS, FRESH = "ok", "contiguous", "fresh"
 """Verdicts on a piece: usable as split, needs `.contiguous()`, needs a copy of its own
-(`stacked.make_fresh`)."""
+(`stacked.settle_layouts`)."""
 
 
 def _piece_verdict(graph: fx.Graph, module: nn.Module, node: fx.Node, piece: torch.Tensor) -> str:

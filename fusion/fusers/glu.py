@@ -1,4 +1,4 @@
-"""GLU: `act(gate(x)) * up(x)` -> `act_and_mul(gate_up_proj(x))`.
+"""GLU: `act(gate(x)) * up(x)` -> `act_and_mul(*gate_up_proj(x, "as-computed"))`.
 
 The gate and up projections become one `MergedLinear` (gate is shard 0) and the activation
 and product one `ActAndMul`, which applies the activation to the first half. The activation
@@ -25,7 +25,7 @@ from fusion.fusers.base import Fuser
 from fusion.fusers.stacked import check_stackable, install_merged
 from fusion.graph import is_fn, is_linear, submodule
 from fusion.guards import attribute_guard
-from fusion.modules import ActAndMul, MergedLinear
+from fusion.modules import AS_COMPUTED, ActAndMul, MergedLinear
 
 
 def activation_kind(act: nn.Module) -> str:
@@ -178,7 +178,8 @@ def rewrite_glu(
 ) -> tuple[Any, str, str]:
     """Rewrite the product `self.<act>(self.<gate>(X)) * self.<up>(X)` (either order; with
     `kind`, `F.<activation>(self.<gate>(X)) * self.<up>(X)`) into
-    `self.act_and_mul(self.gate_up_proj(X))`; returns (forward, original, rewritten).
+    `self.act_and_mul(*self.gate_up_proj(X, "as-computed"))` (one merged output, or the
+    two shards' outputs where they were computed apart: `MergedLinear.outputs`); returns (forward, original, rewritten).
 
     Refuses unless the product is one expression of that exact shape with the same plain
     input on both sides: then the only code between the two projection calls is the
@@ -224,7 +225,9 @@ def rewrite_glu(
     }
     if {"gate_up_proj", "act_and_mul"} & taken:
         raise RewriteRefused("gate_up_proj or act_and_mul already used in the forward")
-    replacement = ast.parse("self.act_and_mul(self.gate_up_proj(__input__))", mode="eval").body
+    replacement = ast.parse(
+        f"self.act_and_mul(*self.gate_up_proj(__input__, {AS_COMPUTED!r}))", mode="eval"
+    ).body
     placeholder = next(
         n for n in ast.walk(replacement) if isinstance(n, ast.Name) and n.id == "__input__"
     )

@@ -131,7 +131,8 @@ def rewrite_stacked(
     or that the rewritten source may write in place by any spelling, on any path, through
     any view or holder (`fusion.piece_writes.written_pieces`, which reads the helpers, methods and
     children the forward calls, and presumes a write where it cannot), or that it asks
-    for their layout or returns, become copies of their own (`make_fresh`).
+    for their layout or returns, become copies of their own (`settle_layouts`, which has
+    the merged module hand out every piece laid out as needed).
 
     Returns the `StackedRewrite`. Refuses unless: each shard is called exactly once as
     `self.<shard>(input)` with the same side-effect-free input, every other reference to a
@@ -190,7 +191,9 @@ def rewrite_stacked(
     # norms, methods) are followed rather than presumed to write what they are passed.
     written = written_pieces(funcdef, temps, module, getattr(fn, "__globals__", {}))
     flags = list(fresh) + [False] * (len(temps) - len(fresh))
-    make_fresh(funcdef, [t for t, f, w in zip(temps, flags, written) if f or w])
+    settle_layouts(
+        funcdef, merged_name, temps, {t for t, f, w in zip(temps, flags, written) if f or w}
+    )
     compiled = source.compile_forward(funcdef, fn)
     return StackedRewrite(compiled, original, source.unparse(funcdef), relied, state_relied)
 
@@ -209,14 +212,34 @@ class StackedRewrite:
     state_relied: tuple[str, ...] = ()
 
 
-def make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
-    """Replace each use of a split temporary in `temps` (`t` or `t.contiguous()`, where the
-    projection call was) by `t.new_empty(t.shape).copy_(t)`: a fresh tensor with standard
-    contiguous strides that is not a view, as the projection's own output was, so writing
-    it in place, or asking its strides or storage, behaves the same. (`t.clone()` would
-    keep the merged tensor's stride on a size-1 leading dimension, which `stride()` shows;
-    `clone(memory_format=...)` would need `torch` in the forward's globals.)"""
-    for node in list(ast.walk(funcdef)):
+def settle_layouts(
+    funcdef: ast.FunctionDef, merged_name: str, temps: list[str], fresh: set[str]
+) -> tuple[str, ...]:
+    """Hand the pieces to the rewritten forward as its analysis asked, by the merged module
+    itself: the split statement `t0, ... = self.<merged>(x).split(...)` becomes
+    `t0, ... = self.<merged>(x, LAYOUTS)` (`MergedLinear.pieces`), each piece's layout `fresh` (in `fresh`:
+    written in place, or its strides, storage or identity asked for; a copy of its own with
+    standard strides, not a view, as the projection's own output was), `contiguous` (its
+    use was `t.contiguous()`, which becomes `t`) or `view`. Returns the layouts.
+
+    Safe because each temporary has exactly one use (the call it replaced) and no piece's
+    values change between the split and that use (a piece written in place is `fresh`, so
+    its writes reach no other piece): materialising at the split is materialising at the
+    use. And it is cheaper where it matters: shards computed apart (the reference, a
+    gradient, a trace) are the projections' own outputs, already fresh and contiguous, with
+    no concatenation, split or copy (`MergedLinear.pieces`). Refuses when a temporary is not
+    used exactly once (never expected: the rewrite would otherwise be unproven)."""
+    uses: dict[str, list[tuple[ast.AST, str, int | None, ast.expr]]] = {t: [] for t in temps}
+    receivers = {
+        id(node.func.value)
+        for node in ast.walk(funcdef)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "contiguous"
+        and not node.args
+        and not node.keywords
+    }  # `t` inside `t.contiguous()`: that use is the call's, counted once, there
+    for node in ast.walk(funcdef):
         for field_name, value in ast.iter_fields(node):
             items = value if isinstance(value, list) else [value]
             for index, item in enumerate(items):
@@ -226,23 +249,56 @@ def make_fresh(funcdef: ast.FunctionDef, temps: list[str]) -> None:
                     and isinstance(item.func, ast.Attribute)
                     and item.func.attr == "contiguous"
                     and not item.args
+                    and not item.keywords
                     and isinstance(item.func.value, ast.Name)
                 ):
                     target = item.func.value
-                if not (
+                if (
                     isinstance(target, ast.Name)
                     and isinstance(target.ctx, ast.Load)
-                    and target.id in temps
+                    and target.id in uses
+                    and (target is not item or id(item) not in receivers)
                 ):
-                    continue
-                name = target.id
-                clone = ast.parse(f"{name}.new_empty({name}.shape).copy_({name})", mode="eval").body
-                for part in ast.walk(clone):
-                    ast.copy_location(part, item)
-                if isinstance(value, list):
-                    value[index] = clone
-                else:
-                    setattr(node, field_name, clone)
+                    where = index if isinstance(value, list) else None
+                    uses[target.id].append((node, field_name, where, item))
+    layouts = []
+    for temp in temps:
+        if len(uses[temp]) != 1:
+            raise RewriteRefused(f"split piece {temp} is used {len(uses[temp])} times, not once")
+        node, field_name, where, item = uses[temp][0]
+        wrapped = isinstance(item, ast.Call)
+        layouts.append("fresh" if temp in fresh else "contiguous" if wrapped else "view")
+        if wrapped:
+            bare = ast.copy_location(ast.Name(id=temp, ctx=ast.Load()), item)
+            if where is None:
+                setattr(node, field_name, bare)
+            else:
+                getattr(node, field_name)[where] = bare
+    split = _split_statement(funcdef, merged_name)
+    merged_call = split.value.func.value  # self.<merged>(x)
+    call = ast.parse(f"self.{merged_name}(__input__, {tuple(layouts)!r})", mode="eval").body
+    call.args[0] = merged_call.args[0]
+    for part in ast.walk(call):
+        ast.copy_location(part, split.value)
+    split.value = call
+    return tuple(layouts)
+
+
+def _split_statement(funcdef: ast.FunctionDef, merged_name: str) -> ast.Assign:
+    """The `... = self.<merged>(x).split(self.<merged>.output_sizes, -1)` statement that
+    `source.splice_merged_call` inserted."""
+    for node in ast.walk(funcdef):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute)
+            and node.value.func.attr == "split"
+            and isinstance(node.value.func.value, ast.Call)
+            and isinstance(node.value.func.value.func, ast.Attribute)
+            and node.value.func.value.func.attr == merged_name
+        ):
+            return node
+    raise RewriteRefused(f"the split of self.{merged_name} is not in the rewritten forward")
 
 
 @dataclass

@@ -233,6 +233,16 @@ def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     return _kernels(backend, x.device, "act_and_mul", x).act_and_mul(x, activation)
 
 
+def act_and_mul_pair(backend: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """`act(gate) * up`, as `act_and_mul(backend, cat((gate, up), -1), activation)`: the
+    reference's elementwise ops on the two tensors where `backend` computes act-and-mul
+    with the reference for these operands (every CPU backend; any backend under autocast or
+    a mode), else the backend's kernel on their concatenation (its one-input contract)."""
+    if _reference_for(backend, gate.device, "act_and_mul", gate, up):
+        return torch_ref.act_and_mul_pair(gate, up, activation)
+    return act_and_mul(backend, torch.cat((gate, up), -1), activation)
+
+
 _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64
 )}  # fmt: skip

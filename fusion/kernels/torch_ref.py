@@ -25,6 +25,12 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     return ACTIVATIONS[activation](x[..., :d]) * x[..., d:]
 
 
+def act_and_mul_pair(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`act(gate) * up`: `act_and_mul` of `cat((gate, up), -1)`, elementwise the same ops
+    on the same values (so the same bits), without the concatenation."""
+    return ACTIVATIONS[activation](gate) * up
+
+
 def promoted(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     """`torch.result_type(a, b)`, also while Dynamo traces (it cannot trace `result_type`,
     which returns a dtype): there both tensors' dims are static, and for two dimensioned

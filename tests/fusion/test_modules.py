@@ -156,6 +156,38 @@ def test_act_and_mul() -> None:
     x = torch.randn(2, 8)
     got = ActAndMul("silu", backend="torch")(x)
     assert torch.equal(got, nn.functional.silu(x[:, :4]) * x[:, 4:])
+    # the two shards' outputs, computed apart: the same bits without a concatenation
+    assert torch.equal(ActAndMul("silu")(x[:, :4].clone(), x[:, 4:].clone()), got)
+
+
+def _stacked_everywhere(op, shape, dtype, rows, backend):
+    return ("stacked",) if op == "stacked" else ()
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["one-product", "apart"])
+def test_pieces_are_laid_out_as_asked(stacked: bool, monkeypatch) -> None:
+    """One stacked product: split views, `.contiguous()` where asked, and copies of their
+    own (not views, standard strides) where `fresh`; shards apart: each shard's own output
+    (fresh and contiguous already), never a view of a concatenation. Values always equal."""
+    linears = _linears()
+    expected = copy.deepcopy(linears)
+    merged = MergedLinear.from_linears(linears)
+    if stacked:
+        monkeypatch.setattr(POLICY, "choose", _stacked_everywhere)
+    x = torch.randn(2, 3, 6)
+    with torch.no_grad():
+        q, k, v = merged.pieces(x, ("view", "contiguous", "fresh"))
+        outputs = merged.outputs(x)
+        for piece, lin in zip((q, k, v), expected.values()):
+            torch.testing.assert_close(piece, lin(x), rtol=1e-6, atol=1e-6)
+    assert len(outputs) == (1 if stacked else 3)
+    assert (merged.stacked_calls, merged.shard_calls) == (2, 0)
+    if stacked:
+        assert q._base is not None and not q.is_contiguous()  # a view of the one output
+        assert k.is_contiguous()
+    else:
+        assert q._base is None and q.is_contiguous()
+    assert v._base is None and v.is_contiguous() and v.stride() == (12, 4, 1)
 
 
 def test_fused_rms_norm_refuses_unproven_dtypes() -> None:

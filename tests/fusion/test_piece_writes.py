@@ -11,7 +11,7 @@ inplace"), so the fused forward crashed where the original ran. Shrunk fuzzer ex
     value_states = self.v_proj(x)
     query_states *= 0.5                   # RuntimeError in the fused forward (autograd on)
 
-Such pieces now become copies of their own (`piece.new_empty(piece.shape).copy_(piece)`;
+Such pieces are handed out as copies of their own (layout `fresh` of `MergedLinear.pieces`;
 alias analysis is flow-insensitive, so a sibling piece passed to the same call may be copied
 too); in a forward that writes no piece, every piece stays a view (no copy). Every write
 spelling, in every split: test_piece_write_spellings.py.
@@ -19,7 +19,10 @@ spelling, in every split: test_piece_write_spellings.py.
 
 from __future__ import annotations
 
+import ast
 import copy
+import re
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +30,8 @@ from torch import nn
 
 import fusion
 from fusion import registry
+from fusion.kernels.policy import POLICY
+from fusion.modules import MergedLinear
 from tests.fusion.fusers.hazards import eager_attention_forward
 
 
@@ -121,9 +126,16 @@ class InplaceActivationMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+def _stacked_everywhere(op, shape, dtype, rows, backend):
+    """A kernel policy choosing the stacked product for every merged call: the merged
+    module splits one output, so the pieces' layouts (views, copies) are what is tested."""
+    return ("stacked",) if op == "stacked" else ()
+
+
 def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
-    """Fuse a copy; with autograd on, the forward, the input and the input's gradient must
-    agree with the original's. Returns the rewritten source."""
+    """Fuse a copy; with autograd on (shards computed apart), the forward, the input and
+    the input's gradient must agree with the original's; without (one stacked product,
+    split into pieces), the forward must. Returns the rewritten source."""
     fused = copy.deepcopy(module)
     report = fusion.fuse(fused)
     assert report.applied, report.skipped
@@ -134,7 +146,20 @@ def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
     a.sum().backward()
     b.sum().backward()
     torch.testing.assert_close(a_in.grad, b_in.grad, rtol=1e-5, atol=1e-6)
+    merged = [m for m in fused.modules() if isinstance(m, MergedLinear)]
+    before = sum(m.stacked_calls for m in merged)
+    with torch.no_grad(), mock.patch.object(POLICY, "choose", _stacked_everywhere):
+        torch.testing.assert_close(module(x), fused(x), rtol=1e-5, atol=1e-6)
+    assert sum(m.stacked_calls for m in merged) > before  # the split path really ran
     return report.applied[0].rewritten_source or ""
+
+
+def _layouts(rewritten: str) -> list[str]:
+    """The layouts the rewritten forward asks its merged projection for
+    (`MergedLinear.pieces`)."""
+    found = re.search(r"self\.\w+\([^,()]+, (\((?:'\w+', ?)+'?\w*'?\))\)", rewritten)
+    assert found, rewritten
+    return list(ast.literal_eval(found[1]))
 
 
 @pytest.mark.parametrize("cls", [AugAssign, InplaceMethod, ItemAssign, ThroughView])
@@ -142,7 +167,7 @@ def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
 def test_written_piece_is_cloned(cls: type[nn.Module], shape: tuple[int, ...]) -> None:
     registry.clear_cache()
     rewritten = _check_same(cls(), shape)
-    assert ".copy_(_fused" in rewritten, rewritten
+    assert "fresh" in _layouts(rewritten), rewritten
 
 
 def test_branch_the_trace_did_not_take() -> None:
@@ -151,19 +176,19 @@ def test_branch_the_trace_did_not_take() -> None:
     unclipped = ClipBranch()
     assert fusion.fuse(copy.deepcopy(unclipped)).applied
     rewritten = _check_same(ClipBranch(clip=0.1), (2, 3, 8))
-    assert ".copy_(_fused" in rewritten, rewritten
+    assert "fresh" in _layouts(rewritten), rewritten
 
 
 def test_inplace_child_activation_on_piece() -> None:
     registry.clear_cache()
     rewritten = _check_same(InplaceActivationMLP(), (2, 3, 8))
-    assert ".copy_(_fused_gate_proj_up_proj_merged_0)" in rewritten, rewritten
+    assert _layouts(rewritten)[0] == "fresh", rewritten
 
 
 def test_unwritten_pieces_stay_views() -> None:
     registry.clear_cache()
     rewritten = _check_same(Attention(), (2, 3, 8))
-    assert ".copy_(" not in rewritten, rewritten
+    assert "fresh" not in _layouts(rewritten), rewritten
 
 
 class Scaler(nn.Module):
@@ -223,4 +248,4 @@ def test_a_piece_written_through_another_object_than_self(cls: type[Attention]) 
     registry.clear_cache()
     assert fusion.fuse(copy.deepcopy(cls())).applied  # matched where the branch is not taken
     rewritten = _check_same(cls(clip=1.0), (2, 3, 8))
-    assert ".copy_(_fused" in rewritten, rewritten
+    assert "fresh" in _layouts(rewritten), rewritten

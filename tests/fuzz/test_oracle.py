@@ -18,6 +18,7 @@ from torch import nn
 from fusion import apply
 from fusion.modules import MergedLinear
 from fusion.report import FusionReport
+from tests.fusion import merged_faults
 from tests.fuzz.oracle import Tally, check, relative_error
 from tests.fuzz.profiles import REPO
 from tests.fuzz.repro import write_bundle
@@ -133,7 +134,7 @@ def test_correct_fusion_passes(tmp_path: Path) -> None:
 def test_injected_kernel_faults_are_caught(
     forward, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(MergedLinear, "forward", forward)
+    merged_faults.inject(monkeypatch, forward)
     outcome = check(ATTENTION, 0, tmp_path)
     assert outcome.failure is not None and outcome.failure.kind == kind, outcome
 
@@ -180,7 +181,7 @@ def _replay(bundle: Path) -> int:
 
 
 def test_bundle_replays_from_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(MergedLinear, "forward", _scaled)
+    merged_faults.inject(monkeypatch, _scaled)
     outcome = check(ATTENTION, 7, tmp_path)
     assert outcome.failure is not None
     bundle = write_bundle(tmp_path / "bundles", "fuzz--attention", ATTENTION, 7, outcome)
@@ -215,7 +216,7 @@ def test_bundle_replays_from_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_rewriting_a_bundle_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While Hypothesis shrinks, each smaller failure overwrites the shape's bundle."""
-    monkeypatch.setattr(MergedLinear, "forward", _scaled)
+    merged_faults.inject(monkeypatch, _scaled)
     outcome = check(ATTENTION, 1, tmp_path)
     root = tmp_path / "bundles"
     write_bundle(root, "b", ATTENTION, 1, outcome)
@@ -225,7 +226,7 @@ def test_rewriting_a_bundle_replaces_it(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_unusable_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(MergedLinear, "forward", _scaled)
+    merged_faults.inject(monkeypatch, _scaled)
     outcome = check(ATTENTION, 1, tmp_path)
     bundle = write_bundle(tmp_path / "bundles", "b", ATTENTION, 1, outcome)
     (bundle / "bundle.json").write_text("{")

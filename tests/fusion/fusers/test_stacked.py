@@ -119,7 +119,7 @@ def test_a_decided_graph_merges_on_every_path_with_contiguous_pieces() -> None:
     module = MaskedProjections()
     fused, report = fuse_copy(module)
     assert report.counts() == {"sibling": 1}, str(report)
-    assert "_fused_a_b_merged_0.contiguous()" in report.applied[0].rewritten_source
+    assert "self.a_b_merged(x, ('contiguous', 'contiguous'))" in report.applied[0].rewritten_source
     x, mask = torch.randn(2, 5, 8), torch.rand(2, 5, 1)
     with torch.no_grad():
         assert torch.allclose(module(x), fused(x), atol=1e-6)
