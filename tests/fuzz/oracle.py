@@ -11,6 +11,9 @@ and fresh random inputs:
 - every output agrees with the unfused output to a relative error of `TOLERANCE`, and so
   does every input the forward mutates (tensors, and the state of objects such as a KV
   cache passed in);
+- with one stacked product per merged projection (`_stacked_failure`: the path a kernel
+  measured faster takes, its output split into pieces laid out as the rewrite asked; the
+  default policy computes each shard apart), outputs and mutated inputs agree too;
 - gradients agree (`_gradient_failure`): a second forward with the first floating input
   requiring grad, backward of a fixed random projection of the outputs; the input's gradient
   and every parameter's (mapped to unfused names) to `GRAD_TOLERANCE`. A projection moved
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -49,6 +53,7 @@ from torch import nn
 import fusion
 from fusion import numerics, registry
 from fusion.checkpoint import unfused_named
+from fusion.kernels.policy import POLICY
 from fusion.report import FusionReport
 from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
 from tests.fuzz.strategies import SHAPES, GeneratedModule
@@ -350,6 +355,7 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
             # state
             return Outcome(status, report)
         failure = _gradient_failure(module, seed, *pristine)
+        failure = failure or _stacked_failure(module, seed, *pristine)
         failure = failure or _ambient_failure(module, seed, *pristine)
         failure = failure or _premise_failure(module, seed, *pristine)
         return Outcome(status, report, failure)
@@ -462,6 +468,53 @@ def _gradient_failure(
             observed=error,
             tolerance=GRAD_TOLERANCE,
         )
+    return None
+
+
+def _stacked_everywhere(
+    op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
+) -> tuple[str, ...]:
+    return ("stacked",) if op == "stacked" else ()
+
+
+def _stacked_failure(
+    module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
+) -> Failure | None:
+    """The path a kernel measured faster takes, which the default policy (the reference:
+    each shard's own product) never does: without autograd, every merged projection as one
+    stacked product, its output split into pieces laid out as the rewrite asked (views,
+    contiguous, fresh copies). Outputs and mutated inputs must agree with the unfused
+    forward's; `module-parity` / `input-state` / `fused-forward-error` otherwise, the
+    message saying which path."""
+    args, kwargs = make_inputs(module, seed)
+    args_fused, kwargs_fused = copy.deepcopy((args, kwargs))
+    unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
+    try:
+        with torch.no_grad():
+            expected = unfused_copy(*args, **kwargs)
+    except Exception:
+        return None  # the unfused forward needs autograd: nothing to compare
+    try:
+        with torch.no_grad(), mock.patch.object(POLICY, "choose", _stacked_everywhere):
+            actual = fused_copy(*args_fused, **kwargs_fused)
+    except Exception as exc:
+        return Failure(
+            "fused-forward-error",
+            f"with one stacked product: {type(exc).__name__}: {exc}",
+            _tail(exc),
+        )
+    for kind, want, got, what in (
+        ("module-parity", expected, actual, "output"),
+        ("input-state", (args, kwargs), (args_fused, kwargs_fused), "inputs"),
+    ):
+        error, where = compare(state(want), state(got), what)
+        if error > TOLERANCE:
+            return Failure(
+                kind,
+                f"with one stacked product: {where} differs (relative error {error:.3g})",
+                observed=error,
+                tolerance=TOLERANCE,
+            )
     return None
 
 

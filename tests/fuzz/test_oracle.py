@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion import apply
+from fusion import apply, modules
 from fusion.modules import MergedLinear
 from fusion.report import FusionReport
 from tests.fusion import merged_faults
@@ -178,6 +178,15 @@ def test_relative_error() -> None:
 
 def _replay(bundle: Path) -> int:
     return runpy.run_path(str(bundle / "repro.py"), run_name="fuzz_repro")["main"](bundle)
+
+
+def test_the_stacked_split_path_is_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault only on the path one stacked product takes (the pieces of its split output),
+    which the default policy never runs: the oracle's stacked pass finds it."""
+    monkeypatch.setattr(modules, "_laid_out", lambda piece, layout: piece * 1.001)
+    outcome = check(ATTENTION, 0, tmp_path)
+    assert outcome.failure is not None and outcome.failure.kind == "module-parity", outcome
+    assert "with one stacked product" in outcome.failure.message
 
 
 def test_bundle_replays_from_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
