@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.kernels import ops, torch_ref
+from fusion.kernels.policy import POLICY
 
 
 class MergedLinear(nn.Module):
@@ -210,6 +211,10 @@ class MergedLinear(nn.Module):
         path costs what the unfused calls cost."""
         counts = self.__dict__  # counters: a plain dict write, not `Module.__setattr__`
         compiling = torch.compiler.is_compiling()
+        if not compiling and POLICY.idle("stacked", self.backend):
+            # nothing to choose: the reference, asked nothing (see `KernelPolicy.idle`)
+            counts["shard_calls"] += 1
+            return tuple(F.linear(x, w, b) for w, b in self._current())
         if compiling or not self.views_hold() or self._records_grad():
             if not compiling:
                 counts["shard_calls"] += 1
@@ -376,6 +381,8 @@ class RowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
+        if not torch.compiler.is_compiling() and POLICY.idle("linear", self.kernel_backend):
+            return F.linear(x, weight, bias)  # nothing to choose: `nn.Linear`'s cost
         decoded = ops.product("linear", tuple(weight.shape), self.kernel_backend, x, weight, bias)
         return F.linear(x, weight, bias) if decoded is None else decoded
 
@@ -402,6 +409,8 @@ class ActAndMul(nn.Module):
 
 
 DtypePair = tuple[torch.dtype, torch.dtype | None]
+
+_FLOAT32_PAIR = (torch.float32, torch.float32)
 """(input dtype, weight dtype or None for a weightless norm)."""
 
 
@@ -448,14 +457,30 @@ class FusedRMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.has_weight else None
+        # `_parameters` directly: `nn.Module.__getattr__` would be one more Python frame
+        weight = self._parameters["weight"] if self.has_weight else None
         pair = (x.dtype, None if weight is None else weight.dtype)
         if pair not in self.verified:
             raise TypeError(
                 f"FusedRMSNorm was proven equal to the module it replaced only for "
                 f"(input, weight) dtypes {sorted(map(str, self.verified))}, not {pair}"
             )
-        return ops.rms_norm(self.backend, x, weight, self._eps_for(x.dtype), **self._variant())
+        eps = self.eps if self.eps is not None else self._eps_for(x.dtype)
+        if (
+            pair == _FLOAT32_PAIR
+            and self.upcast
+            and not self.offset
+            and x.is_cpu
+            and self.backend in ("auto", "torch")
+            and weight.dim() == 1  # type: ignore[union-attr]
+            and weight.shape[0] == x.shape[-1]  # type: ignore[union-attr]
+            and not torch.compiler.is_compiling()
+        ):
+            # Exactly the call the reference backend makes here (`TorchKernels.rms_norm`:
+            # float32 throughout, every variant order the same product), without the frames
+            # between: on a decode step they run from caches a GEMV has just emptied.
+            return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+        return ops.rms_norm(self.backend, x, weight, eps, **self._variant())
 
     def _eps_for(self, dtype: torch.dtype) -> float:
         """The eps the replaced module used: its own, or (None) the float32-or-wider finfo

@@ -85,7 +85,7 @@ def products_asked(run: Callable[[int], Any], tokens: Iterable[int]) -> dict[int
     """Per token count, the keys the policy is asked about while `run` runs (no grad)."""
     asked = policy.POLICY.asked
     found: dict[int, set[tuple]] = {}
-    with policy.POLICY.override("measured"), torch.no_grad():
+    with policy.POLICY.override("measured"), policy.POLICY.recording_asks(), torch.no_grad():
         for count in tokens:
             asked.clear()
             run(count)

@@ -70,6 +70,21 @@ def _reference_for(backend: str, device: torch.device, op: str, *tensors: Tensor
     return contract.plain_dense(device.type, *tensors, matmul=matmul) is not None
 
 
+_REFERENCE = TorchKernels()
+"""The reference backend's kernels (stateless), called directly by `_eager_reference`."""
+
+
+def _eager_reference(backend: str, x: Tensor) -> bool:
+    """Is this an eager call that the reference computes whatever the operands: `backend`
+    `torch`, or `auto` on a CPU tensor (`kernels.get` resolves CPU `auto` to the reference
+    backend, `fusion.kernels`)? Then the caller goes straight to the reference kernel:
+    the fewest Python frames, which on a decode step run from caches a weight-streaming
+    GEMV has just emptied. Never while Dynamo traces (the operators' own rules apply)."""
+    return (backend == "torch" or (backend == "auto" and x.device.type == "cpu")) and not (
+        torch.compiler.is_compiling()
+    )
+
+
 def _kernels(
     backend: str, device: torch.device, op: str, *tensors: Tensor | None
 ) -> kernels.Kernels:
@@ -137,6 +152,8 @@ def rms_norm(
 ) -> Tensor:
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`)."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    if _eager_reference(backend, x):
+        return _rms(_REFERENCE.rms_norm, x, weight, eps, *flags)
     if _use_operator():
         if _reference_for(backend, x.device, "rms_norm", x, weight):
             return _rms(torch_ref.rms_norm, x, weight, eps, *flags)
@@ -206,6 +223,8 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))`, two new tensors."""
     flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    if _eager_reference(backend, a):
+        return _add_rms(_REFERENCE.add_rms_norm, a, b, weight, eps, flags)
     if _use_operator():
         if _reference_for(backend, a.device, "add_rms_norm", a, b, weight):
             return _add_rms(torch_ref.add_rms_norm, a, b, weight, eps, flags)
@@ -226,6 +245,8 @@ def _act_and_mul_fake(x, activation, backend):
 
 def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     """`Kernels.act_and_mul` on `backend`."""
+    if _eager_reference(backend, x):
+        return torch_ref.act_and_mul(x, activation)
     if _use_operator():
         if _reference_for(backend, x.device, "act_and_mul", x):
             return torch_ref.act_and_mul(x, activation)
@@ -238,7 +259,9 @@ def act_and_mul_pair(backend: str, gate: Tensor, up: Tensor, activation: str) ->
     reference's elementwise ops on the two tensors where `backend` computes act-and-mul
     with the reference for these operands (every CPU backend; any backend under autocast or
     a mode), else the backend's kernel on their concatenation (its one-input contract)."""
-    if _reference_for(backend, gate.device, "act_and_mul", gate, up):
+    if _eager_reference(backend, gate) or _reference_for(
+        backend, gate.device, "act_and_mul", gate, up
+    ):
         return torch_ref.act_and_mul_pair(gate, up, activation)
     return act_and_mul(backend, torch.cat((gate, up), -1), activation)
 

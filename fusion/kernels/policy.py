@@ -111,12 +111,57 @@ class KernelPolicy:
     asked: set[tuple[str, tuple[int, ...], str, int, int]] = field(default_factory=set)
     """Every (op, shape, dtype, row bucket, threads) a choice was asked for with a kernel
     to choose between: what `fusion.calibrate` measures after running a model."""
+    recording: bool = False
+    """While set (`recording_asks`), `idle` answers False, so every product asks `choose`
+    and lands in `asked`."""
 
     def reset(self) -> None:
         self._mode = None
         self._table = None
         self._memo.clear()
         self.asked.clear()
+        self.recording = False
+
+    @contextmanager
+    def recording_asks(self) -> Iterator[None]:
+        """A block in which every product asks `choose` (no `idle` shortcut)."""
+        previous, self.recording = self.recording, True
+        try:
+            yield
+        finally:
+            self.recording = previous
+
+    def idle(self, op: str, backend: str) -> bool:
+        """Would `choose(op, ...)` answer the reference (an empty tuple) for every shape,
+        dtype, row count and thread count under `backend` now? Then a caller may compute
+        its reference without asking, touching as little code as possible: on a decode step
+        every extra Python frame after a weight-streaming GEMV runs from cold caches (tens
+        of microseconds per module). True for the `reference` mode, for a backend that
+        allows no fast kernel of `op`, and in `measured` mode when no entry of the table
+        has a winner for `op`; never for a pinned backend, the `eligible` mode, or while
+        `recording`. One dict lookup after the first call (memoised with the choices,
+        forgotten with them by `use`, `set_table`, `reset`)."""
+        if self.recording:
+            return False
+        key = ("idle", op, backend)
+        answer = self._memo.get(key)
+        if answer is None:
+            answer = self._idle(op, backend)
+            self._memo[key] = answer
+        return bool(answer)
+
+    def _idle(self, op: str, backend: str) -> bool:
+        if backend in PINNED:
+            return False
+        kernels = allowed(op, backend)
+        if all(k == "reference" for k in kernels) or self.mode == "reference":
+            return True
+        if self.mode != "measured":
+            return False
+        return not any(
+            entry.op == op and _best(entry, kernels) != "reference"
+            for entry in self.table.entries.values()
+        )
 
     @property
     def mode(self) -> str:

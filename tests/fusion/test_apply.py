@@ -14,6 +14,7 @@ from fusion.fusers.qkv import QKVFuser
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import outputs_match
 from tests.fusion.fusers.test_moe import SparseMoeV4, randomized
+from tests.fusion.merged_paths import stacked_products
 from tests.fusion.tiny_models import tiny_model
 
 
@@ -262,6 +263,6 @@ def test_fusing_again_restacks_parameters_that_moved() -> None:
     assert not merged.views_hold()
     report = fusion.fuse(module)
     assert not report.applied and merged.views_hold()
-    with torch.no_grad():
+    with torch.no_grad(), stacked_products():
         out = module(torch.randn(2, 5, 32))
     assert merged.stacked_calls >= 1 and torch.isfinite(out).all()

@@ -20,6 +20,7 @@ import fusion
 from fusion.bound import BoundForward
 from fusion.guards import ChildGuard, GlobalsGuard, attribute_guard
 from fusion.modules import RowLinear
+from tests.fusion.merged_paths import stacked_products
 from tests.fusion.tiny_models import tiny_model, token_ids
 
 
@@ -32,7 +33,9 @@ def _pair():
 
 
 def _logits(model, ids=None):
-    with torch.no_grad():
+    """The logits without autograd, merged projections taking their stacked product (the
+    fused path: `stacked_calls` counts it; unfused models have no merged projection)."""
+    with torch.no_grad(), stacked_products():
         return model(token_ids() if ids is None else ids).logits
 
 

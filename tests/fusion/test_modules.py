@@ -3,6 +3,7 @@ function of the originals."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 
@@ -13,6 +14,7 @@ from torch import nn
 from fusion.kernels.policy import POLICY
 from fusion.modules import ActAndMul, FusedRMSNorm, MergedLinear
 from tests.fusion.dynamo_graphs import compiled_call_targets
+from tests.fusion.merged_paths import stacked_products
 
 
 def _linears(bias: tuple[bool, ...] = (False, False, False)) -> dict[str, nn.Linear]:
@@ -29,6 +31,9 @@ def test_merged_linear_is_the_concatenated_projections() -> None:
     want = torch.cat([lin(x) for lin in expected.values()], dim=-1)
     with torch.no_grad():
         torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+        assert (merged.stacked_calls, merged.shard_calls) == (0, 1)  # nothing measured
+        with stacked_products():
+            torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
     assert merged.stacked_calls == 1
     assert merged.output_sizes == [8, 4, 4] and merged.shard_bias == (True, False, True)
     assert not merged.stacked_bias[8:12].any()  # the bias-less shard's exact zeros
@@ -160,28 +165,22 @@ def test_act_and_mul() -> None:
     assert torch.equal(ActAndMul("silu")(x[:, :4].clone(), x[:, 4:].clone()), got)
 
 
-def _stacked_everywhere(op, shape, dtype, rows, backend):
-    return ("stacked",) if op == "stacked" else ()
-
-
 @pytest.mark.parametrize("stacked", [True, False], ids=["one-product", "apart"])
-def test_pieces_are_laid_out_as_asked(stacked: bool, monkeypatch) -> None:
+def test_pieces_are_laid_out_as_asked(stacked: bool) -> None:
     """One stacked product: split views, `.contiguous()` where asked, and copies of their
     own (not views, standard strides) where `fresh`; shards apart: each shard's own output
     (fresh and contiguous already), never a view of a concatenation. Values always equal."""
     linears = _linears()
     expected = copy.deepcopy(linears)
     merged = MergedLinear.from_linears(linears)
-    if stacked:
-        monkeypatch.setattr(POLICY, "choose", _stacked_everywhere)
     x = torch.randn(2, 3, 6)
-    with torch.no_grad():
+    with torch.no_grad(), stacked_products() if stacked else contextlib.nullcontext():
         q, k, v = merged.pieces(x, ("view", "contiguous", "fresh"))
         outputs = merged.outputs(x)
         for piece, lin in zip((q, k, v), expected.values()):
             torch.testing.assert_close(piece, lin(x), rtol=1e-6, atol=1e-6)
     assert len(outputs) == (1 if stacked else 3)
-    assert (merged.stacked_calls, merged.shard_calls) == (2, 0)
+    assert (merged.stacked_calls, merged.shard_calls) == ((2, 0) if stacked else (0, 2))
     if stacked:
         assert q._base is not None and not q.is_contiguous()  # a view of the one output
         assert k.is_contiguous()

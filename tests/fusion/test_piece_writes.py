@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import copy
 import re
-from unittest import mock
 
 import pytest
 import torch
@@ -30,9 +29,9 @@ from torch import nn
 
 import fusion
 from fusion import registry
-from fusion.kernels.policy import POLICY
 from fusion.modules import MergedLinear
 from tests.fusion.fusers.hazards import eager_attention_forward
+from tests.fusion.merged_paths import stacked_products
 
 
 class Attention(nn.Module):
@@ -126,12 +125,6 @@ class InplaceActivationMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def _stacked_everywhere(op, shape, dtype, rows, backend):
-    """A kernel policy choosing the stacked product for every merged call: the merged
-    module splits one output, so the pieces' layouts (views, copies) are what is tested."""
-    return ("stacked",) if op == "stacked" else ()
-
-
 def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
     """Fuse a copy; with autograd on (shards computed apart), the forward, the input and
     the input's gradient must agree with the original's; without (one stacked product,
@@ -148,7 +141,7 @@ def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
     torch.testing.assert_close(a_in.grad, b_in.grad, rtol=1e-5, atol=1e-6)
     merged = [m for m in fused.modules() if isinstance(m, MergedLinear)]
     before = sum(m.stacked_calls for m in merged)
-    with torch.no_grad(), mock.patch.object(POLICY, "choose", _stacked_everywhere):
+    with torch.no_grad(), stacked_products():
         torch.testing.assert_close(module(x), fused(x), rtol=1e-5, atol=1e-6)
     assert sum(m.stacked_calls for m in merged) > before  # the split path really ran
     return report.applied[0].rewritten_source or ""

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
@@ -53,9 +52,9 @@ from torch import nn
 import fusion
 from fusion import numerics, registry
 from fusion.checkpoint import unfused_named
-from fusion.kernels.policy import POLICY
 from fusion.report import FusionReport
 from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
+from tests.fusion.merged_paths import stacked_products
 from tests.fuzz.strategies import SHAPES, GeneratedModule
 
 TOLERANCE = 1e-5
@@ -471,12 +470,6 @@ def _gradient_failure(
     return None
 
 
-def _stacked_everywhere(
-    op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
-) -> tuple[str, ...]:
-    return ("stacked",) if op == "stacked" else ()
-
-
 def _stacked_failure(
     module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
 ) -> Failure | None:
@@ -495,7 +488,7 @@ def _stacked_failure(
     except Exception:
         return None  # the unfused forward needs autograd: nothing to compare
     try:
-        with torch.no_grad(), mock.patch.object(POLICY, "choose", _stacked_everywhere):
+        with torch.no_grad(), stacked_products():
             actual = fused_copy(*args_fused, **kwargs_fused)
     except Exception as exc:
         return Failure(

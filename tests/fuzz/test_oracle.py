@@ -18,7 +18,7 @@ from torch import nn
 from fusion import apply, modules
 from fusion.modules import MergedLinear
 from fusion.report import FusionReport
-from tests.fusion import merged_faults
+from tests.fusion import merged_paths
 from tests.fuzz.oracle import Tally, check, relative_error
 from tests.fuzz.profiles import REPO
 from tests.fuzz.repro import write_bundle
@@ -134,7 +134,7 @@ def test_correct_fusion_passes(tmp_path: Path) -> None:
 def test_injected_kernel_faults_are_caught(
     forward, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    merged_faults.inject(monkeypatch, forward)
+    merged_paths.inject(monkeypatch, forward)
     outcome = check(ATTENTION, 0, tmp_path)
     assert outcome.failure is not None and outcome.failure.kind == kind, outcome
 
@@ -190,7 +190,7 @@ def test_the_stacked_split_path_is_judged(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_bundle_replays_from_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    merged_faults.inject(monkeypatch, _scaled)
+    merged_paths.inject(monkeypatch, _scaled)
     outcome = check(ATTENTION, 7, tmp_path)
     assert outcome.failure is not None
     bundle = write_bundle(tmp_path / "bundles", "fuzz--attention", ATTENTION, 7, outcome)
@@ -225,7 +225,7 @@ def test_bundle_replays_from_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_rewriting_a_bundle_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While Hypothesis shrinks, each smaller failure overwrites the shape's bundle."""
-    merged_faults.inject(monkeypatch, _scaled)
+    merged_paths.inject(monkeypatch, _scaled)
     outcome = check(ATTENTION, 1, tmp_path)
     root = tmp_path / "bundles"
     write_bundle(root, "b", ATTENTION, 1, outcome)
@@ -235,7 +235,7 @@ def test_rewriting_a_bundle_replaces_it(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_unusable_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    merged_faults.inject(monkeypatch, _scaled)
+    merged_paths.inject(monkeypatch, _scaled)
     outcome = check(ATTENTION, 1, tmp_path)
     bundle = write_bundle(tmp_path / "bundles", "b", ATTENTION, 1, outcome)
     (bundle / "bundle.json").write_text("{")

@@ -15,7 +15,7 @@ from fusion.modules import MergedLinear
 from harness import lifecycle, plans
 from harness.check import CheckOptions, check_model
 from harness.results import ArchResult
-from tests.fusion import merged_faults
+from tests.fusion import merged_paths
 
 QUICK_OPS = set(lifecycle.OPERATIONS) - {"compile"}
 
@@ -51,7 +51,7 @@ def _stale_forward(self, x):
 
 
 def test_a_stale_weight_copy_fails_edits_and_loads(llama, llama_inputs, monkeypatch):
-    merged_faults.inject(monkeypatch, _stale_forward)
+    merged_paths.inject(monkeypatch, _stale_forward)
     result = _run(llama, llama_inputs, fusion.fuse)
     verdicts = _verdicts(result)
     assert verdicts["edit-weights"] == "fail"
@@ -115,7 +115,7 @@ def _stacked_while_training(self, x):
 
 
 def test_shards_that_stop_training_fail_train(llama, llama_inputs, monkeypatch):
-    merged_faults.inject(monkeypatch, _stacked_while_training)
+    merged_paths.inject(monkeypatch, _stacked_while_training)
     result = _run(llama, llama_inputs, fusion.fuse)
     assert _verdicts(result)["train"] == "fail"
     assert "has no gradient where the unfused model has one" in result.lifecycle["train"]["detail"]
@@ -166,7 +166,7 @@ def _float32_forward(self, x):
 
 
 def test_a_kernel_blind_to_autocast_fails_autocast(llama, llama_inputs, monkeypatch):
-    merged_faults.inject(monkeypatch, _float32_forward)
+    merged_paths.inject(monkeypatch, _float32_forward)
     result = _run(llama, llama_inputs, fusion.fuse)
     assert _verdicts(result)["autocast"] == "fail", result.lifecycle
     assert (

@@ -133,3 +133,29 @@ def test_explain_names_the_reason() -> None:
     POLICY.set_table(table(entry("linear", (64, 128), 1, native=WIN)))
     kernel, why = POLICY.explain("linear", (64, 128), "float32", 1, "auto")
     assert kernel == "native" and "native 1.40x [1.20-1.60]" in why and "fastest" in why
+
+
+def test_idle_means_every_choice_would_be_the_reference() -> None:
+    """`idle` lets a product skip `choose` only where `choose` could answer nothing but the
+    reference: checked against `choose` over shapes, rows and backends."""
+    assert POLICY.idle("linear", "auto") and POLICY.idle("stacked", "auto")  # empty table
+    assert not POLICY.idle("linear", "native")  # pinned: its kernel runs unmeasured
+    POLICY.set_table(
+        table(entry("stacked", SHAPE, 16, native=WIN), entry("linear", (64, 128), 1, native=LOSS))
+    )
+    assert not POLICY.idle("stacked", "auto") and POLICY.choose(
+        "stacked", SHAPE, "float32", 16, "auto"
+    )
+    assert POLICY.idle("linear", "auto")  # measured, but only a loss
+    assert POLICY.idle("stacked", "torch")  # the one winner is native, which torch forbids
+    with POLICY.override("eligible"):
+        assert not POLICY.idle("linear", "auto")
+    with POLICY.override("reference"):
+        assert POLICY.idle("stacked", "auto")
+    with POLICY.recording_asks():  # calibration must see every product asked
+        assert not POLICY.idle("linear", "auto")
+    assert POLICY.idle("linear", "auto")
+    for op, backend in (("linear", "auto"), ("stacked", "torch")):
+        for rows in (1, 2, 16, 100):
+            for shape in (SHAPE, (64, 128)):
+                assert POLICY.choose(op, shape, "float32", rows, backend) == ()

@@ -1,0 +1,42 @@
+"""Steer every merged projection down one path: its stacked product (`stacked_products`),
+or an injected fault (`inject`, tests of the oracles).
+
+A fault is `fault(merged, x) -> tensor`, the concatenated output it claims. Every path of
+`MergedLinear.forward` (the concatenation, `pieces` that splits it, `outputs` that the GLU
+rewrite takes) goes through `outputs`, so all of them then compute the fault."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+
+from fusion.kernels.policy import POLICY
+from fusion.modules import MergedLinear
+
+Fault = Callable[[MergedLinear, torch.Tensor], torch.Tensor]
+
+
+def inject(monkeypatch: pytest.MonkeyPatch, fault: Fault) -> None:
+    """Make every `MergedLinear` compute `fault` (undone with `monkeypatch`)."""
+    monkeypatch.setattr(MergedLinear, "outputs", lambda self, x: (fault(self, x),))
+
+
+def _stacked(op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str) -> tuple:
+    return ("stacked",) if op == "stacked" else ()
+
+
+@contextmanager
+def stacked_products() -> Iterator[None]:
+    """A block in which the kernel policy chooses the stacked product for every merged
+    call (the path a kernel measured faster takes: one product on the stacked weight while
+    the views hold and no gradient is recorded, its output split into pieces); the default
+    policy computes every shard apart."""
+    with (
+        mock.patch.object(POLICY, "choose", _stacked),
+        mock.patch.object(POLICY, "idle", lambda op, backend: False),
+    ):
+        yield
