@@ -114,8 +114,8 @@ def run(
     A module whose weights another engine places (tensor-parallel DTensors, accelerate
     hooks: `placement.placement_refusal`) is refused whole. After fusing, the model's
     tensor-parallel plans lose the blocks whose names fusion lost (`_layout`,
-    `placement.prune_model_plans`), so they name only what the fused model has. Returns the report; never raises for a model it
-    cannot fuse.
+    `placement.prune_model_plans`), so they name only what the fused model has. Returns the
+    report; never raises for a model it cannot fuse.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusion expects an nn.Module, got {type(model).__name__}")

@@ -33,8 +33,8 @@ class MergedLinear(nn.Module):
     `forward(x)` returns the concatenated outputs; the rewritten forwards call it with
     `layouts` for `pieces` (each shard's output, laid out as the rewrite's alias analysis
     asked) or `outputs` (the merged output, or the shards' outputs where they were computed
-    apart), so the reference path never concatenates to split again. The reference is each shard's `F.linear` on the shard's current
-    Parameters, exactly the unfused calls (so training computes the unfused gradients, bit
+    apart), so the reference path never concatenates to split again. The reference is each
+    shard's `F.linear` on the shard's current Parameters, exactly the unfused calls (so training computes the unfused gradients, bit
     for bit, into each Parameter's own `.grad`). One product on the stacked weight (one
     `F.linear`, or a CPU decode kernel) runs instead only where the kernel policy chooses
     it (`fusion.kernels.policy`: measured faster on this machine, or pinned by `backend`),

@@ -22,8 +22,8 @@ must stay true of it: `prune_plans` drops the plan entries of every block whose 
 Parameter names fusion lost (`fusion.apply` compares each fused module's names before and
 after; a fusion keeping them all keeps the plan, its guards honouring what a plan applied
 later does to those children), the whole block (`o_proj` stays rowwise only if
-`q_proj`/`k_proj`/`v_proj` stay colwise), so the plan names only modules that exist and its sharding computes the fused model's
-function (a replicated block computes what a sharded one does). When the plan holds a style
+`q_proj`/`k_proj`/`v_proj` stay colwise), so the plan names only modules that exist and
+its sharding computes the fused model's function (a replicated block computes what a sharded one does). When the plan holds a style
 whose output crosses blocks (`sequence_parallel`, ...) no block can be dropped alone, and
 the whole plan is dropped.
 """

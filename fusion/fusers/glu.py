@@ -179,7 +179,8 @@ def rewrite_glu(
     """Rewrite the product `self.<act>(self.<gate>(X)) * self.<up>(X)` (either order; with
     `kind`, `F.<activation>(self.<gate>(X)) * self.<up>(X)`) into
     `self.act_and_mul(*self.gate_up_proj(X, "as-computed"))` (one merged output, or the
-    two shards' outputs where they were computed apart: `MergedLinear.outputs`); returns (forward, original, rewritten).
+    two shards' outputs where they were computed apart: `MergedLinear.outputs`); returns
+    (forward, original, rewritten).
 
     Refuses unless the product is one expression of that exact shape with the same plain
     input on both sides: then the only code between the two projection calls is the

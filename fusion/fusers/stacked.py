@@ -217,10 +217,11 @@ def settle_layouts(
 ) -> tuple[str, ...]:
     """Hand the pieces to the rewritten forward as its analysis asked, by the merged module
     itself: the split statement `t0, ... = self.<merged>(x).split(...)` becomes
-    `t0, ... = self.<merged>(x, LAYOUTS)` (`MergedLinear.pieces`), each piece's layout `fresh` (in `fresh`:
-    written in place, or its strides, storage or identity asked for; a copy of its own with
-    standard strides, not a view, as the projection's own output was), `contiguous` (its
-    use was `t.contiguous()`, which becomes `t`) or `view`. Returns the layouts.
+    `t0, ... = self.<merged>(x, LAYOUTS)` (`MergedLinear.pieces`), each piece's layout
+    `fresh` (in `fresh`: written in place, or its strides, storage or identity asked for;
+    a copy of its own with standard strides, not a view, as the projection's own output
+    was), `contiguous` (its use was `t.contiguous()`, which becomes `t`) or `view`.
+    Returns the layouts.
 
     Safe because each temporary has exactly one use (the call it replaced) and no piece's
     values change between the split and that use (a piece written in place is `fresh`, so
@@ -230,29 +231,13 @@ def settle_layouts(
     no concatenation, split or copy (`MergedLinear.pieces`). Refuses when a temporary is not
     used exactly once (never expected: the rewrite would otherwise be unproven)."""
     uses: dict[str, list[tuple[ast.AST, str, int | None, ast.expr]]] = {t: [] for t in temps}
-    receivers = {
-        id(node.func.value)
-        for node in ast.walk(funcdef)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "contiguous"
-        and not node.args
-        and not node.keywords
-    }  # `t` inside `t.contiguous()`: that use is the call's, counted once, there
+    # `t` inside `t.contiguous()`: that use is the call's, counted once, there
+    receivers = {id(node.func.value) for node in ast.walk(funcdef) if _contiguous_call(node)}
     for node in ast.walk(funcdef):
         for field_name, value in ast.iter_fields(node):
             items = value if isinstance(value, list) else [value]
             for index, item in enumerate(items):
-                target = item
-                if (
-                    isinstance(item, ast.Call)
-                    and isinstance(item.func, ast.Attribute)
-                    and item.func.attr == "contiguous"
-                    and not item.args
-                    and not item.keywords
-                    and isinstance(item.func.value, ast.Name)
-                ):
-                    target = item.func.value
+                target = item.func.value if _contiguous_call(item) else item
                 if (
                     isinstance(target, ast.Name)
                     and isinstance(target.ctx, ast.Load)
@@ -282,6 +267,19 @@ def settle_layouts(
         ast.copy_location(part, split.value)
     split.value = call
     return tuple(layouts)
+
+
+def _contiguous_call(node: ast.AST) -> bool:
+    """Is `node` `name.contiguous()` (no arguments), how a split piece is used where the
+    projection's contiguous output was needed (`source.splice_merged_call`)?"""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "contiguous"
+        and not node.args
+        and not node.keywords
+        and isinstance(node.func.value, ast.Name)
+    )
 
 
 def _split_statement(funcdef: ast.FunctionDef, merged_name: str) -> ast.Assign:

@@ -17,29 +17,23 @@ from harness import architectures, shard
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _collected(*args: str) -> list[str]:
-    """Test ids `pytest tests/conformance ARGS --collect-only` selects (in a subprocess:
-    collection options are read once per session)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "tests/conformance",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            *args,
-        ],
+def _collect(*args: str) -> subprocess.CompletedProcess[str]:
+    """`pytest tests/conformance --collect-only ARGS` in a subprocess (collection options
+    are read once per session)."""
+    quiet = ("--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist")
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/conformance", *quiet, *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def _collected(*args: str) -> list[str]:
+    """The test ids `_collect(*args)` selects."""
+    done = _collect(*args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return [line for line in done.stdout.splitlines() if "::" in line]
 
@@ -58,26 +52,6 @@ def test_shards_partition_the_suite_as_the_sweep_does() -> None:
 
 
 def test_a_bad_shard_is_a_usage_error() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "tests/conformance",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            "--shard",
-            "4/3",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _collect("--shard", "4/3")
     assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
     assert "K must be between 1 and N" in done.stderr
