@@ -4,15 +4,16 @@
 on one (shape, dtype, threads, rows) and returns an `Entry`; `Table` holds the entries of
 this machine and is saved as JSON under the cache directory, in a file named by
 `machine_key()`: the CPU model and flags, ATen's CPU capability and the environment that
-limits it (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`) and the
-torch version. Anything that changes the code a product runs changes the key, so a table is
-never read on a machine it was not measured on. The native kernel's build is recorded per
+limits it (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`), the
+last-level cache size (the measurement streams a multiple of it) and the torch version.
+Anything that changes the code a product runs, or what its measurement streams, changes the
+key, so a table is never read on a machine it was not measured on. The native kernel's build is recorded per
 entry (`Entry.native_build`) instead, and the policy ignores a native measurement of another
 build: that way reading the table never builds the kernel (`backend="torch"` builds nothing).
 
 How a kernel is judged (`judge`): calls are interleaved (each round calls every kernel once,
 in a rotating order), each call on a weight not read since many calls (copies cycled through
-more memory than a last-level cache holds, as a model's layers are), so every kernel sees
+`STREAM_FACTOR` times the last-level cache this machine reports, as a model's layers are), so every kernel sees
 the same machine state; the per-round ratio reference time / kernel time is paired, which
 cancels the drift of a busy machine. A kernel *wins* only if its median ratio is at least
 `1 + MARGIN` and its lower quartile at least 1: measurably faster, not faster on average.
@@ -41,11 +42,19 @@ SCHEMA = 1
 MARGIN = 0.03
 """A kernel must beat the reference by this fraction (median of paired ratios) to be used."""
 
-STREAM_BYTES = 256 << 20
-"""Weight copies cycled per measurement cover at least this much memory (8x a 32 MB L3), so
-each call reads its weight from memory, as a decode step reads a model's layers."""
+STREAM_FACTOR = 4
+"""Weight copies cycled per measurement cover this many times the last-level cache
+(`stream_bytes`): cycling through more than a cache holds evicts every line before its reuse
+under LRU, and the factor leaves room for the adaptive replacement of real caches and for a
+VM that reports less cache than its host shares with it."""
 
-MAX_COPIES = 64
+FALLBACK_CACHE_BYTES = 64 << 20
+"""The last-level cache assumed where the OS does not say (as large as common server parts,
+so the stream errs on the long side)."""
+
+MAX_COPIES = 1 << 12
+"""At most this many weight copies per measurement (a bound on the list, not on memory)."""
+
 MIN_ROUNDS = 7
 MAX_ROUNDS = 101
 BUDGET_S = 0.6
@@ -165,6 +174,7 @@ def machine() -> dict[str, str]:
         "cpu": _cpu_field("model name") or platform.processor() or platform.machine(),
         "flags": hashlib.sha256(_cpu_field("flags").encode()).hexdigest()[:12],
         "capability": native_gemm.capability(),
+        "llc": str(last_level_cache_bytes()),
         "torch": torch.__version__,
     }
     for name in _LIMITING_ENV:
@@ -278,9 +288,50 @@ def time_calls(
     return times, rounds
 
 
-def copies_for(nbytes: int) -> int:
-    """How many weight copies cover `STREAM_BYTES` (at least 2, at most `MAX_COPIES`)."""
-    return max(2, min(MAX_COPIES, -(-STREAM_BYTES // max(nbytes, 1))))
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of the largest data or unified cache CPU 0 reports (sysfs `index*/size`,
+    e.g. '266240K'), or `FALLBACK_CACHE_BYTES` where there is none to read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for index in sorted(root.glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = units.get(text[-1:].upper(), 1)
+        digits = text[:-1] if text[-1:].upper() in units else text
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else FALLBACK_CACHE_BYTES
+
+
+def _available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def stream_bytes() -> int:
+    """How much memory the weight copies of one measurement cycle through:
+    `STREAM_FACTOR` x this machine's last-level cache, so each call reads its weight from
+    memory as a decode step reads a model's layers; at most a quarter of the memory
+    available now (a measurement never pushes the machine into swap or the OOM killer)."""
+    wanted = STREAM_FACTOR * last_level_cache_bytes()
+    available = _available_bytes()
+    return wanted if available is None else max(1 << 20, min(wanted, available // 4))
+
+
+def copies_for(nbytes: int, stream: int | None = None) -> int:
+    """How many weight copies of `nbytes` each cover `stream` bytes (default
+    `stream_bytes()`): at least 2, at most `MAX_COPIES`."""
+    stream = stream_bytes() if stream is None else stream
+    return max(2, min(MAX_COPIES, -(-stream // max(nbytes, 1))))
 
 
 def measure(

@@ -252,6 +252,7 @@ def test_one_row_product_is_taken_only_where_it_applies(monkeypatch) -> None:
     with torch.no_grad():  # below the size threshold (a speed rule): never taken
         assert not onednn_backend.row_linear_applies(torch.zeros(24), torch.zeros(48, 24), None)
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    POLICY.use("eligible")  # eligibility under test; the autouse fixture restores "measured"
     calls = []
     real = onednn_backend.row_linear
     monkeypatch.setattr(onednn_backend, "row_linear", lambda *a: calls.append(1) or real(*a))

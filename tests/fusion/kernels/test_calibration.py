@@ -102,7 +102,39 @@ def test_measure_key_times_the_eligible_kernels() -> None:
 
 
 def test_copies_cover_the_stream() -> None:
-    assert calibration.copies_for(1 << 30) == 2
-    assert calibration.copies_for(calibration.STREAM_BYTES // 4) == 4
+    stream = calibration.stream_bytes()
+    assert calibration.copies_for(stream * 4) == 2
+    assert calibration.copies_for(stream // 4) == 4
     assert calibration.copies_for(1) == calibration.MAX_COPIES
+    assert calibration.copies_for(1 << 20, stream=64 << 20) == 64
     assert isinstance(Table("k").to_json()["entries"], list)
+
+
+def _cache_dir(root, *levels: tuple[str, str]) -> None:
+    for i, (kind, size) in enumerate(levels):
+        index = root / f"index{i}"
+        index.mkdir()
+        (index / "type").write_text(kind + "\n")
+        (index / "size").write_text(size + "\n")
+
+
+def test_last_level_cache_is_the_largest_data_cache(tmp_path) -> None:
+    _cache_dir(
+        tmp_path, ("Data", "48K"), ("Instruction", "512M"), ("Unified", "2048K"), ("Unified", "260M")
+    )
+    assert calibration.last_level_cache_bytes(tmp_path) == 260 << 20
+    assert calibration.last_level_cache_bytes(tmp_path / "absent") == (
+        calibration.FALLBACK_CACHE_BYTES
+    )
+
+
+def test_the_stream_outgrows_the_cache_it_measures_past(monkeypatch) -> None:
+    # A machine with a 260 MB L3 (a Sapphire Rapids VM here) must not be measured on 256 MB of
+    # copies, which it holds: the stream is derived from the cache the OS reports.
+    monkeypatch.setattr(calibration, "last_level_cache_bytes", lambda: 260 << 20)
+    monkeypatch.setattr(calibration, "_available_bytes", lambda: 24 << 30)
+    assert calibration.stream_bytes() == calibration.STREAM_FACTOR * (260 << 20)
+    assert calibration.stream_bytes() > 260 << 20
+    # ...but never more than a quarter of the memory available now.
+    monkeypatch.setattr(calibration, "_available_bytes", lambda: 1 << 30)
+    assert calibration.stream_bytes() == 256 << 20
