@@ -120,7 +120,11 @@ def _cache_dir(root, *levels: tuple[str, str]) -> None:
 
 def test_last_level_cache_is_the_largest_data_cache(tmp_path) -> None:
     _cache_dir(
-        tmp_path, ("Data", "48K"), ("Instruction", "512M"), ("Unified", "2048K"), ("Unified", "260M")
+        tmp_path,
+        ("Data", "48K"),
+        ("Instruction", "512M"),
+        ("Unified", "2048K"),
+        ("Unified", "260M"),
     )
     assert calibration.last_level_cache_bytes(tmp_path) == 260 << 20
     assert calibration.last_level_cache_bytes(tmp_path / "absent") == (
