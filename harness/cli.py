@@ -8,7 +8,9 @@
     fusion-harness bench  fused vs unfused timings (harness.bench)
     fusion-harness perf   performance verdict per architecture at real widths (harness.perf;
                           also `run --perf`): exit 1 if fused is measurably slower
-    fusion-harness report a results file as Markdown for a reviewer (harness.report_md)
+    fusion-harness report a results file as Markdown for a reviewer (harness.report_md); bench
+                          or perf JSON as a table and, with --plot, a PNG (harness.speed_report,
+                          harness.speed_plot)
     fusion-harness merge  shards' results files (run --shard K/N) into one (harness.shard)
     fusion-harness check  your own model: a local checkpoint or config.json (harness.own_model)
 
@@ -303,9 +305,25 @@ def _add_results_parsers(commands: Any) -> None:
         "reach per fuser family, lifecycle verdicts (pass / fail / n/a / not run), what changed "
         "against the golden plan of the results' Transformers line "
         "(corpus/expected/MAJOR.MINOR.json), the slowest architectures and every problem with "
-        "its message. Exit status 0 when written, 2 when a file cannot be read or written.",
+        "its message. Given the JSON of `bench --json` or `perf --json` instead, a table of "
+        "fused / unfused per token count (and with --plot a PNG). Exit status 0 when written, "
+        "2 when a file cannot be read or written.",
     )
-    report.add_argument("results", type=Path, metavar="RESULTS", help="JSONL results file")
+    report.add_argument(
+        "results",
+        type=Path,
+        metavar="RESULTS",
+        help="JSONL results file, or the JSON of `bench --json` / `perf --json` (then a table of "
+        "fused / unfused per token count)",
+    )
+    report.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="for bench or perf JSON: also draw fused / unfused per token count as a PNG here "
+        "(needs matplotlib: the [plot] extra)",
+    )
     report.add_argument(
         "--out", type=Path, default=None, metavar="FILE", help="write here (default: stdout)"
     )
@@ -925,9 +943,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     """`fusion-harness report`: the Markdown summary of a results file (harness.report_md)
     on stdout or in --out; 0 once written. An unreadable results or golden file, or an --out
     that cannot be written, is a usage error (2)."""
-    from harness import report_md
+    from harness import report_md, speed_report
     from harness.results import read_results
 
+    try:
+        speed = speed_report.read_speed_document(args.results)
+    except speed_report.SpeedDocumentError as exc:
+        raise UsageError(f"{args.results} is not a readable speed document: {exc}") from None
+    except OSError:  # read_results names what is wrong with the path
+        speed = None
+    if speed is not None:
+        return _report_speed(args, speed)
+    if args.plot is not None:
+        raise UsageError(
+            f"--plot draws bench or perf JSON (`bench --json`, `perf --json`); {args.results} "
+            "is a results file"
+        )
     results = read_results(args.results)
     comparison, note = _golden_comparison(results, args.expected)
     text = report_md.render(
@@ -944,11 +975,48 @@ def cmd_report(args: argparse.Namespace) -> int:
         except BrokenPipeError:
             _stdout_closed()
         return 0
+    _write_report(args.out, text)
+    return 0
+
+
+def _write_report(out: Path, text: str) -> None:
     try:
-        _write_text(args.out, text)
+        _write_text(out, text)
     except OSError as exc:
-        raise UsageError(f"--out {args.out} cannot be written: {exc.strerror or exc}") from None
-    print(f"report: {args.out}", file=sys.stderr)
+        raise UsageError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
+    print(f"report: {out}", file=sys.stderr)
+
+
+def _report_speed(args: argparse.Namespace, document: Any) -> int:
+    """`report` of a bench or perf JSON document: the Markdown table of fused / unfused per
+    series and token count, and with --plot the PNG (harness.speed_plot); 0 once written, 2
+    (a usage error) without matplotlib or where a file cannot be written. The Markdown is
+    written even when the plot cannot be (it says so)."""
+    from harness import speed_plot, speed_report
+
+    plot_error = ""
+    if args.plot is not None:
+        try:
+            speed_plot.write_png(document, args.plot)
+            print(f"plot: {args.plot}", file=sys.stderr)
+        except speed_plot.PlotUnavailable as exc:
+            plot_error = str(exc)
+        except OSError as exc:
+            plot_error = f"--plot {args.plot} cannot be written: {exc.strerror or exc}"
+    link = None
+    if args.plot is not None and not plot_error:
+        link = os.path.relpath(args.plot, args.out.parent) if args.out else str(args.plot)
+    text = speed_report.render(document, source=str(args.results), plot=link)
+    if args.out is None:
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _stdout_closed()
+    else:
+        _write_report(args.out, text)
+    if plot_error:
+        raise UsageError(plot_error)
     return 0
 
 
