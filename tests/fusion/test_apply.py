@@ -195,14 +195,15 @@ class _PlannedBlock(nn.Module):
         }
 
 
-def test_fuse_prunes_the_block_whose_names_are_lost() -> None:
-    """A repacked Transformers 4 MoE block loses its `ModuleList` of experts (and their
-    Parameters): the plan's entries for that block go, the attention's (merged, names kept)
-    stay."""
+def test_fuse_keeps_the_plan_of_blocks_whose_names_survive() -> None:
+    """A Transformers 4 MoE block is no longer repacked (its experts are merged one by one,
+    names and Parameters kept), and the attention's merge keeps its names: the whole plan
+    stays true, so it stays whole."""
     owner = _PlannedBlock()
+    plan = dict(owner._tp_plan)
     report = fusion.fuse(owner)
-    assert {"moe", "qkv"} <= set(report.counts()), str(report)
-    assert owner._tp_plan == {"attn.q_proj": "colwise", "attn.o_proj": "rowwise"}
+    assert {"glu", "qkv"} <= set(report.counts()) and "moe" not in report.counts(), str(report)
+    assert owner._tp_plan == plan
 
 
 def test_a_root_module_is_fused_in_place_or_refused_with_the_reason() -> None:

@@ -95,14 +95,19 @@ def test_attributes_stay_on_each_merged_parameter() -> None:
     assert module.q_proj.weight.no_decay is True and not hasattr(module.k_proj.weight, "no_decay")
 
 
-def test_modulelist_experts_with_one_frozen_expert_refuse() -> None:
+def test_modulelist_experts_with_one_frozen_expert_keep_it_frozen() -> None:
+    """Transformers 4 experts are never packed (`MODULELIST_REFUSAL`): each expert is merged
+    on its own, and the frozen projection stays the frozen Parameter it was."""
     from tests.fusion.fusers.test_moe import SparseMoeV4
 
     block = nn.Sequential(SparseMoeV4())
-    block[0].experts[2].w1.weight.requires_grad_(False)
+    frozen = block[0].experts[2].w1.weight.requires_grad_(False)
     report = fusion.fuse(block)
     assert "moe" not in report.counts(), str(report)
-    assert any("mixed requires_grad" in s.reason for s in report.skipped if s.fuser == "moe")
+    assert any(
+        s.reason.startswith("its experts are a Transformers 4 ModuleList") for s in report.skipped
+    )
+    assert block[0].experts[2].w1.weight is frozen and not frozen.requires_grad
 
 
 def test_common_state_rules() -> None:

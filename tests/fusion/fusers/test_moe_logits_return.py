@@ -1,6 +1,7 @@
 """Transformers 4 blocks returning `(output, router_logits)` (`fusion.fusers.moe.
-logits_return`): fused whole, the same pair returned, the logits bit for bit; any other
-tuple, or logits written or rebound before the return, refused."""
+logits_return`): the pair is read, then the block refused as every Transformers 4 block is
+(`MODULELIST_REFUSAL`); any other tuple, or logits written or rebound before the return,
+refused for that reason first."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusion
+from fusion.fusers.moe.fuser import MODULELIST_REFUSAL
 from fusion.moe_modules import FusedMoE
 from tests.fusion.fusers.helpers import reasons
 from tests.fusion.fusers.test_moe import HIDDEN, SparseMoeV4, randomized
@@ -71,12 +73,15 @@ class ReturnsInput(SparseMoeV4):
         return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim), hidden_states
 
 
-def test_block_returning_router_logits_is_fused_with_the_same_pair() -> None:
+def test_block_returning_router_logits_is_refused_as_every_transformers4_block() -> None:
+    """The pair is read (no other refusal comes first), but the block is a Transformers 4
+    one: refused (`MODULELIST_REFUSAL`), its experts fused one by one, the same pair
+    returned, the logits bit for bit."""
     model = nn.Sequential(randomized(WithLogits()))
     fused = copy.deepcopy(model)
     report = fusion.fuse(fused)
-    assert report.counts().get("moe") == 1, reasons(report)
-    assert isinstance(fused[0], FusedMoE) and fused[0].returns_logits
+    assert "moe" not in report.counts() and MODULELIST_REFUSAL in reasons(report)
+    assert not isinstance(fused[0], FusedMoE)
     for seed in range(3):
         x = torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
