@@ -856,7 +856,16 @@ def _lora_after_fuse(ctx: Context) -> str:
     unfused, fused = _twins(ctx)
     _unfused(f"LoRA on {targets}", lambda: peft.inject_adapter_in_model(config, unfused))
     peft.inject_adapter_in_model(config, fused)
-    adapters = peft.get_peft_model_state_dict(unfused)
+    adapters = _unfused(
+        "PEFT's adapter state dict", lambda: peft.get_peft_model_state_dict(unfused)
+    )
+    # Loading them back into the unfused model first (a no-op there): where PEFT cannot load
+    # adapters into this model at all (PEFT 0.21 over Transformers 5.0's weight conversions
+    # raises TypeError), that is the unfused model's own limit, not a fusion failure.
+    _unfused(
+        "PEFT's set_peft_model_state_dict",
+        lambda: peft.set_peft_model_state_dict(unfused, adapters),
+    )
     missing = peft.set_peft_model_state_dict(fused, adapters).unexpected_keys
     if missing or set(peft.get_peft_model_state_dict(fused)) != set(adapters):
         raise _Failed("the fused model's LoRA adapters have other names than the unfused one's")

@@ -237,3 +237,21 @@ def test_guards_that_miss_a_replaced_child_fail_lora_and_the_round_trip(
     verdicts = _verdicts(result)
     assert verdicts["lora-after-fuse"] == "fail", result.lifecycle["lora-after-fuse"]
     assert verdicts["guard-round-trip"] == "fail", result.lifecycle["guard-round-trip"]
+
+
+def test_peft_that_cannot_load_adapters_into_the_unfused_model_is_n_a(
+    llama, llama_inputs, monkeypatch
+):
+    """Regression (the 5.0 conformance run: PEFT 0.21's `set_peft_model_state_dict` raises
+    TypeError over Transformers 5.0's weight conversions, on any model): the unfused
+    model's own limit is `n/a`, not a fusion failure."""
+    import peft
+
+    def broken(model, state, *args, **kwargs):
+        raise TypeError("WeightRenaming.convert() got an unexpected keyword argument")
+
+    monkeypatch.setattr(peft, "set_peft_model_state_dict", broken)
+    result = _run(llama, llama_inputs, fusion.fuse)
+    verdict = result.lifecycle["lora-after-fuse"]
+    assert _verdicts(result)["lora-after-fuse"] == "n/a", verdict
+    assert "unfused model: PEFT's set_peft_model_state_dict raises: TypeError" in str(verdict)
