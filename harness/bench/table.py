@@ -111,14 +111,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(rows: Sequence[Row], *, bandwidth: bool = False) -> str:
+def format_table(rows: Sequence[Row], *, bandwidth: bool = False, ceiling: str = "copy") -> str:
     """The speedup table: kernel, variant, shape, tokens, dtype, unfused and fused medians
     with their interquartile ranges (ms), speedup (unfused / fused median), and achieved GB/s
-    with the fraction of copy bandwidth when `bandwidth`."""
+    with the fraction of the `ceiling` bandwidth ('copy' on a GPU, 'read' on a CPU) when
+    `bandwidth`."""
     header = ["kernel", "variant", "shape", "tokens", "dtype", "unfused ms", "IQR", "fused ms"]
     header += ["IQR", "speedup"]
     if bandwidth:
-        header += ["GB/s", "% copy BW"]
+        header += ["GB/s", f"% {ceiling} BW"]
     table = [header]
     notes = []
     for r in rows:

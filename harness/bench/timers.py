@@ -209,3 +209,13 @@ def copy_bandwidth(device: torch.device | str, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     times = measure(lambda: dst.copy_(src), device, budget_s=0.3)
     return 2 * nbytes / statistics.median(times)
+
+
+def read_bandwidth(nbytes: int, budget_s: float = 0.3) -> float:
+    """Bytes per second `torch.sum` reads from a CPU tensor of `nbytes` (float32), at torch's
+    current thread count; median of timed rounds. The floor a decode step's weight streaming
+    is compared with: `nbytes` should exceed the last-level cache several times
+    (`fusion.kernels.calibration.stream_bytes`), or this measures the cache."""
+    data = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    times = time_cpu(lambda: data.sum(), budget_s=budget_s)
+    return data.numel() * 4 / statistics.median(times)

@@ -10,6 +10,7 @@ import torch
 
 from fusion.kernels import native_gemm
 from harness import bench
+from harness.bench.cases import streamed_weight_bytes
 
 
 def test_cpu_timer_returns_one_positive_time_per_round() -> None:
@@ -158,3 +159,26 @@ def test_table_shows_medians_with_their_spread_and_the_cpu() -> None:
     assert set(info) == {"cpu_model", "cpu_flags", "aten_cpu_capability", "native_kernel"}
     assert info["native_kernel"] == native_gemm.status()
     assert set(info["cpu_flags"]) <= set(bench.table.VECTOR_FLAGS)
+
+
+def test_a_dense_decoder_streams_every_weight_but_the_embedding() -> None:
+    """The memory floor of a dense model case (bytes one forward must read): every decoder
+    parameter but the embedding table; none for a mixture of experts (routing decides)."""
+    decoder = torch.nn.Module()
+    decoder.embed_tokens = torch.nn.Embedding(1000, 8)
+    decoder.layer = torch.nn.Linear(8, 16, bias=False)
+    decoder.norm = torch.nn.LayerNorm(16)
+    assert streamed_weight_bytes(decoder, {}) == (8 * 16 + 2 * 16) * 4
+    assert streamed_weight_bytes(decoder.to(torch.bfloat16), {}) == (8 * 16 + 2 * 16) * 2
+    assert streamed_weight_bytes(decoder, {"num_experts": 8}) is None
+
+
+def test_read_bandwidth_and_the_table_name_their_ceiling() -> None:
+    # 8 MiB: a positive, finite rate (no bound on its size: the machine decides it).
+    rate = bench.read_bandwidth(8 << 20, budget_s=0.01)
+    assert 0 < rate < float("inf")
+    row = bench.Row("model_llama", "fused", "s", 1, "float32", "cpu", 2.0, 1.0, 2.0)
+    row.bandwidth_gbs, row.copy_fraction = 30.0, 0.5
+    header = bench.format_table([row], bandwidth=True, ceiling="read").splitlines()[0]
+    assert header.endswith("GB/s  % read BW")
+    assert bench.format_table([row], bandwidth=True).splitlines()[0].endswith("% copy BW")
