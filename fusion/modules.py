@@ -8,6 +8,7 @@ while `torch.compile` traces), so a backend can be swapped without refusing.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.kernels import ops, torch_ref
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.kernels.policy import POLICY
 
 
@@ -417,11 +419,11 @@ _FLOAT32_PAIR = (torch.float32, torch.float32)
 class FusedRMSNorm(nn.Module):
     """An RMSNorm in the exact variant it was matched in, as one kernel call.
 
-    The variant (`offset`, `upcast`, `weight_after_cast`, `cast_to_weight`) is what
-    `fusion.fusers.rmsnorm` proved the replaced module computes; `torch_ref.rms_norm` defines
-    each flag. `weight` is the replaced module's own Parameter object (never a copy), under the
-    same name, so checkpoints, ties and optimiser state map 1:1; a weightless norm has none and
-    normalises whatever width it is given.
+    `variant` (a frozen `NormVariant`, read-only here) is what `fusion.fusers.rmsnorm` proved
+    the replaced module computes; `torch_ref.rms_norm` defines each field. `weight` is the
+    replaced module's own Parameter object (never a copy), under the same name, so
+    checkpoints, ties and optimiser state map 1:1; a weightless norm has none and normalises
+    whatever width it is given.
 
     `eps=None` reproduces `F.rms_norm(..., eps=None)`: machine epsilon of the float32-or-wider
     compute dtype, resolved per call.
@@ -437,10 +439,7 @@ class FusedRMSNorm(nn.Module):
         weight: nn.Parameter | None,
         eps: float | None,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
         verified: frozenset[DtypePair] = frozenset(),
         backend: str = "auto",
     ) -> None:
@@ -449,12 +448,35 @@ class FusedRMSNorm(nn.Module):
         if weight is not None:
             self.weight = weight
         self.eps = eps
-        self.offset = float(offset)
-        self.upcast = bool(upcast)
-        self.weight_after_cast = bool(weight_after_cast)
-        self.cast_to_weight = bool(cast_to_weight)
+        self._set_variant(variant)
         self.verified = frozenset(verified)
         self.backend = backend
+
+    def _set_variant(self, variant: NormVariant) -> None:
+        """Hold `variant`, and what `forward`'s float32 fast path asks of it, read once here
+        so that path reads one attribute: whether `torch.rms_norm` computes this variant on
+        float32 operands (statistics in float32 and no offset; the weight order and cast
+        target do not matter when everything is float32). The only writer of either, so the
+        two never disagree."""
+        self._variant = variant
+        self._float32_aten = variant.upcast and not variant.offset
+
+    @property
+    def variant(self) -> NormVariant:
+        """The proven variant (read-only: another variant would be another, unproven
+        function)."""
+        return self._variant
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle, also a `FusedRMSNorm` pickled when it held the variant's fields as
+        separate attributes: they are folded into one `NormVariant` (the same function)."""
+        old = None
+        if "_variant" not in state:
+            names = [field.name for field in dataclasses.fields(NormVariant)]
+            old = {name: state.pop(name) for name in names if name in state}
+        super().__setstate__(state)
+        if old is not None:
+            self._set_variant(NormVariant(**old))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # `_parameters` directly: `nn.Module.__getattr__` would be one more Python frame
@@ -468,8 +490,7 @@ class FusedRMSNorm(nn.Module):
         eps = self.eps if self.eps is not None else self._eps_for(x.dtype)
         if (
             pair == _FLOAT32_PAIR
-            and self.upcast
-            and not self.offset
+            and self._float32_aten
             and x.is_cpu
             and self.backend in ("auto", "torch")
             and weight.dim() == 1  # type: ignore[union-attr]
@@ -480,7 +501,7 @@ class FusedRMSNorm(nn.Module):
             # float32 throughout, every variant order the same product), without the frames
             # between: on a decode step they run from caches a GEMV has just emptied.
             return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-        return ops.rms_norm(self.backend, x, weight, eps, **self._variant())
+        return ops.rms_norm(self.backend, x, weight, eps, variant=self._variant)
 
     def _eps_for(self, dtype: torch.dtype) -> float:
         """The eps the replaced module used: its own, or (None) the float32-or-wider finfo
@@ -489,22 +510,14 @@ class FusedRMSNorm(nn.Module):
             return self.eps
         return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
 
-    def _variant(self) -> dict[str, Any]:
-        """The proven variant's keyword arguments for the rms_norm kernels."""
-        return {
-            "offset": self.offset,
-            "upcast": self.upcast,
-            "weight_after_cast": self.weight_after_cast,
-            "cast_to_weight": self.cast_to_weight,
-        }
-
     def extra_repr(self) -> str:
         width = tuple(self.weight.shape) if self.has_weight else "any width"
-        order = "weight after cast" if self.weight_after_cast else "weight before cast"
-        if self.weight_after_cast and self.cast_to_weight:
+        v = self._variant
+        order = "weight after cast" if v.weight_after_cast else "weight before cast"
+        if v.weight_after_cast and v.cast_to_weight:
             order += " to the weight's dtype"
         return (
-            f"{width}, eps={self.eps}, offset={self.offset}, upcast={self.upcast}, {order}, "
+            f"{width}, eps={self.eps}, offset={v.offset}, upcast={v.upcast}, {order}, "
             f"backend={self.backend}"
         )
 
@@ -531,5 +544,5 @@ class FusedRMSNorm(nn.Module):
             total = a + b
             return total, self(total)
         return ops.add_rms_norm(
-            self.backend, a, b, weight, self._eps_for(a.dtype), **self._variant()
+            self.backend, a, b, weight, self._eps_for(a.dtype), variant=self._variant
         )

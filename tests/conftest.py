@@ -30,7 +30,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from fusion.kernels import REGISTRY
 from fusion.kernels.calibration import Table
+from fusion.kernels.native_gemm import NATIVE
+from fusion.kernels.onednn_backend import ROW_MACHINE
 from fusion.kernels.policy import POLICY
 from fusion.trace import FP32_PRECISION_KEYS, preserved_globals
 from harness.shard import Shard, ShardError
@@ -145,14 +148,27 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+def _drop_kernel_overrides() -> None:
+    """Undo what a test may have pretended about the kernels: the native kernel's answer
+    back to this machine's (`stop_pretending`, not `reset`: resolving again costs a build
+    and a probe per test), the oneDNN row check forgotten (making it again reads a few torch
+    attributes), and every `install`ed backend removed (the constructed ones stay)."""
+    NATIVE.stop_pretending()
+    ROW_MACHINE.reset()
+    REGISTRY.uninstall()
+
+
 @pytest.fixture(autouse=True)
 def _kernel_policy() -> Iterator[None]:
     """Every test starts from the default kernel policy with nothing measured (every fused
     product on its reference), whatever this machine's calibration table or
-    `FUSION_KERNELS` say: a test that wants a fast kernel asks for it (`POLICY.use`,
-    `POLICY.set_table`, or a pinned backend), and the next test starts clean again."""
+    `FUSION_KERNELS` say, and with no kernel pretences: a test that wants a fast kernel
+    asks for it (`POLICY.use`, `POLICY.set_table`, a pinned backend, or the pretences of
+    `NATIVE`, `ROW_MACHINE` and `REGISTRY`), and the next test starts clean again."""
     POLICY.reset()
     POLICY.use("measured")
     POLICY.set_table(Table("tests"))
+    _drop_kernel_overrides()
     yield
     POLICY.reset()
+    _drop_kernel_overrides()

@@ -8,11 +8,13 @@ fused on CPU and moved to GPU picks the right implementation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.kernels.torch_ref import TorchKernels
 
 
@@ -41,14 +43,12 @@ class Kernels(Protocol):
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
-        """RMSNorm over the last dim in one variant: `torch_ref.rms_norm` defines each flag
-        (statistics in float32 or not; weight applied after the cast back, to `x`'s or the
-        weight's dtype, or before it; `offset` added to the weight). Returns a new tensor."""
+        """RMSNorm over the last dim in one `variant` (`fusion.kernels.norm_variant`;
+        `torch_ref.rms_norm` defines each field: statistics in float32 or not; weight
+        applied after the cast back, to `x`'s or the weight's dtype, or before it; `offset`
+        added to the weight). Returns a new tensor."""
         ...
 
     def add_rms_norm(
@@ -58,12 +58,9 @@ class Kernels(Protocol):
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add and RMSNorm of the sum in one call: `(s, rms_norm(s, ...))` with
+        """Residual add and RMSNorm of the sum in one call: `(s, rms_norm(s, variant))` with
         `s = a + b` exactly as PyTorch adds (`torch_ref.add_rms_norm`). The norm reads the
         rounded sum, so the pair equals the two ops run apart. Returns two new tensors."""
         ...
@@ -108,17 +105,15 @@ def _vllm() -> Kernels | None:
     return vllm_backend.create()
 
 
-_FACTORIES: dict[str, Callable[[], Kernels | None]] = {
+BUILT_IN: dict[str, Callable[[], Kernels | None]] = {
     "torch": TorchKernels,
     "onednn": _onednn,
     "native": _native,
     "triton": _triton,
     "vllm": _vllm,
 }
-"""Backend name -> constructor; a constructor returns None when its dependency is missing."""
-
-_INSTANCES: dict[str, Kernels | None] = {}
-"""Explicit cache of constructed backends, keyed by name."""
+"""Backend name -> constructor of the backends shipped here; a constructor returns None when
+its dependency is missing."""
 
 PREFERENCE = ("vllm", "triton", "torch")
 """Order `auto` tries backends in for a GPU: fastest first, the reference last. A backend
@@ -127,24 +122,130 @@ by `auto`, never by its explicit name. On a CPU `auto` is the reference: the CPU
 (`native`, `onednn`) are chosen per op, shape and machine by measurement
 (`fusion.kernels.policy`, asked by `fusion.kernels.ops`), never for a whole backend."""
 
-
-_AUTO: dict[str, Kernels] = {}
-"""Explicit cache of what `auto` resolved to, keyed by `str(device)`: after the first call
-per device, `get("auto", device)` is one dict lookup, which Dynamo traces without a graph
-break. Cleared whenever the set of backends changes (`register`)."""
+Factory = Callable[[], Kernels | None]
+"""A backend's constructor: the backend, or None where its dependency is missing here."""
 
 
-def _reference() -> Kernels:
-    backend = _instance("torch")
-    assert backend is not None  # the reference has no optional dependency
-    return backend
+class BackendRegistry:
+    """The process's kernel backends: each name's constructor, the backends constructed
+    from them (each at its first use, once: constructing one imports its dependency or
+    probes the machine) and what `auto` resolved to per device.
+
+    One object for the three because they change together: a new constructor makes that
+    name's backend and every `auto` choice stale, and `register`/`install` drop both.
+    `reset()` forgets every constructed backend, `auto` choice and `install`ed backend; the
+    `register`ed constructors stay (the process's configuration, nothing it computed).
+    Forgetting is cheap (the next use constructs again); a test that changes what a backend
+    would be constructed as uses `fresh()`, so the backends it made do not outlive it."""
+
+    def __init__(self, factories: dict[str, Factory]) -> None:
+        self.factories: dict[str, Factory] = dict(factories)
+        """Backend name -> constructor, in `auto`'s listing order. Read it; change it with
+        `register` or `install` (which drop what the change made stale)."""
+        self.auto: dict[str, Kernels] = {}
+        """What `auto` resolved to, keyed by `str(device)`: after the first call per device,
+        `get("auto", device)` is one dict lookup, which Dynamo traces without a graph break."""
+        self._instances: dict[str, Kernels | None] = {}
+        self._shadowed: dict[str, Factory | None] = {}
+        """Per `install`ed name, the constructor it replaced (None: the name was new)."""
+
+    def instance(self, name: str) -> Kernels | None:
+        """The backend `name`, constructed at the first call and kept: None where it is
+        unavailable here (its constructor returned None or raised, or `name` has none)."""
+        if name not in self._instances:
+            try:
+                self._instances[name] = self.factories[name]()
+            except Exception:  # an optional backend that fails to initialise is unavailable
+                self._instances[name] = None
+        return self._instances[name]
+
+    def reference(self) -> Kernels:
+        """The torch reference backend: always available (it has no optional dependency)."""
+        backend = self.instance("torch")
+        assert backend is not None
+        return backend
+
+    def choose_auto(self, device: torch.device) -> Kernels:
+        """What `auto` means on `device`, constructing the candidates it tries, and kept for
+        `get`: the first of `PREFERENCE` (on a CPU, the reference) that is available, not
+        `interpreted`, `auto_pick` and supports `device`. Raises ValueError where none does."""
+        for candidate in PREFERENCE if device.type != "cpu" else ("torch",):
+            if candidate in self.factories:
+                backend = self.instance(candidate)
+                if (
+                    backend is not None
+                    and not backend.interpreted
+                    and backend.auto_pick
+                    and backend.supports(device)
+                ):
+                    self.auto[str(device)] = backend
+                    return backend
+        raise ValueError(f"no kernel backend supports device {device}")
+
+    def register(self, name: str, factory: Factory) -> None:
+        """Construct the backend `name` with `factory` from now on (for good, even over an
+        `install`); its old backend and every `auto` choice are dropped, as now stale."""
+        self.factories[name] = factory
+        self._instances.pop(name, None)
+        self._shadowed.pop(name, None)
+        self.auto.clear()
+
+    def install(self, name: str, backend: Kernels) -> None:
+        """Serve the constructed `backend` under `name` until `uninstall` or `reset`: a
+        test's backend, or a stand-in for the one of that name, whose constructor comes back
+        afterwards. `get` and `available_backends` know it; every `auto` choice is dropped."""
+        if name not in self._shadowed:
+            self._shadowed[name] = self.factories.get(name)
+        self.factories[name] = lambda: backend
+        self._instances[name] = backend
+        self.auto.clear()
+
+    def uninstall(self) -> None:
+        """Undo every `install`: each name's former constructor back (its backend built anew
+        at next use) or the name gone. Without installs it changes nothing (other backends
+        and `auto` choices stay constructed), so running it after every test costs nothing."""
+        if not self._shadowed:
+            return
+        for name, factory in self._shadowed.items():
+            self._instances.pop(name, None)
+            if factory is None:
+                del self.factories[name]
+            else:
+                self.factories[name] = factory
+        self._shadowed.clear()
+        self.auto.clear()
+
+    def reset(self) -> None:
+        """`uninstall`, then forget every constructed backend and `auto` choice: each is
+        constructed again at its next use."""
+        self.uninstall()
+        self._instances.clear()
+        self.auto.clear()
+
+    @contextmanager
+    def fresh(self) -> Iterator[None]:
+        """A block in which every backend is constructed and `auto` chosen again at first
+        use (under whatever settings the block changed); afterwards the backends and choices
+        from before it, so none made under a test's settings outlives the block."""
+        instances, auto = dict(self._instances), dict(self.auto)
+        self._instances.clear()
+        self.auto.clear()
+        try:
+            yield
+        finally:
+            self._instances.clear()
+            self._instances.update(instances)
+            self.auto.clear()
+            self.auto.update(auto)
 
 
-def register(name: str, factory: Callable[[], Kernels | None]) -> None:
+REGISTRY = BackendRegistry(BUILT_IN)
+"""The process's one backend registry (`REGISTRY.reset()` forgets what it constructed)."""
+
+
+def register(name: str, factory: Factory) -> None:
     """Make a backend available under `name` (used by optional GPU backends)."""
-    _FACTORIES[name] = factory
-    _INSTANCES.pop(name, None)
-    _AUTO.clear()
+    REGISTRY.register(name, factory)
 
 
 def resolve_ahead(devices: Iterable[torch.device | str]) -> None:
@@ -154,25 +255,16 @@ def resolve_ahead(devices: Iterable[torch.device | str]) -> None:
         get("auto", device)
 
 
-def _instance(name: str) -> Kernels | None:
-    if name not in _INSTANCES:
-        try:
-            _INSTANCES[name] = _FACTORIES[name]()
-        except Exception:  # an optional backend that fails to initialise is unavailable
-            _INSTANCES[name] = None
-    return _INSTANCES[name]
-
-
 def known_backends() -> list[str]:
     """Every backend name `get` knows (nothing is built or imported to answer), `auto` first."""
-    return ["auto", *_FACTORIES]
+    return ["auto", *REGISTRY.factories]
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Names of the backends that import here (and support `device`, when given)."""
     names = []
-    for name in _FACTORIES:
-        backend = _instance(name)
+    for name in REGISTRY.factories:
+        backend = REGISTRY.instance(name)
         if backend is None:
             continue
         if device is not None and not backend.supports(torch.device(device)):
@@ -191,7 +283,7 @@ def get(name: str, device: torch.device | str) -> Kernels:
     """
     device = torch.device(device)
     if name == "auto":
-        chosen = _AUTO.get(str(device))
+        chosen = REGISTRY.auto.get(str(device))
         if chosen is not None:
             return chosen
         if torch.compiler.is_compiling():
@@ -199,22 +291,11 @@ def get(name: str, device: torch.device | str) -> Kernels:
             # reference computes every kernel's function and is what Inductor optimises.
             # `fusion.fuse` resolves `auto` for the model's devices ahead, so this is only
             # met by a model moved to a new device and compiled before any eager call.
-            return _reference()
-        for candidate in PREFERENCE if device.type != "cpu" else ("torch",):
-            if candidate in _FACTORIES:
-                backend = _instance(candidate)
-                if (
-                    backend is not None
-                    and not backend.interpreted
-                    and backend.auto_pick
-                    and backend.supports(device)
-                ):
-                    _AUTO[str(device)] = backend
-                    return backend
-        raise ValueError(f"no kernel backend supports device {device}")
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown kernel backend {name!r}; known: {sorted(_FACTORIES)}")
-    backend = _instance(name)
+            return REGISTRY.reference()
+        return REGISTRY.choose_auto(device)
+    if name not in REGISTRY.factories:
+        raise ValueError(f"unknown kernel backend {name!r}; known: {sorted(REGISTRY.factories)}")
+    backend = REGISTRY.instance(name)
     if backend is None:
         raise ValueError(f"kernel backend {name!r} is not available on this machine")
     if not backend.supports(device):

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fusion.kernels import torch_ref
+from fusion.kernels.norm_variant import NormVariant
 
 GELU_APPROXIMATION = {"gelu": "none", "gelu_tanh": "tanh"}
 """`act_and_mul` activation name -> `approximate` of `aten.gelu_backward`."""
@@ -44,25 +45,23 @@ def rms_norm_backward(
     x: Tensor,
     weight: Tensor | None,
     eps: float,
-    offset: float,
-    upcast: bool,
-    weight_after_cast: bool,
-    cast_to_weight: bool,
+    variant: NormVariant,
 ) -> tuple[Tensor, Tensor | None]:
-    """`(d x, d weight)` of `torch_ref.rms_norm` for the output gradient `grad` (d weight
-    None for a weightless norm).
+    """`(d x, d weight)` of `torch_ref.rms_norm` in `variant` for the output gradient `grad`
+    (d weight None for a weightless norm).
 
     With `n = xc * r` and `g` the gradient reaching `n` (in the compute dtype), the
     normalisation's derivative is `r * (g - n * mean(g * n))`; `g` is `grad` times the scale
     the variant multiplies `n` by, and the weight's gradient is `grad * n` (in the variant's
     product dtype) summed over every leading dimension."""
-    n, r = _normalised(x, eps, upcast)
+    offset = variant.offset
+    n, r = _normalised(x, eps, variant.upcast)
     d_weight = None
     if weight is None:
         g = grad.to(n.dtype)
-    elif weight_after_cast:
+    elif variant.weight_after_cast:
         # y = (weight + offset) * n.to(T), in promote(W, T)
-        cast = n.to(weight.dtype if cast_to_weight else x.dtype)
+        cast = n.to(weight.dtype if variant.cast_to_weight else x.dtype)
         scale = weight + offset if offset else weight
         g = (grad * scale).to(n.dtype)
         d_weight = _sum_to(grad * cast, weight)
@@ -85,17 +84,17 @@ def add_rms_norm_backward(
     b: Tensor,
     weight: Tensor | None,
     eps: float,
-    flags: tuple[float, bool, bool, bool],
+    variant: NormVariant,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """`(d a, d b, d weight)` of `torch_ref.add_rms_norm` (`s = a + b`, then the norm of
-    `s`): the sum's gradient is its own output's gradient plus the norm's input gradient;
+    `s` in `variant`): the sum's gradient is its own output's gradient plus the norm's input gradient;
     `a` and `b` each get it summed back to their shapes and dtypes. A None output gradient
     (an output nobody used) counts as zeros."""
     total = a + b
     d_total = torch.zeros_like(total) if grad_sum is None else grad_sum.to(total.dtype)
     d_weight = None
     if grad_norm is not None:
-        d_s, d_weight = rms_norm_backward(grad_norm, total, weight, eps, *flags)
+        d_s, d_weight = rms_norm_backward(grad_norm, total, weight, eps, variant)
         d_total = d_total + d_s
     elif weight is not None:
         d_weight = torch.zeros_like(weight)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +95,8 @@ _ABI_VERSION = 3
 
 @dataclass(frozen=True)
 class Resolved:
-    """What `resolve` found on this machine."""
+    """What `resolve` found on this machine (or what a test pretends it found:
+    `NativeKernelState.pretend`)."""
 
     function: object | None
     """The kernel's ctypes function, or None when it did not build or failed its probe."""
@@ -105,10 +108,6 @@ class Resolved:
     """This machine's `LIMITS` entry (no rows where the verdict is not 'available')."""
     build: str
     """The built library's file name (it embeds the build's cache key), or 'none'."""
-
-
-_STATE: list[Resolved] = []
-"""Explicit one-entry cache, a property of the process computed at first use (`resolve`)."""
 
 
 def _build() -> tuple[object | None, str, str]:
@@ -200,46 +199,122 @@ def _probe(function) -> str:
     return ""
 
 
+class NativeKernelState:
+    """What this process resolved about the native kernel (`Resolved`), computed once at
+    first use, and what a test pretends instead.
+
+    Two fields, because resolving costs a build (a compiler's `--version`, loading the
+    library) and a probe: `stop_pretending` drops a test's pretence and goes back to what
+    this machine resolved without redoing either, so the suite can drop pretences after every
+    test at no cost, while `reset` (and `fresh`, for a block) forgets the machine's answer
+    too, for a test that resolves again under other settings (`-march`, a capability)."""
+
+    def __init__(self) -> None:
+        self.current: Resolved | None = None
+        """What every check reads: the machine's answer or a test's pretence; None until
+        first use. A plain attribute, so `known_ok` and `rows_ok` are reads Dynamo traces
+        (set it through the methods, which keep it consistent with what was resolved)."""
+        self._machine: Resolved | None = None
+
+    def resolve(self) -> Resolved:
+        """What `current` holds, building (or loading) and probing the kernel first if
+        nothing was resolved or pretended yet: never under a trace (see `resolve` below)."""
+        current = self.current
+        if current is None:
+            current = self.current = self.machine()
+        return current
+
+    def machine(self) -> Resolved:
+        """This machine's answer, whatever a test pretends: resolved (built, probed, the
+        machine rule applied) at the first call and kept until `reset`."""
+        if self._machine is None:
+            function, reason, build = _build()
+            verdict = _machine_rule() if function is not None else reason
+            limits = LIMITS.get(capability(), _NO_ROWS) if verdict == "available" else _NO_ROWS
+            self._machine = Resolved(function, reason, verdict, limits, build)
+        return self._machine
+
+    def pretend(self, resolved: Resolved) -> None:
+        """Every check reads `resolved` instead of this machine's answer (a test's machine),
+        until `stop_pretending` or `reset`; nothing is built."""
+        self.current = resolved
+
+    def pretend_available(self, limits: RowLimits) -> None:
+        """Pretend the machine rule allows the kernel, with `limits`: the kernel built here
+        (resolved first) runs wherever the operand rules and `limits` allow. Raises
+        RuntimeError where it did not build (there is no function to pretend with)."""
+        real = self.machine()
+        if real.function is None:
+            raise RuntimeError(f"the native linear is not built here: {real.reason}")
+        self.pretend(Resolved(real.function, "built", "available", limits, real.build))
+
+    def pretend_off(self, reason: str) -> None:
+        """Pretend the kernel is unavailable because of `reason` (as on a machine without a
+        compiler): every check answers False and `linear` raises; nothing is built."""
+        self.pretend(Resolved(None, reason, reason, _NO_ROWS, "none"))
+
+    def stop_pretending(self) -> None:
+        """Back to this machine's answer (None if it was never resolved: resolved at the
+        next use); nothing is rebuilt. Safe at any time: a pretence only ever replaced it."""
+        self.current = self._machine
+
+    def reset(self) -> None:
+        """Forget every answer and pretence: the next use builds (or loads the cached
+        library) and probes again, as a new process would."""
+        self.current = self._machine = None
+
+    @contextmanager
+    def fresh(self) -> Iterator[None]:
+        """`reset` for a block (which then resolves again at first use, under whatever
+        settings the block changed); afterwards the answers from before the block again, so
+        one resolved under a test's settings never outlives it."""
+        saved = self.current, self._machine
+        self.reset()
+        try:
+            yield
+        finally:
+            self.current, self._machine = saved
+
+
+NATIVE = NativeKernelState()
+"""The process's one native-kernel state (`NATIVE.reset()` forgets it)."""
+
+
 def resolve() -> None:
     """Build (or load) and probe the kernel now, and apply the machine rule, outside any
     trace: compiled code only reads `known_ok`."""
-    if not _STATE:
-        function, reason, build = _build()
-        verdict = _machine_rule() if function is not None else reason
-        limits = LIMITS.get(capability(), _NO_ROWS) if verdict == "available" else _NO_ROWS
-        _STATE.append(Resolved(function, reason, verdict, limits, build))
+    NATIVE.resolve()
 
 
 def build_id() -> str:
     """The built library's file name (its build identity), or 'none: why' (resolving first)."""
-    resolve()
-    state = _STATE[0]
+    state = NATIVE.resolve()
     return state.build if state.function is not None else f"none: {state.reason}"
 
 
 def status() -> str:
     """'available' where `applies` may pick the kernel, else why not (resolving first)."""
-    resolve()
-    return _STATE[0].verdict
+    return NATIVE.resolve().verdict
 
 
 def built() -> bool:
     """Whether the kernel is built and passed its probe here, whatever the machine rule says
     (`linear` works then; tests call it directly on every machine with a compiler)."""
-    resolve()
-    return _STATE[0].function is not None
+    return NATIVE.resolve().function is not None
 
 
 def known_ok() -> bool:
     """Whether `applies` may pick the kernel, if that was already resolved (False if not
     yet): a plain read Dynamo can trace."""
-    return bool(_STATE) and _STATE[0].verdict == "available"
+    state = NATIVE.current
+    return state is not None and state.verdict == "available"
 
 
 def rows_ok(rows: int, k: int) -> bool:
     """The row rules of this machine (`LIMITS`) for `rows` rows of K elements; False before
     `resolve` and wherever the kernel is off."""
-    limits = _STATE[0].limits if _STATE else _NO_ROWS
+    state = NATIVE.current
+    limits = state.limits if state is not None else _NO_ROWS
     return 1 <= rows <= limits.max_rows and rows * k <= limits.max_input_elements
 
 
@@ -316,11 +391,11 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     the machine, never on timings."""
     if torch.compiler.is_compiling():
         return False
-    resolve()
+    state = NATIVE.resolve()
     return (
         contract.plain_dense("cpu", x, weight, bias) is None
         and _operands_ok(x, weight, bias, traced=False)
-        and _STATE[0].verdict == "available"
+        and state.verdict == "available"
     )
 
 
@@ -365,10 +440,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     Reads `weight` and `bias` as they are now (no copy, no cache). The storages are held for
     the call, so another thread re-pointing a tensor (`set_`) cannot free memory the kernel
     is reading."""
-    resolve()
-    function = _STATE[0].function
+    state = NATIVE.resolve()
+    function = state.function
     if function is None:
-        raise RuntimeError(f"the native linear is not built here: {_STATE[0].reason}")
+        raise RuntimeError(f"the native linear is not built here: {state.reason}")
     _check_memory(x, weight, bias)
     n, k = weight.shape
     rows = x.reshape(-1, k)

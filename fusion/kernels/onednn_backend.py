@@ -158,26 +158,49 @@ def _row_width_ok(k: int) -> bool:
     return k <= ROW_MAX_K_ONE_THREAD or torch.get_num_threads() > 1
 
 
-_ROW_OK: list[bool] = []
-"""Explicit one-entry cache of the machine check behind `row_linear_applies` (the ops exist,
-the capability is listed): a property of the process, computed on first use."""
+class RowMachineState:
+    """The machine check behind `row_linear_applies` and `row_experts_ok` (this torch has
+    oneDNN's ops, the CPU capability is in `ROW_CAPABILITIES`): a property of the process,
+    made at first use and kept, or what a test pretends instead. Making it reads a few torch
+    attributes (nothing is built or run), so `reset` is cheap enough for every test."""
+
+    def __init__(self) -> None:
+        self.ok: bool | None = None
+        """The check's answer, or None until it is made. A plain attribute, so
+        `row_machine_known_ok` is a read Dynamo traces (set it through the methods)."""
+
+    def check(self) -> bool:
+        """The check's answer, made now if it was not yet: never under a trace (compiled
+        code reads `ok`, made ahead by `resolve_machine`)."""
+        ok = self.ok
+        if ok is None:
+            ok = self.ok = _ops_available() and cpu_capability() in ROW_CAPABILITIES
+        return ok
+
+    def pretend(self, ok: bool) -> None:
+        """Answer `ok` (a test's machine) until `reset`, without making the check. The
+        operand and settings rules still apply at every call, and `row_linear` still needs
+        oneDNN's ops: pretend True only where `_ops_available()`."""
+        self.ok = ok
+
+    def reset(self) -> None:
+        """Forget the answer (made or pretended): the next use makes the check again."""
+        self.ok = None
 
 
-def _row_machine_ok() -> bool:
-    if not _ROW_OK:
-        _ROW_OK.append(_ops_available() and cpu_capability() in ROW_CAPABILITIES)
-    return _ROW_OK[0]
+ROW_MACHINE = RowMachineState()
+"""The process's one row-machine check (`ROW_MACHINE.reset()` forgets it)."""
 
 
 def row_machine_known_ok() -> bool:
     """The machine check behind `row_linear_applies` if it was already made (else False),
     without making it: a plain read Dynamo can trace. `resolve_machine` makes it ahead."""
-    return bool(_ROW_OK) and _ROW_OK[0]
+    return bool(ROW_MACHINE.ok)  # None (not made yet) reads as False
 
 
 def resolve_machine() -> None:
     """Make the machine check now (outside any trace), so compiled code can read it."""
-    _row_machine_ok()
+    ROW_MACHINE.check()
 
 
 def _one_row_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -230,7 +253,7 @@ def row_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         and weight.is_cpu
         and _row_width_ok(weight.shape[-1])
         and weight.is_contiguous()
-        and _row_machine_ok()
+        and ROW_MACHINE.check()
         and torch.backends.mkldnn.enabled
         and strict_fp32()
     )
@@ -274,7 +297,7 @@ def _rows_ok(*weights: torch.Tensor) -> bool:
     experts' weights streamed once; oneDNN's one-row product reads them faster than `mm`
     (Qwen3-30B-A3B experts, 8 of 32 selected, 2048 -> 2 x 768 -> 2048, one thread:
     7.41 ms with `mm`, 5.41 ms with it) and errs less (see `row_linear`)."""
-    return _row_machine_ok() and all(
+    return ROW_MACHINE.check() and all(
         w.is_contiguous()
         and w.shape[-2] * w.shape[-1] >= ROW_MIN_ELEMENTS // 4
         and _row_width_ok(w.shape[-1])

@@ -22,7 +22,12 @@ transform, a reduced matmul precision) the torch reference runs, eager or traced
 (`_reference_for`). The CPU decode products and experts ask it where they choose a kernel
 (`native_gemm`, `onednn_backend`, `native_backend`).
 
-Recompiles: the backend name, activation and variant flags are constants of the module that
+Norm variants: fused modules and kernels pass one frozen `NormVariant`; the norm operators'
+schemas cannot take a dataclass, so `_operator_args` unpacks it where an operator is called
+and `_variant_of` rebuilds it in the operator's implementation, fake and autograd context
+(the only two places its fields are spelled out as scalars).
+
+Recompiles: the backend name, activation and norm variant are constants of the module that
 calls an operator (Dynamo guards on them once), and `kernels.get` is a dict lookup after
 `fusion.fuse` resolved `auto` ahead, so repeated calls of a compiled fused model with the same
 shapes never recompile (tested with `torch._dynamo.config.error_on_recompile`).
@@ -30,13 +35,14 @@ shapes never recompile (tested with `torch._dynamo.config.error_on_recompile`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import torch
 from torch import Tensor
 
 from fusion import kernels
 from fusion.kernels import autograd, contract, native_gemm, onednn_backend, policy, torch_ref
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.kernels.torch_ref import TorchKernels
 
 
@@ -95,26 +101,22 @@ def _kernels(
     return kernels.get(backend, device)
 
 
-def _rms(
-    kernel: Callable[..., Tensor],
-    x: Tensor,
-    weight: Tensor | None,
-    eps: float,
-    offset: float,
-    upcast: bool,
-    weight_after_cast: bool,
-    cast_to_weight: bool,
-) -> Tensor:
-    """`kernel` (a `Kernels.rms_norm`) called with the variant flags as keywords."""
-    return kernel(
-        x,
-        weight,
-        eps,
-        offset=offset,
-        upcast=upcast,
-        weight_after_cast=weight_after_cast,
-        cast_to_weight=cast_to_weight,
-    )
+def _operator_args(variant: NormVariant) -> tuple[float, bool, bool, bool]:
+    """`variant` as the norm operators' schemas spell it (`offset, upcast, weight_after_cast,
+    cast_to_weight`: a `torch.library` schema takes tensors and scalars, not a dataclass).
+    The one place a variant is unpacked; `_variant_of` is the one place it is rebuilt."""
+    return (variant.offset, variant.upcast, variant.weight_after_cast, variant.cast_to_weight)
+
+
+@functools.lru_cache(maxsize=256)
+def _variant_of(
+    offset: float, upcast: bool, weight_after_cast: bool, cast_to_weight: bool
+) -> NormVariant:
+    """The `NormVariant` a norm operator was called with, rebuilt from the schema's scalars
+    (`_operator_args`) by its implementation, fake and autograd context. Cached: a compiled
+    model calls the operator with a handful of distinct variants, and the cache's lookup is
+    cheaper than building one per call; a frozen value is safe to share."""
+    return NormVariant(offset, upcast, weight_after_cast, cast_to_weight)
 
 
 @torch.library.custom_op("fusion::rms_norm", mutates_args=())
@@ -128,15 +130,15 @@ def _rms_norm_op(
     cast_to_weight: bool,
     backend: str,
 ) -> Tensor:
-    flags = (offset, upcast, weight_after_cast, cast_to_weight)
-    return _rms(kernels.get(backend, x.device).rms_norm, x, weight, eps, *flags)
+    variant = _variant_of(offset, upcast, weight_after_cast, cast_to_weight)
+    return kernels.get(backend, x.device).rms_norm(x, weight, eps, variant=variant)
 
 
 @_rms_norm_op.register_fake
 def _rms_norm_fake(x, weight, eps, offset, upcast, weight_after_cast, cast_to_weight, backend):
     # The reference traces on fake tensors: its output dtype is the variant's, by definition.
-    flags = (offset, upcast, weight_after_cast, cast_to_weight)
-    return _rms(torch_ref.rms_norm, x, weight, eps, *flags)
+    variant = _variant_of(offset, upcast, weight_after_cast, cast_to_weight)
+    return torch_ref.rms_norm(x, weight, eps, variant=variant)
 
 
 def rms_norm(
@@ -145,43 +147,18 @@ def rms_norm(
     weight: Tensor | None,
     eps: float,
     *,
-    offset: float = 0.0,
-    upcast: bool = True,
-    weight_after_cast: bool = True,
-    cast_to_weight: bool = False,
+    variant: NormVariant = DEFAULT_VARIANT,
 ) -> Tensor:
-    """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`)."""
-    flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`): a new tensor, `x`
+    normalised in `variant`."""
     if _eager_reference(backend, x):
-        return _rms(_REFERENCE.rms_norm, x, weight, eps, *flags)
+        return _REFERENCE.rms_norm(x, weight, eps, variant=variant)
     if _use_operator():
         if _reference_for(backend, x.device, "rms_norm", x, weight):
-            return _rms(torch_ref.rms_norm, x, weight, eps, *flags)
-        return torch.ops.fusion.rms_norm(x, weight, eps, *flags, backend)
-    return _rms(_kernels(backend, x.device, "rms_norm", x, weight).rms_norm, x, weight, eps, *flags)
-
-
-def _add_rms(
-    kernel: Callable[..., tuple[Tensor, Tensor]],
-    a: Tensor,
-    b: Tensor,
-    weight: Tensor | None,
-    eps: float,
-    flags: tuple[float, bool, bool, bool],
-) -> tuple[Tensor, Tensor]:
-    """`kernel` (a `Kernels.add_rms_norm`) called with the variant `flags` (offset, upcast,
-    weight_after_cast, cast_to_weight) as keywords."""
-    offset, upcast, weight_after_cast, cast_to_weight = flags
-    return kernel(
-        a,
-        b,
-        weight,
-        eps,
-        offset=offset,
-        upcast=upcast,
-        weight_after_cast=weight_after_cast,
-        cast_to_weight=cast_to_weight,
-    )
+            return torch_ref.rms_norm(x, weight, eps, variant=variant)
+        return torch.ops.fusion.rms_norm(x, weight, eps, *_operator_args(variant), backend)
+    chosen = _kernels(backend, x.device, "rms_norm", x, weight)
+    return chosen.rms_norm(x, weight, eps, variant=variant)
 
 
 @torch.library.custom_op("fusion::add_rms_norm", mutates_args=())
@@ -196,8 +173,8 @@ def _add_rms_norm_op(
     cast_to_weight: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    flags = (offset, upcast, weight_after_cast, cast_to_weight)
-    return _add_rms(kernels.get(backend, a.device).add_rms_norm, a, b, weight, eps, flags)
+    variant = _variant_of(offset, upcast, weight_after_cast, cast_to_weight)
+    return kernels.get(backend, a.device).add_rms_norm(a, b, weight, eps, variant=variant)
 
 
 @_add_rms_norm_op.register_fake
@@ -205,8 +182,8 @@ def _add_rms_norm_fake(
     a, b, weight, eps, offset, upcast, weight_after_cast, cast_to_weight, backend
 ):
     # The reference on fake tensors: the sum's promotion and broadcast, the variant's dtype.
-    flags = (offset, upcast, weight_after_cast, cast_to_weight)
-    return _add_rms(torch_ref.add_rms_norm, a, b, weight, eps, flags)
+    variant = _variant_of(offset, upcast, weight_after_cast, cast_to_weight)
+    return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
 
 
 def add_rms_norm(
@@ -216,21 +193,18 @@ def add_rms_norm(
     weight: Tensor | None,
     eps: float,
     *,
-    offset: float = 0.0,
-    upcast: bool = True,
-    weight_after_cast: bool = True,
-    cast_to_weight: bool = False,
+    variant: NormVariant = DEFAULT_VARIANT,
 ) -> tuple[Tensor, Tensor]:
-    """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))`, two new tensors."""
-    flags = (offset, upcast, weight_after_cast, cast_to_weight)
+    """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))` in `variant`, two
+    new tensors."""
     if _eager_reference(backend, a):
-        return _add_rms(_REFERENCE.add_rms_norm, a, b, weight, eps, flags)
+        return _REFERENCE.add_rms_norm(a, b, weight, eps, variant=variant)
     if _use_operator():
         if _reference_for(backend, a.device, "add_rms_norm", a, b, weight):
-            return _add_rms(torch_ref.add_rms_norm, a, b, weight, eps, flags)
-        return torch.ops.fusion.add_rms_norm(a, b, weight, eps, *flags, backend)
+            return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
+        return torch.ops.fusion.add_rms_norm(a, b, weight, eps, *_operator_args(variant), backend)
     chosen = _kernels(backend, a.device, "add_rms_norm", a, b, weight)
-    return _add_rms(chosen.add_rms_norm, a, b, weight, eps, flags)
+    return chosen.add_rms_norm(a, b, weight, eps, variant=variant)
 
 
 @torch.library.custom_op("fusion::act_and_mul", mutates_args=())
@@ -431,14 +405,14 @@ def moe_experts(
 
 
 def _rms_norm_setup(ctx, inputs, output) -> None:
-    x, weight, *rest = inputs
+    x, weight, eps, *flags, _backend = inputs
     ctx.save_for_backward(x, weight)
-    ctx.args = tuple(rest[:5])  # eps, offset, upcast, weight_after_cast, cast_to_weight
+    ctx.eps, ctx.variant = eps, _variant_of(*flags)
 
 
 def _rms_norm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    d_x, d_weight = autograd.rms_norm_backward(grad, x, weight, *ctx.args)
+    d_x, d_weight = autograd.rms_norm_backward(grad, x, weight, ctx.eps, ctx.variant)
     return d_x, d_weight, None, None, None, None, None, None
 
 
@@ -477,15 +451,15 @@ _moe_experts_op.register_autograd(_moe_backward, setup_context=_moe_setup)
 
 
 def _add_rms_norm_setup(ctx, inputs, output) -> None:
-    a, b, weight, *rest = inputs
+    a, b, weight, eps, *flags, _backend = inputs
     ctx.save_for_backward(a, b, weight)
-    ctx.eps, ctx.flags = rest[0], tuple(rest[1:5])
+    ctx.eps, ctx.variant = eps, _variant_of(*flags)
 
 
 def _add_rms_norm_backward(ctx, grad_sum, grad_norm):
     a, b, weight = ctx.saved_tensors
     d_a, d_b, d_weight = autograd.add_rms_norm_backward(
-        grad_sum, grad_norm, a, b, weight, ctx.eps, ctx.flags
+        grad_sum, grad_norm, a, b, weight, ctx.eps, ctx.variant
     )
     return d_a, d_b, d_weight, None, None, None, None, None, None
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -47,15 +49,12 @@ def rms_norm(
     weight: torch.Tensor | None,
     eps: float,
     *,
-    offset: float = 0.0,
-    upcast: bool = True,
-    weight_after_cast: bool = True,
-    cast_to_weight: bool = False,
+    variant: NormVariant = DEFAULT_VARIANT,
 ) -> torch.Tensor:
-    """RMSNorm over the last dimension, in the exact variant given; returns a new tensor.
+    """RMSNorm over the last dimension, in the exact `variant` given; returns a new tensor.
 
-    With `C` the compute dtype (float32 when `upcast`, else `x.dtype`), `D = x.dtype` and
-    `W = weight.dtype`:
+    With `C` the compute dtype (float32 when `variant.upcast`, else `x.dtype`), `D = x.dtype`
+    and `W = weight.dtype` (the flags below are `variant`'s fields):
 
     - statistics and normalisation: `n = xc * rsqrt(mean(xc * xc, -1) + eps)` with
       `xc = x.to(C)`, all in `C` (`eps` is added inside the root);
@@ -73,13 +72,14 @@ def rms_norm(
     `torch.fx` (no Python branching on tensor values or dtypes).
     """
     dtype = x.dtype
-    h = x.float() if upcast else x
+    offset = variant.offset
+    h = x.float() if variant.upcast else x
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:
         return h.to(dtype)
-    if weight_after_cast:
+    if variant.weight_after_cast:
         scale = weight + offset if offset else weight
-        return scale * h.to(weight.dtype if cast_to_weight else dtype)
+        return scale * h.to(weight.dtype if variant.cast_to_weight else dtype)
     scale = weight.to(promoted(h, weight))
     if offset:
         scale = scale + offset
@@ -92,10 +92,7 @@ def add_rms_norm(
     weight: torch.Tensor | None,
     eps: float,
     *,
-    offset: float = 0.0,
-    upcast: bool = True,
-    weight_after_cast: bool = True,
-    cast_to_weight: bool = False,
+    variant: NormVariant = DEFAULT_VARIANT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(s, rms_norm(s, ...))` with `s = a + b`: a decoder layer's residual add and the norm
     that reads the sum, as one call. Returns two new tensors (neither aliases `a` or `b`).
@@ -105,15 +102,7 @@ def add_rms_norm(
     `s = a + b; n = FusedRMSNorm(...)(s)` gives, in every variant `rms_norm` defines.
     """
     total = a + b
-    return total, rms_norm(
-        total,
-        weight,
-        eps,
-        offset=offset,
-        upcast=upcast,
-        weight_after_cast=weight_after_cast,
-        cast_to_weight=cast_to_weight,
-    )
+    return total, rms_norm(total, weight, eps, variant=variant)
 
 
 def moe_experts(
@@ -276,26 +265,24 @@ _ATEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _aten_scale(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    offset: float,
-    upcast: bool,
-    weight_after_cast: bool,
+    x: torch.Tensor, weight: torch.Tensor | None, variant: NormVariant
 ) -> torch.Tensor | object | None:
     """The weight to hand `torch.rms_norm` so it computes `rms_norm` bit for bit, or
     `_NO_ATEN`. On CPU (PyTorch 2.x) `torch.rms_norm` upcasts to float32, normalises,
-    multiplies by `weight.to(float32)` and casts back: our weight-before-cast variant."""
-    if x.device.type != "cpu" or not upcast or x.dtype not in _ATEN_DTYPES or x.dim() == 0:
+    multiplies by `weight.to(float32)` and casts back: our weight-before-cast variant.
+    (`cast_to_weight` needs no check: it only changes a cast that is the identity wherever
+    this returns a weight for the weight-after-cast order, everything float32.)"""
+    if x.device.type != "cpu" or not variant.upcast or x.dtype not in _ATEN_DTYPES or x.dim() == 0:
         return _NO_ATEN
     if weight is None:
         return None
     if weight.dtype not in _ATEN_DTYPES or weight.shape[0] != x.shape[-1]:
         return _NO_ATEN
-    if weight_after_cast and not (x.dtype == weight.dtype == torch.float32):
+    if variant.weight_after_cast and not (x.dtype == weight.dtype == torch.float32):
         return _NO_ATEN  # Llama's order rounds the normalised value first: not aten's
-    if not offset:
+    if not variant.offset:
         return weight
-    return weight.float() + offset
+    return weight.float() + variant.offset
 
 
 class TorchKernels:
@@ -319,28 +306,17 @@ class TorchKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
         """`rms_norm`, through PyTorch's own `torch.rms_norm` where that computes the same
         ops in the same order (so the same bits; checked over the dtype grid by the tests):
         on CPU, statistics in float32, and the weight applied in float32 before the cast
         back (or after it, when everything is float32 and the cast is the identity)."""
         if weight is None or weight.dim() == 1:
-            scale = _aten_scale(x, weight, offset, upcast, weight_after_cast)
+            scale = _aten_scale(x, weight, variant)
             if scale is not _NO_ATEN:
                 return torch.rms_norm(x, (x.shape[-1],), scale, eps)
-        return rms_norm(
-            x,
-            weight,
-            eps,
-            offset=offset,
-            upcast=upcast,
-            weight_after_cast=weight_after_cast,
-            cast_to_weight=cast_to_weight,
-        )
+        return rms_norm(x, weight, eps, variant=variant)
 
     def add_rms_norm(
         self,
@@ -349,23 +325,12 @@ class TorchKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`add_rms_norm`: PyTorch's `a + b`, then this backend's own `rms_norm` of the sum
         (so the norm is bit for bit what `FusedRMSNorm` computes on the same backend)."""
         total = a + b
-        return total, self.rms_norm(
-            total,
-            weight,
-            eps,
-            offset=offset,
-            upcast=upcast,
-            weight_after_cast=weight_after_cast,
-            cast_to_weight=cast_to_weight,
-        )
+        return total, self.rms_norm(total, weight, eps, variant=variant)
 
     def moe_experts(
         self,

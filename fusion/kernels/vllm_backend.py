@@ -8,9 +8,10 @@ only where they compute exactly the reference's function:
 
 - `rms_norm`: vLLM's kernel is Llama's variant (statistics in float32, normalised value cast
   back to the input dtype, *then* multiplied by a weight of the input's dtype). It is used for
-  `upcast=True, weight_after_cast=True, offset=0` with a weight of `x`'s dtype and a
-  half/bfloat16/float32 input (T5's `cast_to_weight` is then the same function); every other
-  variant (Gemma's offset and cast order, weightless, mixed dtypes) goes to the next backend.
+  a `NormVariant` with `upcast`, `weight_after_cast` and no `offset`, with a weight of `x`'s
+  dtype and a half/bfloat16/float32 input (T5's `cast_to_weight` is then the same function);
+  every other variant (Gemma's offset and cast order, weightless, mixed dtypes) goes to the
+  next backend.
 - `act_and_mul`: vLLM's `silu_and_mul`, `gelu_and_mul` and `gelu_tanh_and_mul` compute the
   activation in float32, round it to the input dtype and multiply: the reference's function.
 - `moe_experts`: always the next backend. vLLM's `fused_experts` sums the K routed products
@@ -29,6 +30,7 @@ import torch
 
 from fusion import kernels
 from fusion.kernels import torch_ref
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 
 _VLLM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Input dtypes vLLM's norm and activation kernels are compiled for."""
@@ -91,10 +93,7 @@ class VllmKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
         """`torch_ref.rms_norm`; vLLM's kernel for the Llama variant, else the next backend.
 
@@ -105,9 +104,9 @@ class VllmKernels:
         if (
             op is None
             or weight is None
-            or offset
-            or not upcast
-            or not weight_after_cast
+            or variant.offset
+            or not variant.upcast
+            or not variant.weight_after_cast
             or x.dtype not in _VLLM_DTYPES
             or weight.dtype != x.dtype
             or x.device.type != "cuda"
@@ -115,15 +114,7 @@ class VllmKernels:
             or weight.dim() != 1
             or weight.shape[0] != x.shape[-1]
         ):
-            return self._fallback(x.device).rms_norm(
-                x,
-                weight,
-                eps,
-                offset=offset,
-                upcast=upcast,
-                weight_after_cast=weight_after_cast,
-                cast_to_weight=cast_to_weight,
-            )
+            return self._fallback(x.device).rms_norm(x, weight, eps, variant=variant)
         x_in = x.contiguous()
         out = torch.empty_like(x_in)
         op(out, x_in, weight.contiguous(), float(eps))
@@ -136,25 +127,13 @@ class VllmKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`torch_ref.add_rms_norm` through the next backend. vLLM's `fused_add_rms_norm`
         is not used: it writes both inputs in place, and it takes the variance of the float32
         sum before rounding it to the input dtype, while the unfused layer normalises the
         rounded sum (a different function in bfloat16/float16)."""
-        return self._fallback(a.device).add_rms_norm(
-            a,
-            b,
-            weight,
-            eps,
-            offset=offset,
-            upcast=upcast,
-            weight_after_cast=weight_after_cast,
-            cast_to_weight=cast_to_weight,
-        )
+        return self._fallback(a.device).add_rms_norm(a, b, weight, eps, variant=variant)
 
     def moe_experts(
         self,

@@ -95,10 +95,7 @@ class RMSNormFuser(Fuser):
         fused = FusedRMSNorm(
             weight if v.has_weight else None,
             None if eps is None else float(eps),
-            offset=v.offset,
-            upcast=v.upcast,
-            weight_after_cast=v.weight_after_cast,
-            cast_to_weight=v.cast_to_weight,
+            variant=v.kernel,
             verified=found.verified,
             backend=backend,
         )

@@ -1,5 +1,5 @@
 """The reference kernel's expressions, per variant: `torch_ref.rms_norm` traced and read like a
-norm, for each candidate set of its flags, so a module's expression can be compared with it."""
+norm, for each candidate `NormVariant`, so a module's expression can be compared with it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 from fusion.fusers.rmsnorm.tracing import NormTrace, evaluate, trace_at
 from fusion.kernels import torch_ref
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 
 GRID = (torch.float32, torch.bfloat16, torch.float16)
 """Dtypes every accepted variant must reproduce exactly, for the input and the weight."""
@@ -26,39 +27,32 @@ MARKER = 0.000123456789
 
 @dataclass(frozen=True)
 class Variant:
-    """The flags of `torch_ref.rms_norm` (see there) for one matched norm."""
+    """One matched norm: whether it has a weight, and `kernel`, the `NormVariant` it
+    computes (handed unchanged to `FusedRMSNorm` and so to every norm kernel; a weightless
+    norm keeps the default weight-order fields, which the kernels ignore without a weight).
+    Frozen and hashable: the key of `_KERNEL_TRACES`."""
 
     has_weight: bool
-    offset: float = 0.0
-    upcast: bool = True
-    weight_after_cast: bool = True
-    cast_to_weight: bool = False
+    kernel: NormVariant = DEFAULT_VARIANT
 
     def describe(self) -> str:
-        if not self.has_weight:
-            order = "weightless"
-        elif self.weight_after_cast:
-            order = "weight after cast to " + (
-                "weight dtype" if self.cast_to_weight else "input dtype"
-            )
-        else:
-            order = "weight before cast"
-        offset = f", scale {self.offset:g} + weight" if self.offset else ""
-        stats = "float32 statistics" if self.upcast else "statistics in input dtype"
-        return f"{stats}, {order}{offset}"
+        """One line for the fusion report (`NormVariant.describe`)."""
+        return self.kernel.describe(self.has_weight)
 
 
 def candidate_variants(has_weight: bool, offsets: set[float]) -> list[Variant]:
-    """Candidate variants, simplest first."""
+    """Candidate variants, simplest first: for each statistics dtype (float32 first) and
+    offset (none first), Llama's weight-after-cast order, Gemma's weight-before-cast, then
+    T5's cast to the weight's dtype."""
     result = []
     for upcast in (True, False):
         if not has_weight:
-            result.append(Variant(False, 0.0, upcast))
+            result.append(Variant(False, NormVariant(upcast=upcast)))
             continue
         for offset in sorted(offsets, key=lambda v: (v != 0.0, v)):
-            result.append(Variant(True, offset, upcast, True, False))
-            result.append(Variant(True, offset, upcast, False, False))
-            result.append(Variant(True, offset, upcast, True, True))
+            result.append(Variant(True, NormVariant(offset, upcast, True, False)))
+            result.append(Variant(True, NormVariant(offset, upcast, False, False)))
+            result.append(Variant(True, NormVariant(offset, upcast, True, True)))
     return result
 
 
@@ -74,16 +68,7 @@ class _KernelProbe(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        v = self.variant
-        return torch_ref.rms_norm(
-            x,
-            self.weight,
-            MARKER,
-            offset=v.offset,
-            upcast=v.upcast,
-            weight_after_cast=v.weight_after_cast,
-            cast_to_weight=v.cast_to_weight,
-        )
+        return torch_ref.rms_norm(x, self.weight, MARKER, variant=self.variant.kernel)
 
 
 _KERNEL_TRACES: dict[Variant, NormTrace] = {}

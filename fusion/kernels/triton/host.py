@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fusion.kernels import torch_ref
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.kernels.triton.jit import (
     ACTIVATION_CODES,
     INTERPRETED,
@@ -112,18 +113,15 @@ def _norm_plan(
     dtype: torch.dtype,
     n_cols: int,
     weight: torch.Tensor | None,
-    offset: float,
-    upcast: bool,
-    weight_after_cast: bool,
-    cast_to_weight: bool,
+    variant: NormVariant,
 ) -> _NormPlan:
-    """The variant's dtypes as the reference forms them (statistics in float32 when
+    """`variant`'s dtypes as the reference forms them (statistics in float32 when
     `upcast`, the weight product in the promoted dtype of its operands) and the block shape:
     one pass over rows up to MAX_SINGLE_PASS wide, several rows per program when narrow."""
-    compute = torch.float32 if upcast else dtype
+    compute = torch.float32 if variant.upcast else dtype
     w_dtype = weight.dtype if weight is not None else dtype
-    cast_dtype = w_dtype if cast_to_weight else dtype
-    if weight is not None and weight_after_cast:
+    cast_dtype = w_dtype if variant.cast_to_weight else dtype
+    if weight is not None and variant.weight_after_cast:
         prod_dtype = out_dtype = torch.promote_types(w_dtype, cast_dtype)
     else:
         prod_dtype, out_dtype = torch.promote_types(w_dtype, compute), dtype
@@ -137,8 +135,8 @@ def _norm_plan(
         "ACC": _acc(compute),
         "RND": tl_dtype(compute),
         "HAS_WEIGHT": weight is not None,
-        "HAS_OFFSET": bool(offset),
-        "WEIGHT_AFTER_CAST": bool(weight_after_cast),
+        "HAS_OFFSET": bool(variant.offset),
+        "WEIGHT_AFTER_CAST": variant.weight_after_cast,
         "CAST_DT": tl_dtype(cast_dtype),
         "PROD_DT": tl_dtype(prod_dtype),
         "PROD_ACC": _acc(prod_dtype),
@@ -154,15 +152,11 @@ def _launch_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     eps: float,
-    *,
-    offset: float,
-    upcast: bool,
-    weight_after_cast: bool,
-    cast_to_weight: bool,
+    variant: NormVariant,
 ) -> torch.Tensor:
     """Launch the RMSNorm kernel on inputs `TritonKernels.rms_norm` checked it covers."""
     n_cols = x.shape[-1]
-    plan = _norm_plan(x.dtype, n_cols, weight, offset, upcast, weight_after_cast, cast_to_weight)
+    plan = _norm_plan(x.dtype, n_cols, weight, variant)
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=plan.out_dtype, device=x.device)
     out2 = out.view(-1, n_cols)
@@ -179,7 +173,7 @@ def _launch_rms_norm(
             x2.stride(0),
             out2.stride(0),
             float(eps),
-            float(offset),
+            variant.offset,
             **plan.constants,
         )
     return out
@@ -218,16 +212,12 @@ def _launch_add_rms_norm(
     b: torch.Tensor,
     weight: torch.Tensor | None,
     eps: float,
-    *,
-    offset: float,
-    upcast: bool,
-    weight_after_cast: bool,
-    cast_to_weight: bool,
+    variant: NormVariant,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the add + RMSNorm kernel on inputs `_add_covered` accepted; returns the new
     (sum, normalised) pair, both contiguous, as `a + b` and the norm of it would be."""
     n_cols = a.shape[-1]
-    plan = _norm_plan(a.dtype, n_cols, weight, offset, upcast, weight_after_cast, cast_to_weight)
+    plan = _norm_plan(a.dtype, n_cols, weight, variant)
     total = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     out = torch.empty(a.shape, dtype=plan.out_dtype, device=a.device)
     a2, b2 = a.view(-1, n_cols), b.view(-1, n_cols)
@@ -248,7 +238,7 @@ def _launch_add_rms_norm(
             total2.stride(0),
             out2.stride(0),
             float(eps),
-            float(offset),
+            variant.offset,
             SUM_DT=tl_dtype(a.dtype),
             ADD_ACC=_acc(a.dtype),
             **plan.constants,
@@ -451,10 +441,7 @@ class TritonKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
         """`torch_ref.rms_norm` in one kernel: one read of `x`, one write of the result.
 
@@ -475,24 +462,8 @@ class TritonKernels:
             or x.numel() == 0
             or (weight is not None and (weight.dim() != 1 or weight.shape[0] != n_cols))
         ):
-            return torch_ref.rms_norm(
-                x,
-                weight,
-                eps,
-                offset=offset,
-                upcast=upcast,
-                weight_after_cast=weight_after_cast,
-                cast_to_weight=cast_to_weight,
-            )
-        return _launch_rms_norm(
-            x,
-            weight,
-            eps,
-            offset=offset,
-            upcast=upcast,
-            weight_after_cast=weight_after_cast,
-            cast_to_weight=cast_to_weight,
-        )
+            return torch_ref.rms_norm(x, weight, eps, variant=variant)
+        return _launch_rms_norm(x, weight, eps, variant)
 
     def add_rms_norm(
         self,
@@ -501,10 +472,7 @@ class TritonKernels:
         weight: torch.Tensor | None,
         eps: float,
         *,
-        offset: float = 0.0,
-        upcast: bool = True,
-        weight_after_cast: bool = True,
-        cast_to_weight: bool = False,
+        variant: NormVariant = DEFAULT_VARIANT,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`torch_ref.add_rms_norm` in one kernel: reads `a` and `b` once, writes the sum
         and the normalised value (a row longer than 16384 reads them twice).
@@ -514,15 +482,9 @@ class TritonKernels:
         imitate exactly (mixed dtypes, broadcasting, strided layouts, tensor subclasses,
         empty or unsupported tensors, see `_add_covered`) go to the reference.
         """
-        flags = {
-            "offset": offset,
-            "upcast": upcast,
-            "weight_after_cast": weight_after_cast,
-            "cast_to_weight": cast_to_weight,
-        }
         if not _add_covered(a, b, weight):
-            return torch_ref.add_rms_norm(a, b, weight, eps, **flags)
-        return _launch_add_rms_norm(a, b, weight, eps, **flags)
+            return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
+        return _launch_add_rms_norm(a, b, weight, eps, variant)
 
     def moe_experts(
         self,

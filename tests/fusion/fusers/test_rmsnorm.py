@@ -19,6 +19,7 @@ from fusion.checkpoint import unfused_state_dict
 from fusion.errors import RewriteRefused
 from fusion.fusers import rmsnorm
 from fusion.fusers.rmsnorm import RMSNormFuser
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.modules import FusedRMSNorm
 from tests.fusion.fusers.helpers import reasons
 from tests.fusion.tiny_models import relative_error, tiny_model, token_ids
@@ -68,18 +69,21 @@ def real_norms() -> dict[str, nn.Module]:
     }
 
 
+_GEMMA = NormVariant(offset=1.0, weight_after_cast=False)
+_WEIGHT_BEFORE_CAST = NormVariant(weight_after_cast=False)
+
 EXPECTED = {
-    # name: (offset, upcast, weight_after_cast, cast_to_weight, has_weight)
-    "llama": (0.0, True, True, False, True),
-    "qwen3": (0.0, True, True, False, True),
-    "gemma": (1.0, True, False, False, True),
-    "gemma2": (1.0, True, False, False, True),
-    "gemma3": (1.0, True, False, False, True),
-    "olmo2": (0.0, True, False, False, True),
-    "t5": (0.0, True, True, True, True),
-    "nn.RMSNorm": (0.0, True, False, False, True),
-    "nn.RMSNorm-eps": (0.0, True, False, False, True),
-    "nn.RMSNorm-weightless": (0.0, True, True, False, False),
+    # name: (variant, has_weight)
+    "llama": (DEFAULT_VARIANT, True),
+    "qwen3": (DEFAULT_VARIANT, True),
+    "gemma": (_GEMMA, True),
+    "gemma2": (_GEMMA, True),
+    "gemma3": (_GEMMA, True),
+    "olmo2": (_WEIGHT_BEFORE_CAST, True),
+    "t5": (NormVariant(cast_to_weight=True), True),
+    "nn.RMSNorm": (_WEIGHT_BEFORE_CAST, True),
+    "nn.RMSNorm-eps": (_WEIGHT_BEFORE_CAST, True),
+    "nn.RMSNorm-weightless": (DEFAULT_VARIANT, False),  # the weight-order fields unused
 }
 
 
@@ -89,10 +93,9 @@ def test_real_norm_variant_and_bit_exact_parity(name: str) -> None:
     fused, report = fused_norm(norm)
     assert report.counts() == {"rmsnorm": 1}, str(report)
     assert isinstance(fused, FusedRMSNorm)
-    offset, upcast, after, to_weight, has_weight = EXPECTED[name]
-    assert (fused.offset, fused.upcast, fused.has_weight) == (offset, upcast, has_weight)
+    variant, has_weight = EXPECTED[name]
+    assert (fused.variant, fused.has_weight) == (variant, has_weight)
     if has_weight:
-        assert (fused.weight_after_cast, fused.cast_to_weight) == (after, to_weight)
         assert set(fused.state_dict()) == set(norm.state_dict()) == {"weight"}
     # Canonical spellings run the same ops in the same order: bit-identical in every
     # verified dtype pair, including the bfloat16 ones where cast orders differ.
@@ -186,29 +189,29 @@ def test_every_spelling_is_the_llama_variant(name: str) -> None:
     norm = _synthetic(SPELLINGS[name])
     fused, report = fused_norm(norm)
     assert report.counts() == {"rmsnorm": 1}, reasons(report)
-    assert (fused.upcast, fused.weight_after_cast, fused.offset) == (True, True, 0.0)
+    assert fused.variant == DEFAULT_VARIANT
     x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.allclose(norm(x), fused(x), rtol=1e-6, atol=1e-6)
 
 
 VARIANTS = {
-    # name: (body, expected (offset, upcast, weight_after_cast, cast_to_weight))
+    # name: (body, expected variant)
     "no-upcast": (
         "self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.my_eps))",
-        (0.0, False, True, False),
+        NormVariant(upcast=False),
     ),
     "weight-before-cast": (
         f"(self.weight * ({_H} * torch.rsqrt({_MS} + self.my_eps))).to(x.dtype)",
-        (0.0, True, False, False),
+        _WEIGHT_BEFORE_CAST,
     ),
     "gemma-offset": (
         f"(({_H} * torch.rsqrt({_MS} + self.my_eps)) * (1.0 + self.weight.float())).type_as(x)",
-        (1.0, True, False, False),
+        _GEMMA,
     ),
     "cast-to-weight": (
         f"self.weight * (x * torch.rsqrt({_MS} + self.my_eps)).to(self.weight.dtype)",
-        (0.0, True, True, True),
+        NormVariant(cast_to_weight=True),
     ),
 }
 
@@ -220,7 +223,7 @@ def test_variants_match_and_hold_parity_against_float64(name: str, dtype: torch.
     norm = _synthetic(body, init="zeros" if "offset" in name else "ones")
     fused, report = fused_norm(norm)
     assert report.counts() == {"rmsnorm": 1}, reasons(report)
-    assert (fused.offset, fused.upcast, fused.weight_after_cast, fused.cast_to_weight) == expected
+    assert fused.variant == expected
     x64 = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     reference = copy.deepcopy(norm).double()
     with torch.no_grad():
@@ -434,12 +437,10 @@ def test_torch_backend_fast_path_is_the_reference_bit_for_bit(dtype, wdtype) -> 
     ):
         x = (3 * torch.randn(4, 3, 96, generator=generator)).to(dtype)
         w = None if wdtype is None else (0.3 * torch.randn(96, generator=generator) + 1).to(wdtype)
-        flags = dict(
-            offset=offset, upcast=upcast, weight_after_cast=after, cast_to_weight=to_weight
-        )
-        expected = torch_ref.rms_norm(x, w, 1e-5, **flags)
-        actual = backend.rms_norm(x, w, 1e-5, **flags)
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected), flags
+        variant = NormVariant(offset, upcast, after, to_weight)
+        expected = torch_ref.rms_norm(x, w, 1e-5, variant=variant)
+        actual = backend.rms_norm(x, w, 1e-5, variant=variant)
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), variant
 
 
 class ShapeBranchRMSNorm(nn.Module):

@@ -13,45 +13,29 @@ def force_native_on(monkeypatch) -> None:
     """Let `native_gemm.applies` answer for small operands on any machine where the kernel
     built (skip where it did not), and the kernel policy run every eligible kernel: its
     size and capability rules are speed rules, tested on their own in test_native_gemm.py,
-    and the measured choice is tested in test_policy.py."""
-    if not native_gemm.built():
-        pytest.skip(f"native kernel not built here: {native_gemm._STATE[0].reason}")
+    and the measured choice is tested in test_policy.py. The suite's autouse fixture ends
+    the pretence and restores the policy."""
+    machine = native_gemm.NATIVE.machine()
+    if machine.function is None:
+        pytest.skip(f"native kernel not built here: {machine.reason}")
     monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(
-        native_gemm,
-        "_STATE",
-        [
-            native_gemm.Resolved(
-                native_gemm._STATE[0].function,
-                "built",
-                "available",
-                native_gemm.LIMITS["AVX512"],
-                native_gemm._STATE[0].build,
-            )
-        ],
-    )
-    POLICY.use("eligible")  # the suite's autouse fixture restores the default
+    native_gemm.NATIVE.pretend_available(native_gemm.LIMITS["AVX512"])
+    POLICY.use("eligible")
 
 
-def force_native_off(monkeypatch) -> None:
-    """`native_gemm.applies` answers False everywhere, as on a machine without a compiler."""
-    monkeypatch.setattr(
-        native_gemm,
-        "_STATE",
-        [
-            native_gemm.Resolved(
-                None, "off for this test", "off for this test", native_gemm._NO_ROWS, "none"
-            )
-        ],
-    )
+def force_native_off() -> None:
+    """`native_gemm.applies` answers False everywhere, as on a machine without a compiler
+    (until the suite's autouse fixture ends the pretence)."""
+    native_gemm.NATIVE.pretend_off("off for this test")
 
 
 def force_onednn_row_on(monkeypatch) -> None:
     """Let `onednn_backend.row_linear_applies` answer True for small operands on any machine
     whose torch has the oneDNN ops (skip where it has not): its AVX-512 and size rules are
-    speed rules (oneDNN's one-row product computes the same function on AVX2)."""
+    speed rules (oneDNN's one-row product computes the same function on AVX2). The suite's
+    autouse fixture forgets the pretence and restores the policy."""
     if not onednn_backend._ops_available():
         pytest.skip("oneDNN's linear ops are not in this torch build")
-    monkeypatch.setattr(onednn_backend, "_ROW_OK", [True])
+    onednn_backend.ROW_MACHINE.pretend(True)
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
-    POLICY.use("eligible")  # the suite's autouse fixture restores the default
+    POLICY.use("eligible")

@@ -19,16 +19,16 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from fusion import kernels
 from fusion.kernels import ops, torch_ref
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.modules import FusedRMSNorm
 
+GEMMA = NormVariant(offset=1.0, weight_after_cast=False)
 VARIANTS = [
-    pytest.param(dict(offset=0.0, upcast=True, weight_after_cast=True), id="llama"),
-    pytest.param(dict(offset=1.0, upcast=True, weight_after_cast=False), id="gemma"),
-    pytest.param(dict(offset=0.0, upcast=False, weight_after_cast=True), id="no-upcast"),
-    pytest.param(
-        dict(offset=0.0, upcast=True, weight_after_cast=True, cast_to_weight=True), id="t5"
-    ),
-    pytest.param(dict(offset=0.0, upcast=True, weight_after_cast=False), id="weight-before"),
+    pytest.param(DEFAULT_VARIANT, id="llama"),
+    pytest.param(GEMMA, id="gemma"),
+    pytest.param(NormVariant(upcast=False), id="no-upcast"),
+    pytest.param(NormVariant(cast_to_weight=True), id="t5"),
+    pytest.param(NormVariant(weight_after_cast=False), id="weight-before"),
 ]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -65,9 +65,9 @@ def _backend_names() -> list:
 def test_reference_is_the_add_then_the_norm(variant, dtype) -> None:
     a, b = _pair((2, 3, 40), dtype)
     for weight in (_weight(40, dtype), _weight(40, torch.float32), None):
-        total, normed = torch_ref.add_rms_norm(a, b, weight, 1e-6, **variant)
+        total, normed = torch_ref.add_rms_norm(a, b, weight, 1e-6, variant=variant)
         assert torch.equal(total, a + b) and total.dtype == (a + b).dtype
-        expected = torch_ref.rms_norm(a + b, weight, 1e-6, **variant)
+        expected = torch_ref.rms_norm(a + b, weight, 1e-6, variant=variant)
         assert normed.dtype == expected.dtype and torch.equal(normed, expected)
 
 
@@ -90,8 +90,8 @@ def test_backend_equals_its_own_add_then_norm(name, variant, width) -> None:
         a, b = _pair((3, 5, width), dtype, seed=width)
         a_before, b_before = a.clone(), b.clone()
         for weight in (_weight(width, dtype), _weight(width, torch.float32), None):
-            total, normed = backend.add_rms_norm(a, b, weight, 1e-6, **variant)
-            expected = backend.rms_norm(a + b, weight, 1e-6, **variant)
+            total, normed = backend.add_rms_norm(a, b, weight, 1e-6, variant=variant)
+            expected = backend.rms_norm(a + b, weight, 1e-6, variant=variant)
             assert torch.equal(total, a + b), f"{name} sum {dtype}"
             assert normed.dtype == expected.dtype, f"{name} dtype {dtype} {variant}"
             assert torch.equal(normed, expected), f"{name} norm {dtype} {variant}"
@@ -111,11 +111,9 @@ def test_triton_two_pass_rows_match(monkeypatch: pytest.MonkeyPatch) -> None:
     for dtype in DTYPES:
         a, b = _pair((4, 100), dtype)
         weight = _weight(100, dtype)
-        total, normed = backend.add_rms_norm(
-            a, b, weight, 1e-6, offset=1.0, weight_after_cast=False
-        )
+        total, normed = backend.add_rms_norm(a, b, weight, 1e-6, variant=GEMMA)
         assert torch.equal(total, a + b)
-        expected = backend.rms_norm(a + b, weight, 1e-6, offset=1.0, weight_after_cast=False)
+        expected = backend.rms_norm(a + b, weight, 1e-6, variant=GEMMA)
         assert torch.equal(normed, expected)
 
 
@@ -154,7 +152,7 @@ def test_operator_compiles_fullgraph_and_matches_eager() -> None:
     def step(
         a: torch.Tensor, b: torch.Tensor, w: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.add_rms_norm("torch", a, b, w, 1e-6, offset=1.0, weight_after_cast=False)
+        return ops.add_rms_norm("torch", a, b, w, 1e-6, variant=GEMMA)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="eager")
@@ -176,16 +174,16 @@ def test_fake_implementation_gives_the_reference_meta() -> None:
         assert normed.dtype == torch.float32 and normed.shape == (2, 8)
 
 
-def _fused_norm(dtype: torch.dtype, **variant) -> FusedRMSNorm:
+def _fused_norm(dtype: torch.dtype, variant: NormVariant = DEFAULT_VARIANT) -> FusedRMSNorm:
     weight = torch.nn.Parameter(_weight(24, dtype))
     verified = frozenset((d, dtype) for d in DTYPES)
-    return FusedRMSNorm(weight, 1e-5, verified=verified, backend="torch", **variant)
+    return FusedRMSNorm(weight, 1e-5, variant=variant, verified=verified, backend="torch")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_forward_equals_the_add_then_the_module(variant, dtype) -> None:
-    norm = _fused_norm(dtype, **variant)
+    norm = _fused_norm(dtype, variant)
     a, b = _pair((2, 5, 24), dtype)
     total, normed = norm.add_forward(a, b)
     assert torch.equal(total, a + b)

@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion.kernels import ops, torch_ref  # noqa: F401  (ops registers the operators)
+from fusion.kernels import ops, torch_ref
+from fusion.kernels.norm_variant import NormVariant
 
 VARIANTS = [
-    # (offset, upcast, weight_after_cast, cast_to_weight)
-    (0.0, False, True, False),
-    (1.0, False, True, False),
-    (0.0, False, False, False),
-    (1.0, False, False, False),
-    (0.0, False, True, True),
+    NormVariant(upcast=False),
+    NormVariant(offset=1.0, upcast=False),
+    NormVariant(upcast=False, weight_after_cast=False),
+    NormVariant(offset=1.0, upcast=False, weight_after_cast=False),
+    NormVariant(upcast=False, cast_to_weight=True),
 ]
+"""Variants in the input's dtype (float64 here: what gradcheck needs)."""
 
 
 def _leaf(*shape: int, dtype=torch.float64, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -28,8 +29,8 @@ def _leaf(*shape: int, dtype=torch.float64, scale: float = 1.0, seed: int = 0) -
 def test_rms_norm_gradcheck(variant, weighted) -> None:
     x = _leaf(2, 3, 5).requires_grad_(True)
     w = (1 + _leaf(5, scale=0.1, seed=1)).requires_grad_(True) if weighted else None
-    args = (x, w, 1e-6, *variant, "torch")
-    assert torch.autograd.gradcheck(lambda x, w: torch.ops.fusion.rms_norm(x, w, *args[2:]), (x, w))
+    args = (1e-6, *ops._operator_args(variant), "torch")
+    assert torch.autograd.gradcheck(lambda x, w: torch.ops.fusion.rms_norm(x, w, *args), (x, w))
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:4])
@@ -38,7 +39,7 @@ def test_add_rms_norm_gradcheck(variant) -> None:
     w = (1 + _leaf(4, scale=0.1, seed=1)).requires_grad_(True)
 
     def both(a, b, w):
-        return torch.ops.fusion.add_rms_norm(a, b, w, 1e-6, *variant, "torch")
+        return torch.ops.fusion.add_rms_norm(a, b, w, 1e-6, *ops._operator_args(variant), "torch")
 
     assert torch.autograd.gradcheck(both, (a, b, w))
     # only the normalised output used: the sum's gradient arrives as None or zeros
@@ -69,7 +70,12 @@ def test_moe_experts_gradcheck() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "variant", [(0.0, True, True, False), (1.0, True, False, False), (0.0, True, True, True)]
+    "variant",
+    [
+        NormVariant(),
+        NormVariant(offset=1.0, weight_after_cast=False),
+        NormVariant(cast_to_weight=True),
+    ],
 )
 def test_rms_norm_backward_matches_reference_autograd(dtype, variant) -> None:
     """In low precision (statistics upcast to float32) the formula's gradients agree with
@@ -77,11 +83,9 @@ def test_rms_norm_backward_matches_reference_autograd(dtype, variant) -> None:
     x = _leaf(4, 16, dtype=dtype).requires_grad_(True)
     w = (1 + _leaf(16, scale=0.1, seed=1)).to(dtype).requires_grad_(True)
     grad = _leaf(4, 16, seed=3).to(dtype)
-    offset, upcast, after, to_weight = variant
-    kw = dict(offset=offset, upcast=upcast, weight_after_cast=after, cast_to_weight=to_weight)
-    want = torch.autograd.grad(torch_ref.rms_norm(x, w, 1e-6, **kw), (x, w), grad)
+    want = torch.autograd.grad(torch_ref.rms_norm(x, w, 1e-6, variant=variant), (x, w), grad)
     got = torch.autograd.grad(
-        torch.ops.fusion.rms_norm(x, w, 1e-6, *variant, "torch"), (x, w), grad
+        torch.ops.fusion.rms_norm(x, w, 1e-6, *ops._operator_args(variant), "torch"), (x, w), grad
     )
     for g, e in zip(got, want):
         assert g.dtype == e.dtype and g.shape == e.shape

@@ -164,7 +164,7 @@ def fast_path(request, monkeypatch) -> str:
     if request.param == "native":
         force_native_on(monkeypatch)
     else:
-        force_native_off(monkeypatch)
+        force_native_off()
         force_onednn_row_on(monkeypatch)
     return request.param
 
@@ -462,10 +462,10 @@ class MarkedKernels:
 
 
 @pytest.fixture
-def marked(monkeypatch) -> str:
-    """`MarkedKernels` registered as backend 'marked' for one test."""
-    monkeypatch.setitem(kernels._FACTORIES, "marked", MarkedKernels)
-    monkeypatch.setitem(kernels._INSTANCES, "marked", MarkedKernels())
+def marked() -> str:
+    """`MarkedKernels` installed as backend 'marked' for one test (the suite's autouse
+    fixture uninstalls it)."""
+    kernels.REGISTRY.install("marked", MarkedKernels())
     return "marked"
 
 

@@ -4,8 +4,8 @@ write, and taken only where its rules allow."""
 
 from __future__ import annotations
 
-import dataclasses
 import platform
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,6 +25,15 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def fresh_native() -> Iterator[None]:
+    """The native kernel resolved anew in the test, under the settings it patched (a
+    `-march`, a capability, a default device), and the answer from before the test back
+    afterwards, so a build made for one test never serves the next (`NATIVE.fresh`)."""
+    with native_gemm.NATIVE.fresh():
+        yield
+
+
 def test_the_kernel_builds_where_a_compiler_exists() -> None:
     """With a C compiler the kernel builds and passes its probe (CI would otherwise run
     without it, silently); without one, the reason names the compiler. `status()` is
@@ -33,7 +42,7 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
         assert not native_gemm.built()
         assert "no C compiler" in native_gemm.status()
         return
-    assert native_gemm.built(), native_gemm._STATE[0].reason
+    assert native_gemm.built(), native_gemm.NATIVE.machine().reason
     capability = native_gemm.capability()
     if capability in native_gemm.LIMITS:
         assert native_gemm.status() == "available"
@@ -145,13 +154,14 @@ def test_operands_outside_the_contract_raise() -> None:
 @needs_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march values")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_narrower_vector_builds_compute_the_same_function(monkeypatch, march: str) -> None:
+def test_narrower_vector_builds_compute_the_same_function(
+    monkeypatch, fresh_native: None, march: str
+) -> None:
     """The AVX2 (8 lanes, 2 x 4 blocks) and SSE (4 lanes, 4 x 2 blocks) code paths, built on
     this machine: they pass the probe and match `F.linear` within MKL's error over row
     counts that exercise every block remainder."""
     monkeypatch.setenv(native_build.MARCH_ENV, march)
-    monkeypatch.setattr(native_gemm, "_STATE", [])
-    assert native_gemm.built(), native_gemm._STATE[0].reason
+    assert native_gemm.built(), native_gemm.NATIVE.machine().reason
     g = torch.Generator().manual_seed(2)
     for rows, n, k in [(1, 7, 16), (3, 5, 272), (16, 33, 1024), (37, 10, 528)]:
         x, weight = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
@@ -187,26 +197,14 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         many = torch.randn(native_gemm.LIMITS["AVX512"].max_rows + 1, 64)
         assert not native_gemm.applies(many, weight, None)
         assert native_gemm.applies(many[1:], weight, None)
-        state = native_gemm._STATE[0]  # at most 4 x 64 input elements (input in cache)
-        monkeypatch.setattr(
-            native_gemm,
-            "_STATE",
-            [dataclasses.replace(state, limits=native_gemm.RowLimits(1000, 4 * 64))],
-        )
+        # at most 4 x 64 input elements (input in cache)
+        native_gemm.NATIVE.pretend_available(native_gemm.RowLimits(1000, 4 * 64))
         assert native_gemm.applies(many[:4], weight, None)
         assert not native_gemm.applies(many[:5], weight, None)
         assert not native_gemm.applies(x, torch.randn(64, 32).t(), None)
         assert not native_gemm.applies(x, weight, torch.randn(31))
         assert not native_gemm.applies(x.as_subclass(_Subclass), weight, None)
-        monkeypatch.setattr(
-            native_gemm,
-            "_STATE",
-            [
-                native_gemm.Resolved(
-                    None, "no C compiler", "no C compiler", native_gemm._NO_ROWS, "none"
-                )
-            ],
-        )
+        native_gemm.NATIVE.pretend_off("no C compiler")
         assert not native_gemm.applies(x, weight, b)
     monkeypatch.undo()
     force_native_on(monkeypatch)
@@ -227,11 +225,10 @@ def test_machine_rule_and_switch(monkeypatch) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
-def test_row_limits_follow_the_capability(monkeypatch, capability: str) -> None:
+def test_row_limits_follow_the_capability(monkeypatch, fresh_native: None, capability: str) -> None:
     """`resolve` takes the row limits of the machine's capability: AVX2 stops at 64 rows and
     256K input elements, AVX-512 at 256 rows and 1M; elsewhere nothing is taken."""
     monkeypatch.setattr(native_gemm, "capability", lambda: capability)
-    monkeypatch.setattr(native_gemm, "_STATE", [])
     native_gemm.resolve()
     limits = native_gemm.LIMITS.get(capability)
     if limits is None:
@@ -327,15 +324,7 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
     x, weight = torch.randn(1, 64), torch.randn(32, 64)
     with torch.no_grad():
         assert ops.product("linear", tuple(weight.shape), "auto", x, weight, None) is not None
-        monkeypatch.setattr(
-            native_gemm,
-            "_STATE",
-            [
-                native_gemm.Resolved(
-                    None, "no C compiler", "no C compiler", native_gemm._NO_ROWS, "none"
-                )
-            ],
-        )
+        native_gemm.NATIVE.pretend_off("no C compiler")
         fallback = ops.product("linear", tuple(weight.shape), "auto", x, weight, None)
         assert (
             ops.product("linear", tuple(weight.shape), "auto", torch.randn(3, 64), weight, None)
@@ -372,24 +361,23 @@ def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("context", ["meta", "float64"])
-def test_first_use_under_a_default_device_or_dtype(monkeypatch, context: str) -> None:
+def test_first_use_under_a_default_device_or_dtype(fresh_native: None, context: str) -> None:
     """The kernel may first be asked for while a model is built under `with
     torch.device("meta")` or another default dtype (Transformers' own tests fuse such a
     model): the probe still runs on real float32 CPU memory (it once handed the kernel a meta
     pointer and crashed the process), and products made under such a context return CPU
     float32 tensors."""
-    monkeypatch.setattr(native_gemm, "_STATE", [])
     x, weight = torch.randn(3, 64), torch.randn(8, 64)
     want = F.linear(x, weight)
     if context == "meta":
         with torch.device("meta"):
-            assert native_gemm.built(), native_gemm._STATE[0].reason
+            assert native_gemm.built(), native_gemm.NATIVE.machine().reason
             got = native_gemm.linear(x, weight, None)
     else:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
         try:
-            assert native_gemm.built(), native_gemm._STATE[0].reason
+            assert native_gemm.built(), native_gemm.NATIVE.machine().reason
             got = native_gemm.linear(x, weight, None)
         finally:
             torch.set_default_dtype(previous)

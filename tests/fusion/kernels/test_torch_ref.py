@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion.kernels import torch_ref
+from fusion.kernels.norm_variant import NormVariant
 
 
 def _loop_experts(hidden, gate_up, down, ids, weights, activation):
@@ -81,24 +82,24 @@ def test_rms_norm_llama_and_gemma_orders(dtype: torch.dtype) -> None:
     llama = w * h.to(dtype)
     assert torch.equal(torch_ref.rms_norm(x, w, 1e-6), llama)
     gemma = (h * (1.0 + w.float())).to(dtype)
-    got = torch_ref.rms_norm(x, w, 1e-6, offset=1.0, weight_after_cast=False)
+    got = torch_ref.rms_norm(x, w, 1e-6, variant=NormVariant(offset=1.0, weight_after_cast=False))
     assert torch.equal(got, gemma)
     assert torch.equal(torch_ref.rms_norm(x, None, 1e-6), h.to(dtype))
 
 
-@pytest.mark.parametrize("weight_after_cast", [False, True])
-def test_rms_norm_traces_with_fx_and_dynamo(weight_after_cast: bool) -> None:
+@pytest.mark.parametrize("after", [False, True])
+def test_rms_norm_traces_with_fx_and_dynamo(after: bool) -> None:
     # The RMSNorm fuser compares variants through fx traces of the reference (no branching
-    # on dim() or dtypes there), and compiled fused models trace it with Dynamo.
+    # on dim() or dtypes there), and compiled fused models trace it with Dynamo (the variant
+    # a constant attribute of the module, as `FusedRMSNorm` holds it).
     class Norm(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.weight = torch.nn.Parameter(torch.randn(8))
+            self.variant = NormVariant(offset=1.0, weight_after_cast=after)
 
         def forward(self, x):
-            return torch_ref.rms_norm(
-                x, self.weight, 1e-6, offset=1.0, weight_after_cast=weight_after_cast
-            )
+            return torch_ref.rms_norm(x, self.weight, 1e-6, variant=self.variant)
 
     norm = Norm()
     x = torch.randn(2, 3, 8, dtype=torch.bfloat16)

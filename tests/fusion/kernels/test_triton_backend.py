@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from fusion import kernels
 from fusion.kernels import torch_ref
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 
 ROOT = Path(__file__).resolve().parents[3]
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -86,18 +87,23 @@ GPU_DTYPES = [torch.bfloat16, torch.float16]
 """On the GPU the half dtypes (float32 is covered under the interpreter; each dtype is a
 separate compile of every variant)."""
 
-RMS_VARIANTS = [
-    pytest.param(
-        offset,
-        upcast,
-        after,
-        cast,
-        weight,
-        id=f"off{offset:g}-up{int(upcast)}-wac{int(after)}-c2w{int(cast)}-{weight}",
+GEMMA = NormVariant(offset=1.0, weight_after_cast=False)
+"""Gemma's norm: `1 + weight`, applied before the cast back (Llama's is the default)."""
+
+
+def _variant_id(v: NormVariant) -> str:
+    return (
+        f"off{v.offset:g}-up{int(v.upcast)}-wac{int(v.weight_after_cast)}"
+        f"-c2w{int(v.cast_to_weight)}"
     )
+
+
+RMS_VARIANTS = [
+    pytest.param(variant, weight, id=f"{_variant_id(variant)}-{weight}")
     for offset in (0.0, 1.0)
     for upcast in (True, False)
     for after, cast in ((True, False), (True, True), (False, False))
+    for variant in [NormVariant(offset, upcast, after, cast)]
     for weight in ("same", "fp32", "none")
     if not (cast and weight == "none")
 ]
@@ -111,18 +117,14 @@ def _less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 
 def _precision(
-    dtype: torch.dtype,
-    upcast: bool,
-    after: bool = True,
-    cast: bool = False,
-    weight: torch.Tensor | None = None,
+    dtype: torch.dtype, variant: NormVariant, weight: torch.Tensor | None = None
 ) -> torch.dtype:
     """The dtype that bounds a norm's accuracy: the compute dtype (float32 with upcast, even
     for a float64 input) or the dtype the normalised value is rounded to, whichever is less
     precise: the input's, or the weight's for T5's cast (which keeps a float32 result of a
     bfloat16 input at float32 accuracy)."""
-    compute = torch.float32 if upcast else dtype
-    if weight is not None and after and cast:
+    compute = torch.float32 if variant.upcast else dtype
+    if weight is not None and variant.weight_after_cast and variant.cast_to_weight:
         return _less_precise(compute, weight.dtype)
     return _less_precise(compute, dtype)
 
@@ -197,21 +199,18 @@ RMS_SHAPES = [
 
 
 @pytest.mark.parametrize(("name", "device"), BACKENDS)
-@pytest.mark.parametrize(("offset", "upcast", "after", "cast", "weight_kind"), RMS_VARIANTS)
+@pytest.mark.parametrize(("variant", "weight_kind"), RMS_VARIANTS)
 @pytest.mark.parametrize(("shape", "strided"), RMS_SHAPES)
-def test_rms_norm_matches_reference(
-    name, device, offset, upcast, after, cast, weight_kind, shape, strided
-) -> None:
+def test_rms_norm_matches_reference(name, device, variant, weight_kind, shape, strided) -> None:
     backend = _backend(name, device)
     for dtype in _dtypes(device):
         x = _inputs(shape, dtype, device, strided=strided, seed=len(shape))
         w = _weight(weight_kind, shape[-1], dtype, device, seed=shape[-1])
         x_before = x.clone()
-        kwargs = dict(offset=offset, upcast=upcast, weight_after_cast=after, cast_to_weight=cast)
-        expected = torch_ref.rms_norm(x, w, 1e-6, **kwargs)
-        actual = backend.rms_norm(x, w, 1e-6, **kwargs)
-        precision = _precision(dtype, upcast, after, cast, w)
-        _close(actual, expected, f"{name} rms_norm {dtype} {kwargs}", precision)
+        expected = torch_ref.rms_norm(x, w, 1e-6, variant=variant)
+        actual = backend.rms_norm(x, w, 1e-6, variant=variant)
+        precision = _precision(dtype, variant, w)
+        _close(actual, expected, f"{name} rms_norm {dtype} {variant}", precision)
         assert torch.equal(x, x_before), "the kernel wrote to its input"
 
 
@@ -254,13 +253,13 @@ def test_special_values_propagate(name, device) -> None:
             )
         w = torch.ones(16, dtype=dtype, device=device)
         for upcast in (True, False):
-            kwargs = dict(offset=0.0, upcast=upcast, weight_after_cast=True)
+            variant = NormVariant(upcast=upcast)
             # `upcast` computes the statistics in float32 (as HF's RMSNorm does), for float64
             # inputs too: judged at float32's precision there (at float64's, ~10% of random
             # inputs failed on one float32 rounding of the variance)
             _close(
-                backend.rms_norm(x, w, 1e-6, **kwargs),
-                torch_ref.rms_norm(x, w, 1e-6, **kwargs),
+                backend.rms_norm(x, w, 1e-6, variant=variant),
+                torch_ref.rms_norm(x, w, 1e-6, variant=variant),
                 f"{name} rms_norm {dtype} special values",
                 torch.float32 if upcast and dtype == torch.float64 else None,
             )
@@ -272,13 +271,12 @@ def test_inputs_outside_the_kernels_get_the_reference(name, device) -> None:
     as the reference does (a result, or the same exception)."""
     backend = _backend(name, device)
     empty = torch.empty(0, 8, device=device)
-    kwargs = dict(offset=0.0, upcast=True, weight_after_cast=True)
-    assert backend.rms_norm(empty, None, 1e-6, **kwargs).shape == (0, 8)
+    assert backend.rms_norm(empty, None, 1e-6).shape == (0, 8)
     assert backend.act_and_mul(empty, "silu").shape == (0, 4)
     scalar = torch.tensor(3.0, device=device)
     _close(
-        backend.rms_norm(scalar, None, 1e-6, **kwargs),
-        torch_ref.rms_norm(scalar, None, 1e-6, **kwargs),
+        backend.rms_norm(scalar, None, 1e-6),
+        torch_ref.rms_norm(scalar, None, 1e-6),
         "scalar",
     )
     odd = torch.randn(2, 7, device=device)
@@ -291,11 +289,9 @@ def test_inputs_outside_the_kernels_get_the_reference(name, device) -> None:
     with pytest.raises(KeyError):
         backend.act_and_mul(torch.randn(2, 8, device=device), "relu")
     with pytest.raises(RuntimeError):
-        torch_ref.rms_norm(torch.randn(2, 8), torch.ones(5), 1e-6, **kwargs)
+        torch_ref.rms_norm(torch.randn(2, 8), torch.ones(5), 1e-6)
     with pytest.raises(RuntimeError):
-        backend.rms_norm(
-            torch.randn(2, 8, device=device), torch.ones(5, device=device), 1e-6, **kwargs
-        )
+        backend.rms_norm(torch.randn(2, 8, device=device), torch.ones(5, device=device), 1e-6)
 
 
 @pytest.mark.parametrize(("name", "device"), BACKENDS)
@@ -320,12 +316,12 @@ def test_rms_norm_property(
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, cols, generator=g) * scale).to(dtype=dtype, device=device)
     w = _weight(weight_kind, cols, dtype, device, seed)
-    kwargs = dict(offset=offset, upcast=upcast, weight_after_cast=after, cast_to_weight=cast)
+    variant = NormVariant(offset, upcast, after, cast)
     _close(
-        _backend(name, device).rms_norm(x, w, 1e-6, **kwargs),
-        torch_ref.rms_norm(x, w, 1e-6, **kwargs),
-        f"{name} rms_norm {dtype} {kwargs} scale {scale}",
-        _precision(dtype, upcast, after, cast, w),
+        _backend(name, device).rms_norm(x, w, 1e-6, variant=variant),
+        torch_ref.rms_norm(x, w, 1e-6, variant=variant),
+        f"{name} rms_norm {dtype} {variant} scale {scale}",
+        _precision(dtype, variant, w),
     )
 
 
@@ -529,14 +525,11 @@ def test_gpu_real_shapes(name, dtype, tokens, hidden) -> None:
     backend = kernels.get(name, "cuda")
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
-    for kwargs in (
-        dict(offset=0.0, upcast=True, weight_after_cast=True),  # Llama
-        dict(offset=1.0, upcast=True, weight_after_cast=False),  # Gemma
-    ):
+    for variant in (DEFAULT_VARIANT, GEMMA):
         _close(
-            backend.rms_norm(x, w, 1e-6, **kwargs),
-            torch_ref.rms_norm(x, w, 1e-6, **kwargs),
-            f"{name} rms_norm {kwargs}",
+            backend.rms_norm(x, w, 1e-6, variant=variant),
+            torch_ref.rms_norm(x, w, 1e-6, variant=variant),
+            f"{name} rms_norm {variant}",
         )
     _close(backend.act_and_mul(x, "silu"), torch_ref.act_and_mul(x, "silu"), f"{name} silu")
 
