@@ -11,9 +11,11 @@ Matched by dataflow in the block's traced forward, never by name:
   no bias, not transposed, the default `act(gate) * up` gating with an activation
   `ActAndMul` reproduces. Its semantics are then fixed by Transformers' experts interface,
   whichever implementation (eager loop, `grouped_mm`) the config selects.
-- Transformers 4 (`ModuleList` of gated MLPs): the routing is in the block's own forward and
-  the expert loop is data-dependent, so the trace stops inside it; each expert must be
-  `down(act(gate(x)) * up(x))` and the block may hold nothing else with state.
+- Transformers 4 (`ModuleList` of expert MLPs, routing in the block's own forward): refused
+  (`fuser.MODULELIST_REFUSAL`). Packing the list would replace the experts' Parameters (an
+  optimizer or adapter made before fusing would train tensors the fused block never reads),
+  and its data-dependent expert loop does not trace, so only a numeric sample would have
+  vouched for it. Each expert MLP is merged by `glu` instead, keeping its Parameters.
 
 The router is read from its graph as a small program (`fusion.moe_modules.RouteSpec`): a
 bias-free linear (with the casts it computes in), then softmax or sigmoid before or after a
@@ -28,8 +30,8 @@ A shared expert is found by dataflow as the other addend of the output: `shared(
 Refused: a block returning a tuple (directly or through a name), any stateful child the
 fused block would not run, hooks on the block or its experts (they would stop firing).
 
-Because the expert loop (Transformers 4) and the experts interface (Transformers 5) are
-taken on their contract rather than traced, every match is also checked numerically once per
+Because the experts interface (Transformers 5) is taken on its contract (proven by
+`provenance`) rather than traced, every match is also checked numerically once per
 kind of instance, on the module's own weights: the fused block must reproduce the router's
 indices and weights bit for bit and the block's output to rounding, or it refuses.
 
@@ -37,8 +39,7 @@ Layout: `router` reads the routing program, `experts` checks the experts child,
 `provenance` proves what an experts class computes, `block` matches the block, `build`
 builds the `FusedMoE`, `selfcheck` runs the numeric check, `experts_only` matches experts
 fused alone, `gate` reads and proves their gating program, `reads` records what it reads
-(for `FusedExperts`'s guards), `logits_return` handles blocks returning router logits, and
-`fuser` holds `MoEFuser`.
+(for `FusedExperts`'s guards), and `fuser` holds `MoEFuser`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Matching an MoE block by dataflow in its traced forward: the experts call, the router it
 reads, a (gated) shared expert as the other addend of the output, and nothing else with
-state. `match_packed` reads a Transformers 5 block, `match_modulelist` a Transformers 4 one."""
+state. `match_packed` reads a Transformers 5 block; `looks_routed` tells a Transformers 4 block
+(a `ModuleList` of experts, refused whole by the fuser) from a decoder stack."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from typing import Any
 from torch import fx, nn
 
 from fusion.errors import RewriteRefused
-from fusion.fusers.moe.experts import modulelist_experts, packed_experts_activation
-from fusion.fusers.moe.logits_return import returns_router_logits
-from fusion.fusers.moe.router import read_routing, router_program
+from fusion.fusers.moe.experts import packed_experts_activation
+from fusion.fusers.moe.router import router_program
 from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
 from fusion.moe_modules import RouteSpec
 from fusion.source import reads_training, returns_tuple
@@ -25,20 +25,17 @@ class MoEMatch:
     """What one kind of MoE block computes, in names of its children."""
 
     style: str
-    """`packed` (Transformers 5 experts) or `modulelist` (Transformers 4)."""
+    """`packed`: Transformers 5 experts (a Transformers 4 `ModuleList` is refused before a
+    match is made: `fusion.fusers.moe.fuser.MODULELIST_REFUSAL`)."""
     router_name: str
     router_weight: str
     """Name of the router weight within the router child."""
     spec: RouteSpec
     experts_name: str
     activation: str
-    expert_names: tuple[str, str, str] | None = None
-    """(gate, up, down) child names of each Transformers 4 expert MLP."""
     shared_name: str | None = None
     shared_gate_name: str | None = None
     training_sensitive: bool = False
-    returns_logits: bool = False
-    """The block returns `(output, router logits)` (Transformers 4; `logits_return`)."""
 
 
 def _other_state(module: nn.Module, accounted: set[str]) -> None:
@@ -151,7 +148,7 @@ def match_packed(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMa
     )
 
 
-def _looks_routed(graph: fx.Graph, module: nn.Module) -> bool:
+def looks_routed(graph: fx.Graph, module: nn.Module) -> bool:
     """Does the (possibly partial) graph select experts: a top-k over a linear child's
     output? A decoder stack also holds a `ModuleList` of linear-bearing modules, but no
     top-k; it is not an MoE block at all, so it gets no verdict."""
@@ -169,63 +166,3 @@ def _looks_routed(graph: fx.Graph, module: nn.Module) -> bool:
                     return True
                 stack.extend(current.all_input_nodes)
     return False
-
-
-def match_modulelist(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMatch | None:
-    x = first_input(graph)
-    if x is None or not _looks_routed(graph, module):
-        return None
-    names, activation = modulelist_experts(module.get_submodule(experts_name))
-    routing = read_routing(graph, module, x)
-    if routing.linear.op != "call_module":
-        raise RewriteRefused("the Transformers 4 router is not a linear child")
-    if routing.spec.weight_cast is not None:
-        # FusedMoE calls the router child (its hooks fire), which casts nothing.
-        raise RewriteRefused("the Transformers 4 router casts its weight")
-    router_name = str(routing.linear.target)
-    if reads_training(type(module)):
-        # FusedMoE would hold repacked copies of the experts: it cannot hand training to the
-        # original block (its experts would be stale), and training it must not raise.
-        raise RewriteRefused("the block changes in training mode and its experts would be repacked")
-    returns_logits = returns_router_logits(type(module), router_name)
-    if not returns_logits and returns_tuple(type(module)):
-        raise RewriteRefused("the block returns a tuple")
-    shared_name, shared_gate_name = _modulelist_shared(graph, module, x)
-    _other_state(module, {experts_name, router_name, shared_name, shared_gate_name} - {None})
-    return MoEMatch(
-        style="modulelist",
-        router_name=router_name,
-        router_weight="weight",
-        spec=routing.spec,
-        experts_name=experts_name,
-        activation=activation,
-        expert_names=names,
-        shared_name=shared_name,
-        shared_gate_name=shared_gate_name,
-        training_sensitive=reads_training(type(module)),
-        returns_logits=returns_logits,
-    )
-
-
-def _modulelist_shared(
-    graph: fx.Graph, module: nn.Module, x: fx.Node
-) -> tuple[str | None, str | None]:
-    """(shared expert, its gate) of a Transformers 4 block returning `routed + shared(x)`
-    (or `+ sigmoid(gate(x)) * shared(x)`), where `routed` is the buffer the expert loop
-    `index_add_`s into; (None, None) when the output is not such a sum. Anything else the
-    block computes with a stateful child is then refused by `_other_state`, and the routed
-    part itself is proven by the numeric check (a loop has no dataflow to read)."""
-    root = strip_reshapes(output_value(graph), module)
-    if not (is_op(root, "add") and len(root.args) == 2):
-        return None, None
-    buffers = {
-        strip_reshapes(node.args[0], module)
-        for node in graph.nodes
-        if node.op == "call_method" and node.target == "index_add_" and node.args
-    }
-    a, b = (strip_reshapes(arg, module) for arg in root.args)
-    if b in buffers:
-        a, b = b, a
-    if a not in buffers:
-        return None, None
-    return _shared(b, x, module)

@@ -5,26 +5,19 @@ from __future__ import annotations
 from torch import nn
 
 from fusion.fusers.moe.block import MoEMatch
-from fusion.moe_modules import FusedMoE, PackedExperts
+from fusion.moe_modules import FusedMoE
 
 
-def build_fused(
-    module: nn.Module, found: MoEMatch, backend: str
-) -> tuple[FusedMoE, PackedExperts | None]:
-    """The fused block for `module` (sharing its parameters, except that Transformers 4
-    experts are packed into new tensors)."""
-    packed = None
+def build_fused(module: nn.Module, found: MoEMatch, backend: str) -> FusedMoE:
+    """The fused block for `module`, sharing its children and Parameters (router, packed
+    experts, shared expert and its gate)."""
     experts = module.get_submodule(found.experts_name)
-    if found.style == "modulelist":
-        assert found.expert_names is not None
-        packed = PackedExperts.from_mlps(experts, found.expert_names)
-        experts = packed
     router = module.get_submodule(found.router_name)
     fused = FusedMoE(
         router_name=found.router_name,
         router=router,
         router_weight=found.router_weight.rpartition(".")[2],
-        router_is_linear=found.style == "modulelist",
+        router_is_linear=False,
         spec=found.spec,
         experts_name=found.experts_name,
         experts=experts,
@@ -36,11 +29,11 @@ def build_fused(
         if found.shared_gate_name
         else None,
         training_sensitive=found.training_sensitive,
-        returns_logits=found.returns_logits,
-        # The original can run in training mode only when the fused block shares everything
-        # it holds: its children (packed experts are not repacked), and no state of its own,
-        # which block matching (`_other_state`) already refused for every match.
-        eager=module if found.training_sensitive and found.style == "packed" else None,
+        returns_logits=False,
+        # The original can run in training mode: the fused block shares everything it holds
+        # (its children), and no state of its own, which block matching (`_other_state`)
+        # already refused for every match.
+        eager=module if found.training_sensitive else None,
         backend=backend,
     )
     fused.train(module.training)
@@ -50,4 +43,4 @@ def build_fused(
     fused._modules = dict(
         sorted(fused._modules.items(), key=lambda kv: order.get(kv[0], len(order)))
     )
-    return fused, packed
+    return fused

@@ -1,21 +1,17 @@
-"""The experts child of an MoE block: which child holds the experts, and whether it computes
-what `moe_experts` computes (Transformers 5 packed experts in the standard layout, or a
-Transformers 4 `ModuleList` of gated MLPs `down(act(gate(x)) * up(x))`)."""
+"""The experts child of an MoE block: which child holds the experts (Transformers 5 packed
+experts, or a Transformers 4 `ModuleList` of expert MLPs, which the fuser refuses), and
+whether packed experts compute what `moe_experts` computes (the standard layout)."""
 
 from __future__ import annotations
 
 import inspect
 import sys
 
-from torch import fx, nn
+from torch import nn
 
-from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
 from fusion.fusers.glu import activation_kind
 from fusion.fusers.moe.provenance import INTERFACE_MODULE, experts_dispatch
-from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
-from fusion.params import common_state
-from fusion.trace import trace
 
 PACKED_FLAGS = {
     "has_gate": True,
@@ -92,67 +88,3 @@ def packed_experts_activation(child: nn.Module) -> str:
     if not isinstance(act, nn.Module):
         raise RewriteRefused(f"{name} has no activation module")
     return activation_kind(act)
-
-
-def _expert_mlp(expert: nn.Module) -> tuple[tuple[str, str, str], str]:
-    """((gate, up, down), activation) of a Transformers 4 expert `down(act(gate(x)) * up(x))`."""
-    graph = trace(expert)
-    x = first_input(graph) if graph is not None else None
-    out = strip_reshapes(output_value(graph), expert) if graph is not None else None
-    name = type(expert).__name__
-    if x is None or not (isinstance(out, fx.Node) and out.op == "call_module"):
-        raise RewriteRefused(f"expert {name} does not return a projection")
-    down = expert.get_submodule(str(out.target))
-    product = out.args[0] if len(out.args) == 1 else None
-    if not isinstance(down, nn.Linear) or not (is_op(product, "mul") and len(product.args) == 2):
-        raise RewriteRefused(f"expert {name} is not down(act(gate(x)) * up(x))")
-    for act_node, up_node in (product.args, product.args[::-1]):
-        if not (
-            isinstance(act_node, fx.Node)
-            and act_node.op == "call_module"
-            and len(act_node.args) == 1
-            and calls_child_on(act_node.args[0], x, expert)
-            and calls_child_on(up_node, x, expert)
-        ):
-            continue
-        gate_node = act_node.args[0]
-        names = (str(gate_node.target), str(up_node.target), str(out.target))
-        linears = [expert.get_submodule(n) for n in names]
-        for n, lin in zip(names, linears):
-            if type(lin) is not nn.Linear or lin.bias is not None or has_hooks(lin):
-                raise RewriteRefused(f"expert projection {n} is not a plain bias-free nn.Linear")
-        activation = activation_kind(expert.get_submodule(str(act_node.target)))
-        return names, activation
-    raise RewriteRefused(f"expert {name} is not down(act(gate(x)) * up(x))")
-
-
-def modulelist_experts(experts: nn.ModuleList) -> tuple[tuple[str, str, str], str]:
-    if len(experts) < 2 or len({type(e) for e in experts}) != 1:
-        raise RewriteRefused("experts ModuleList of mixed or too few modules")
-    names, activation = _expert_mlp(experts[0])
-    first = [getattr(experts[0], n).weight for n in names]
-    for expert in experts:
-        if has_hooks(expert):
-            raise RewriteRefused("an expert has hooks")
-        weights = [getattr(expert, n).weight for n in names]
-        if any(w.shape != f.shape or w.dtype != f.dtype for w, f in zip(weights, first)):
-            raise RewriteRefused("experts differ in shape or dtype")
-        if activation_kind(_act_child(expert, names)) != activation:
-            raise RewriteRefused("experts differ in activation")
-    if first[0].shape != first[1].shape or first[2].shape[::-1] != first[0].shape:
-        raise RewriteRefused("expert gate/up/down shapes do not chain")
-    # Packing stacks every expert's gate+up into one parameter and every down into another:
-    # the shards of each must agree on requires_grad, type and attributes.
-    gate, up, down = names
-    common_state(
-        {f"{e}.{n}.weight": getattr(x, n).weight for e, x in enumerate(experts) for n in (gate, up)}
-    )
-    common_state({f"{e}.{down}.weight": getattr(x, down).weight for e, x in enumerate(experts)})
-    return names, activation
-
-
-def _act_child(expert: nn.Module, names: tuple[str, str, str]) -> nn.Module:
-    children = [c for n, c in expert.named_children() if n not in names]
-    if len(children) != 1:
-        raise RewriteRefused("expert MLP holds other children than its projections and activation")
-    return children[0]

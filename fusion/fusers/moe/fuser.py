@@ -11,16 +11,14 @@ from typing import ClassVar
 from torch import fx, nn
 
 from fusion.callpath import has_hooks, own_call_path
-from fusion.checkpoint import register_packed_experts_layout
 from fusion.errors import RewriteRefused
 from fusion.experts_modules import FusedExperts
 from fusion.fusers.base import Fuser, per_signature
-from fusion.fusers.moe.block import MoEMatch, match_modulelist, match_packed
+from fusion.fusers.moe.block import MoEMatch, looks_routed, match_packed
 from fusion.fusers.moe.build import build_fused
 from fusion.fusers.moe.experts import (
     PACKED_FLAGS,
     experts_child,
-    modulelist_experts,
     packed_experts_activation,
 )
 from fusion.fusers.moe.experts_only import (
@@ -81,9 +79,8 @@ def _whole_block(
     if style == "packed":
         found = match_packed(graph, module, name)
     else:
-        found = match_modulelist(graph, module, name)
-        if found is None:
-            return None
+        if not looks_routed(graph, module):
+            return None  # a decoder stack's ModuleList: not an MoE block, no verdict
         raise RewriteRefused(MODULELIST_REFUSAL)
     check_numerically(module, found)
     return found
@@ -131,8 +128,7 @@ class MoEFuser(Fuser):
     name: ClassVar[str] = "moe"
     redefines_forward: ClassVar[bool] = True
     # The router, experts and shared expert stay children under their names, hooks on them
-    # are honoured (FusedMoE calls a hooked child); repacked Transformers 4 experts lose
-    # their names, which `fusion.apply` sees and prunes.
+    # are honoured (FusedMoE calls a hooked child), so every name a plan holds survives.
     changes_layout: ClassVar[bool] = False
 
     class_match: Match | None = None
@@ -224,16 +220,11 @@ class MoEFuser(Fuser):
             found.check_instance(experts)
             self.last_match = found
             return found
-        if found.style == "packed":
-            activation = packed_experts_activation(experts)
-            router = module.get_submodule(found.router_name)
-            weight = getattr(router, found.router_weight)
-            if weight.shape != (experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[2]):
-                raise RewriteRefused(
-                    f"router weight {tuple(weight.shape)} does not fit the experts"
-                )
-        else:
-            _, activation = modulelist_experts(experts)
+        activation = packed_experts_activation(experts)
+        router = module.get_submodule(found.router_name)
+        weight = getattr(router, found.router_weight)
+        if weight.shape != (experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[2]):
+            raise RewriteRefused(f"router weight {tuple(weight.shape)} does not fit the experts")
         if activation != found.activation:
             raise RewriteRefused(f"activation {activation}, matched {found.activation}")
         self.last_match = found
@@ -248,20 +239,7 @@ class MoEFuser(Fuser):
             experts = module.get_submodule(found.experts_name)
             setattr(module, found.experts_name, build_fused_experts(experts, found, backend))
             return module
-        fused, packed = build_fused(module, found, backend)
-        if packed is not None:
-            register_packed_experts_layout(fused, found.experts_name)
-        return fused
-
-    def dropped_children(self, module: nn.Module) -> tuple[str, ...]:
-        """A Transformers 4 `ModuleList` of experts is repacked: its MLPs leave the model."""
-        located = experts_child(module)
-        if located is not None and isinstance(module.get_submodule(located[0]), FusedExperts):
-            return ()  # called after `fuse`: experts fused alone, the block stays
-        found = self._match_for(module)
-        if isinstance(found, ExpertsMatch):
-            return ()
-        return (found.experts_name,) if found.style == "modulelist" else ()
+        return build_fused(module, found, backend)
 
     def describe(self) -> str:
         m = self.last_match or self.class_match
@@ -273,7 +251,7 @@ class MoEFuser(Fuser):
             shared = f" + {m.shared_name}" + (
                 f" (gated by {m.shared_gate_name})" if m.shared_gate_name else ""
             )
-        experts = (
-            f"{m.experts_name}[{'ModuleList -> packed' if m.style == 'modulelist' else 'packed'}]"
+        return (
+            f"{m.router_name}: {m.spec.describe()}; {m.experts_name}[packed] grouped{shared}"
+            " -> FusedMoE"
         )
-        return f"{m.router_name}: {m.spec.describe()}; {experts} grouped{shared} -> FusedMoE"

@@ -19,6 +19,7 @@ from torch import nn
 
 import fusion
 from fusion.kernels.torch_ref import moe_experts
+from tests.fusion.fusers.test_moe import HIDDEN, qwen3_block
 
 
 def _reference(hidden, gate_up, down, ids, weights):
@@ -60,51 +61,16 @@ def test_moe_experts_is_differentiable() -> None:
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5)
 
 
-class Expert(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(8, 16, bias=False)
-        self.up_proj = nn.Linear(8, 16, bias=False)
-        self.down_proj = nn.Linear(16, 8, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class SparseMoE(nn.Module):
-    """The shrunk fuzzer example (Transformers 4 layout)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.top_k = 2
-        self.gate = nn.Linear(8, 3, bias=False)
-        self.experts = nn.ModuleList([Expert() for _ in range(3)])
-
-    def forward(self, hidden_states):
-        batch_size, sequence_length, hidden_dim = hidden_states.shape
-        hidden_states = hidden_states.view(-1, hidden_dim)
-        router_logits = self.gate(hidden_states)
-        routing_weights = F.softmax(router_logits, dim=-1, dtype=torch.float)
-        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
-        routing_weights = routing_weights.to(hidden_states.dtype)
-        final_hidden_states = torch.zeros_like(hidden_states)
-        for expert_idx in range(len(self.experts)):
-            top_x, idx = torch.where(selected_experts == expert_idx)
-            current = self.experts[expert_idx](hidden_states[top_x])
-            current = current * routing_weights[top_x, idx, None]
-            final_hidden_states.index_add_(0, top_x, current.to(hidden_states.dtype))
-        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
-
-
 @pytest.mark.parametrize("grad", [True, False], ids=["autograd", "no_grad"])
 def test_fused_moe_block_runs_where_the_original_does(grad: bool) -> None:
+    """The shrunk fuzzer example was a Transformers 4 block (now refused as a whole); a
+    Transformers 5 Qwen3-MoE block reaches the same kernel under autograd."""
     torch.manual_seed(0)
-    model = nn.Sequential(SparseMoE())
+    model = nn.Sequential(qwen3_block())
     fused = copy.deepcopy(model)
     report = fusion.fuse(fused)
     assert [r.fuser for r in report.applied] == ["moe"], report.skipped
-    x = torch.randn(2, 3, 8)
+    x = torch.randn(2, 3, HIDDEN)
     with torch.set_grad_enabled(grad):
         expected, got = model(x), fused(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
