@@ -34,9 +34,13 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 """Compiler flags besides `-march` (`march()`). `-fopenmp`: the kernels split work across
-torch's thread count; torch's wheels load the same `libgomp.so.1`, so one OpenMP runtime (one
-thread pool) serves both. No `-ffast-math`: the kernels' rounding is the IEEE order their
-source spells out."""
+torch's thread count, in torch's own OpenMP runtime: torch's Linux wheels ship `libgomp.so.1`
+under that soname, so the loader binds the kernel to the copy already loaded. That is
+checked after loading (`openmp_runtimes`), not assumed. No `-ffast-math`: the kernels'
+rounding is the IEEE order their source spells out."""
+
+OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")
+"""File-name stems of the OpenMP runtimes a process may map (GCC's, Intel's, LLVM's)."""
 
 MARCH_ENV = "FUSION_NATIVE_MARCH"
 """Overrides `-march=native` (e.g. `x86-64-v3` builds the AVX2 code path on an AVX-512
@@ -51,6 +55,35 @@ class Built:
     library: ctypes.CDLL | None
     reason: str
     path: Path | None = None
+
+
+def openmp_runtimes(maps: str) -> list[str]:
+    """The distinct OpenMP runtime files mapped in a process, from the text of its
+    `/proc/<pid>/maps`. Two or more mean two thread pools: the kernel's threads would not be
+    torch's (oversubscription, and `torch.set_num_threads` would not reach them)."""
+    found = set()
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        name = os.path.basename(path)
+        if any(
+            name.startswith(stem + ".") or name.startswith(stem + "-") for stem in OPENMP_RUNTIMES
+        ):
+            found.add(os.path.realpath(path) if os.path.isabs(path) else path)
+    return sorted(found)
+
+
+def one_openmp_runtime(maps_path: Path = Path("/proc/self/maps")) -> str:
+    """'' when this process maps at most one OpenMP runtime, else why not (the files); a
+    process whose maps cannot be read is not known to have one, and is refused (fail closed:
+    the caller keeps its PyTorch path)."""
+    try:
+        maps = maps_path.read_text()
+    except OSError as exc:
+        return f"cannot check for one OpenMP runtime: {maps_path}: {exc.strerror or exc}"
+    runtimes = openmp_runtimes(maps)
+    if len(runtimes) > 1:
+        return f"{len(runtimes)} OpenMP runtimes loaded ({', '.join(runtimes)})"
+    return ""
 
 
 def cache_dir() -> Path:

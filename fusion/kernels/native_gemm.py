@@ -145,6 +145,9 @@ def _load(built: native_build.Built) -> tuple[object | None, str]:
         ctypes.c_int64,
         ctypes.c_int,
     ]
+    runtimes = native_build.one_openmp_runtime()
+    if runtimes:
+        return None, f"{built.path} is not run: {runtimes}"
     problem = _probe(function)
     if problem:
         return None, f"{built.path} failed its probe: {problem}"

@@ -103,3 +103,26 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.delenv("FUSION_HARNESS_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert native_build.cache_dir() == tmp_path / "x" / "fusion-harness"
+
+
+def _maps(*paths: str) -> str:
+    return (
+        "".join(f"7f00-7f01 r-xp 00000000 08:01 1 {p}\n" for p in paths) + "7f02-7f03 rw-p 0 0 0\n"
+    )
+
+
+def test_openmp_runtimes_are_counted_by_file(tmp_path: Path) -> None:
+    torch_gomp = "/venv/torch/lib/libgomp.so.1"
+    assert native_build.openmp_runtimes(_maps(torch_gomp, torch_gomp, "/lib/libc.so.6")) == [
+        torch_gomp
+    ]
+    two = _maps(torch_gomp, "/opt/intel/libiomp5.so", "/lib/libomptarget.so")
+    assert native_build.openmp_runtimes(two) == ["/opt/intel/libiomp5.so", torch_gomp]
+    renamed = _maps("/venv/torch.libs/libgomp-a34b3233.so.1", "/usr/lib/libgomp.so.1")
+    assert len(native_build.openmp_runtimes(renamed)) == 2
+    maps = tmp_path / "maps"
+    maps.write_text(two)
+    assert "2 OpenMP runtimes loaded" in native_build.one_openmp_runtime(maps)
+    maps.write_text(_maps(torch_gomp))
+    assert native_build.one_openmp_runtime(maps) == ""
+    assert "cannot check" in native_build.one_openmp_runtime(tmp_path / "absent")

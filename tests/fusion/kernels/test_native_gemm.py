@@ -403,3 +403,13 @@ def test_linear_refuses_memory_it_cannot_read() -> None:
     for args in bad:
         with pytest.raises(ValueError, match="native linear"):
             native_gemm.linear(*args)
+
+
+@needs_kernel
+def test_a_second_openmp_runtime_keeps_the_kernel_off(monkeypatch, fresh_native: None) -> None:
+    """Fail closed: with two OpenMP runtimes in the process the kernel's threads would not be
+    torch's, so it is not run (the reason says which runtimes)."""
+    reason = "2 OpenMP runtimes loaded (/a/libgomp.so.1, /b/libiomp5.so)"
+    monkeypatch.setattr(native_build, "one_openmp_runtime", lambda: reason)
+    assert not native_gemm.built()
+    assert reason in native_gemm.status()
