@@ -968,18 +968,20 @@ def cmd_report(args: argparse.Namespace) -> int:
         golden_note=note,
         strict_corpus=args.strict_corpus,
     )
-    if args.out is None:
+    _emit_report(args.out, text)
+    return 0
+
+
+def _emit_report(out: Path | None, text: str) -> None:
+    """`text` on stdout (a closed stdout costs nothing) or in `out`; an `out` that cannot be
+    written is a usage error."""
+    if out is None:
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
         except BrokenPipeError:
             _stdout_closed()
-        return 0
-    _write_report(args.out, text)
-    return 0
-
-
-def _write_report(out: Path, text: str) -> None:
+        return
     try:
         _write_text(out, text)
     except OSError as exc:
@@ -1007,14 +1009,7 @@ def _report_speed(args: argparse.Namespace, document: Any) -> int:
     if args.plot is not None and not plot_error:
         link = os.path.relpath(args.plot, args.out.parent) if args.out else str(args.plot)
     text = speed_report.render(document, source=str(args.results), plot=link)
-    if args.out is None:
-        try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        except BrokenPipeError:
-            _stdout_closed()
-    else:
-        _write_report(args.out, text)
+    _emit_report(args.out, text)
     if plot_error:
         raise UsageError(plot_error)
     return 0
