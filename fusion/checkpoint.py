@@ -15,7 +15,8 @@ weights "tied" to each other, which the unfused model's are not. A state-dict ho
 parent gives each shard's entry a storage object of its own over the same memory
 (`_own_storage`).
 
-A Transformers 4 `experts` ModuleList repacked into `PackedExperts` does need translation:
+A Transformers 4 `experts` ModuleList repacked into `PackedExperts` (only in models fused
+and pickled by an earlier version: the fuser no longer repacks) does need translation:
 
 - a state-dict hook on that module replaces the packed tensors by their exact slices under
   the original keys (aliases of the packed tensor's memory, each with its own storage

@@ -2,8 +2,12 @@
 
 `FusedMoE` replaces a Transformers MoE block. It keeps the block's children under their own
 names (the router, the experts, the shared expert and its gate), so the block's checkpoint
-keys are unchanged; only a Transformers 4 `ModuleList` of expert MLPs is repacked, into
-`PackedExperts`, with `fusion.checkpoint` mapping the per-expert keys both ways.
+keys and Parameters are unchanged.
+
+`PackedExperts` is legacy: the MoE fuser no longer repacks a Transformers 4 `ModuleList` of
+expert MLPs (the new Parameters escaped optimizers and adapters made before fusing:
+`fusion.fusers.moe.fuser.MODULELIST_REFUSAL`). The class and its `fusion.checkpoint` key
+mapping stay so a model fused and pickled by an earlier version still loads and runs.
 """
 
 from __future__ import annotations
@@ -221,7 +225,8 @@ def _hooked(module: nn.Module) -> bool:
 
 
 class PackedExperts(nn.Module):
-    """A Transformers 4 `ModuleList` of gated expert MLPs, repacked as Transformers 5 does:
+    """(Legacy: only models fused by an earlier version hold one; see the module docstring.)
+    A Transformers 4 `ModuleList` of gated expert MLPs, repacked as Transformers 5 does:
     `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and
     `down_proj [E, H, I]`. `names` remembers the (gate, up, down) child names of each expert
     so `fusion.checkpoint` maps `experts.<e>.<name>.weight` keys both ways."""
