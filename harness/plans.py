@@ -60,6 +60,10 @@ GOLDEN_OPTIONS = {"dtype": "float32", "device": "cpu", "seed": 0}
 NO_PLAN = frozenset({"build-error", "crashed", "timeout", "fuse-error", "unbuildable"})
 """Statuses whose result holds no plan: fusion never ran, or raised."""
 
+INTERRUPTED = frozenset({"crashed", "timeout"})
+"""Statuses that describe the run (a worker killed or lost), not the architecture: `update`
+never records one over an existing entry."""
+
 RECORDABLE = frozenset({"inconclusive", "forward-error", "build-error", "unbuildable"})
 """Non-green statuses a golden file may accept (the model itself does not build or run, or
 the float64 reference cannot judge it). A fusion failure (fail, fused-error, fuse-error) or a
@@ -257,8 +261,12 @@ def update(
 
     Entries of architectures not in `results` are kept (a sweep of some architectures updates
     only those), every known-unbuildable architecture is refreshed from `unbuildable`, and
-    architectures neither in `known` nor unbuildable are dropped. Returns {architecture: the
-    diff in words} of every entry that changed.
+    architectures neither in `known` nor unbuildable are dropped. A result that crashed or
+    timed out (`INTERRUPTED`) never replaces a recorded entry: it says how this run went,
+    not what the architecture does (musicgen on 4.57 took ~120 s under the full lifecycle and
+    timed out at the default limit under `-j 2`), so the entry is kept and the change says
+    why. Returns {architecture: the diff in words} of every entry that changed or was kept
+    over such a result.
     """
     path = path or golden_path()
     old: dict[str, dict[str, Any]] = {}
@@ -269,7 +277,8 @@ def update(
             old = {}  # unreadable: rewritten whole
     entries = dict(old)
     entries.update({name: unbuildable_entry(reason) for name, reason in unbuildable.items()})
-    entries.update({r.architecture: entry_of(r) for r in results})
+    kept = {r.architecture: r for r in results if r.status in INTERRUPTED and r.architecture in old}
+    entries.update({r.architecture: entry_of(r) for r in results if r.architecture not in kept})
     keep = set(known) | set(unbuildable)
     entries = {name: entry for name, entry in entries.items() if name in keep}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,6 +286,11 @@ def update(
     changes = {}
     for name in sorted(set(old) | set(entries)):
         lines = diff_entry(old.get(name), _sorted(entries.get(name)))
+        if name in kept:
+            lines.append(
+                f"kept the recorded entry: this run's result is {kept[name].status}"
+                f" ({kept[name].message}); rerun it alone (a larger --timeout) to update it"
+            )
         if lines:
             changes[name] = lines
     return path, changes

@@ -295,6 +295,24 @@ def test_update_merges_refreshes_and_drops(expected_dir):
     assert plans.update([a2], unbuildable={}, known=["a"])[1] == {}
 
 
+def test_update_keeps_a_recorded_entry_over_a_timeout(expected_dir):
+    """Regression (4.57's musicgen: a timeout under `-j 2` was written over its entry): a
+    crashed or timed-out run keeps what was recorded and says so; a new architecture's
+    timeout is still written (there is nothing to keep)."""
+    a = ArchResult("a", "pass", "float32", "cpu", 0, 1.0, applied_by_class={"A": {"glu": 1}})
+    path, _ = plans.update([a], unbuildable={}, known=["a", "n"])
+    slow = ArchResult("a", "timeout", "float32", "cpu", 0, 120.0, message="no result after 120 s")
+    new = ArchResult("n", "crashed", "float32", "cpu", 0, 1.0, message="worker died")
+    _, changes = plans.update([slow, new], unbuildable={}, known=["a", "n"])
+    golden = plans.load(path).architectures
+    assert golden["a"]["status"] == "pass" and golden["a"]["plan"] == {"A": {"applied": {"glu": 1}}}
+    assert changes["a"] == [
+        "kept the recorded entry: this run's result is timeout (no result after 120 s); "
+        "rerun it alone (a larger --timeout) to update it"
+    ]
+    assert golden["n"]["status"] == "crashed"
+
+
 def test_committed_golden_files_are_canonical():
     """Hand edits keep the generated form (sorted keys, indent, trailing newline)."""
     files = sorted((REPO / "corpus" / "expected").glob("*.json"))
