@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from fusion.fusers.moe.experts import experts_child
+
 TOKENS = (1, 16, 512, 4096)
 """Token counts of the full grid: decode, small batch, prefill chunk, long prefill."""
 
@@ -369,7 +371,7 @@ def _model_case(
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        case.bytes_moved = streamed_weight_bytes(model.model, config_kwargs)
+        case.bytes_moved = streamed_weight_bytes(model.model)
         fused = copy.deepcopy(model)
         report = fusion.fuse(fused)
         if calibrate and report.applied:
@@ -409,14 +411,13 @@ def _model_case(
     return case
 
 
-def streamed_weight_bytes(decoder: torch.nn.Module, config_kwargs: dict) -> int | None:
+def streamed_weight_bytes(decoder: torch.nn.Module) -> int | None:
     """The bytes of weight one forward of a dense `decoder` stack must read from memory at
     least once: every parameter but the embedding table (a forward gathers a few of its rows,
-    it does not stream it). None for a mixture of experts: which experts a forward reads
-    depends on the routing, so no floor holds for every input."""
-    if any(
-        key in config_kwargs for key in ("num_experts", "num_local_experts", "n_routed_experts")
-    ):
+    it does not stream it). None where a module holds experts (the MoE fuser's own test,
+    `experts_child`): which experts a forward reads depends on the routing, so no floor holds
+    for every input."""
+    if any(experts_child(module) is not None for module in decoder.modules()):
         return None
     return sum(
         p.numel() * p.element_size()

@@ -168,9 +168,14 @@ def test_a_dense_decoder_streams_every_weight_but_the_embedding() -> None:
     decoder.embed_tokens = torch.nn.Embedding(1000, 8)
     decoder.layer = torch.nn.Linear(8, 16, bias=False)
     decoder.norm = torch.nn.LayerNorm(16)
-    assert streamed_weight_bytes(decoder, {}) == (8 * 16 + 2 * 16) * 4
-    assert streamed_weight_bytes(decoder.to(torch.bfloat16), {}) == (8 * 16 + 2 * 16) * 2
-    assert streamed_weight_bytes(decoder, {"num_experts": 8}) is None
+    assert streamed_weight_bytes(decoder) == (8 * 16 + 2 * 16) * 4
+    assert streamed_weight_bytes(decoder.to(torch.bfloat16)) == (8 * 16 + 2 * 16) * 2
+    block = torch.nn.Module()
+    block.experts = torch.nn.Module()
+    block.experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 32, 8))
+    block.experts.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    decoder.mlp = block
+    assert streamed_weight_bytes(decoder) is None
 
 
 def test_read_bandwidth_and_the_table_name_their_ceiling() -> None:
