@@ -22,11 +22,10 @@ from fusion.source import reads_training, returns_tuple
 
 @dataclass(frozen=True)
 class MoEMatch:
-    """What one kind of MoE block computes, in names of its children."""
+    """What one kind of MoE block computes, in names of its children: always a Transformers
+    5 block with packed experts (a Transformers 4 `ModuleList` is refused before a match is
+    made: `fusion.fusers.moe.fuser.MODULELIST_REFUSAL`)."""
 
-    style: str
-    """`packed`: Transformers 5 experts (a Transformers 4 `ModuleList` is refused before a
-    match is made: `fusion.fusers.moe.fuser.MODULELIST_REFUSAL`)."""
     router_name: str
     router_weight: str
     """Name of the router weight within the router child."""
@@ -136,7 +135,6 @@ def match_packed(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMa
     accounted = {experts_name, router_name, shared_name, shared_gate_name} - {None}
     _other_state(module, accounted)
     return MoEMatch(
-        style="packed",
         router_name=router_name,
         router_weight=routing.weight_name,
         spec=routing.spec,
