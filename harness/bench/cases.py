@@ -47,6 +47,21 @@ UNFUSED = "unfused"
 """Name of the baseline variant of every case (Hugging Face eager)."""
 
 
+COPY_SEP = "@"
+"""Joins a variant's name and its copy number in `make()`'s keys (`fused@2`): the extra
+copies of a model case, each its own allocation of the same weights."""
+
+
+def copy_key(variant: str, copy_number: int) -> str:
+    """`make()`'s key of copy `copy_number` of `variant` (copy 0 is the variant's own name)."""
+    return variant if copy_number == 0 else f"{variant}{COPY_SEP}{copy_number}"
+
+
+def variant_of(key: str) -> str:
+    """The variant a `make()` key times (`fused@2` -> `fused`)."""
+    return key.split(COPY_SEP, 1)[0]
+
+
 @dataclass
 class Case:
     """One benchmark: a kernel (or model slice) at one shape and dtype, with its variants.
@@ -55,7 +70,10 @@ class Case:
     callable}; every variant computes the same function on the same tensors. `variants`
     names them in order, `UNFUSED` first; a variant that cannot run here maps to the reason
     in `unavailable` instead. `bytes_moved`: the minimal memory traffic of one call for
-    memory-bound kernels (for achieved bandwidth), else None.
+    memory-bound kernels (for achieved bandwidth), else None. `copies`: how many separate
+    allocations of each variant `make()` returns (keys `copy_key(variant, k)`): a model's
+    speed depends a few per cent on where its weights happen to lie in memory, so a ratio of
+    one copy each is placement as much as fusion; timings are pooled over the copies.
     """
 
     kernel: str
@@ -67,6 +85,7 @@ class Case:
     variants: tuple[str, ...] = ()
     bytes_moved: int | None = None
     unavailable: dict[str, str] = field(default_factory=dict)
+    copies: int = 1
 
     def build(self) -> dict[str, Callable[[], Any]]:
         """`make()`, each variant wrapped to run under `torch.no_grad()` (inference timings:
@@ -354,13 +373,16 @@ def _model_case(
     *,
     compiled: bool = False,
     calibrate: bool = False,
+    copies: int = 1,
 ) -> Case:
     """A slice of a real model (real widths, random weights, small vocabulary since only the
     decoder stack is timed): the unfused decoder forward vs the fused one, and with
     `compiled` both under `torch.compile` too (compiled before timing: minutes on a CPU).
     `calibrate`: measure the fused model's kernels at this token count first
     (`fusion.calibrate`, cached per machine), so "fused" times what `fusion.fuse` gives a
-    user of this machine; without it, whatever this machine's table already holds."""
+    user of this machine; without it, whatever this machine's table already holds.
+    `copies`: that many deep copies of the unfused and of the fused model (the compiled
+    variants stay one each: compiling is the cost), so placement averages out."""
 
     def make() -> dict[str, Callable[[], Any]]:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -391,6 +413,10 @@ def _model_case(
             if report.applied
             else Unavailable(f"fusion.fuse applied nothing: {report.skipped}")
         )
+        for k in range(1, copies):
+            fns[copy_key(UNFUSED, k)] = forward(copy.deepcopy(model))
+            if report.applied:
+                fns[copy_key("fused", k)] = forward(copy.deepcopy(fused))
         if compiled:
             for variant, source in zip(COMPILED, (model, fused)):
                 target = copy.deepcopy(source)
@@ -407,6 +433,7 @@ def _model_case(
         tokens=tokens,
         make=make,
         variants=(UNFUSED, "fused", *(COMPILED if compiled else ())),
+        copies=copies,
     )
     return case
 
@@ -483,9 +510,11 @@ def end_to_end_cases(
     compiled: bool = False,
     tokens: Sequence[int] | None = None,
     calibrate: bool = False,
+    copies: int = 1,
 ) -> list[Case]:
     """One case per `END_TO_END` model and token count: unfused vs fused decoder forward
-    (plus both under `torch.compile` with `compiled`; `calibrate`: see `_model_case`)."""
+    (plus both under `torch.compile` with `compiled`; `calibrate`, `copies`: see
+    `_model_case`)."""
     common = dict(vocab_size=1024, max_position_embeddings=8192)
     return [
         _model_case(
@@ -497,6 +526,7 @@ def end_to_end_cases(
             name,
             compiled=compiled,
             calibrate=calibrate,
+            copies=copies,
         )
         for name, arch, config in END_TO_END
         for t in (tuple(tokens) if tokens else END_TO_END_TOKENS)
@@ -511,11 +541,14 @@ def model_cases(
     models: Sequence[str] = MODELS,
     tokens: Sequence[int] | None = None,
     calibrate: bool = False,
+    copies: int = 1,
 ) -> list[Case]:
     """Per-model cases: a Llama-shaped and a Qwen3-MoE-shaped 2-layer slice, and the Qwen3-0.6B
     slice of `END_TO_END` (4 layers, every grid). Full grid: both
     Llama widths, Qwen3-30B-A3B's 128 experts, every token count; reduced (default): Llama-1B
-    widths, 64 experts (half Qwen3-30B-A3B's, to fit a CPU's memory), 16 tokens."""
+    widths, 64 experts (half Qwen3-30B-A3B's, to fit a CPU's memory), 16 tokens. `calibrate`,
+    `copies`: see `_model_case`."""
+    extra = dict(calibrate=calibrate, copies=copies)
     token_grid = tuple(tokens) if tokens else (TOKENS if full else (16,))
     common = dict(num_hidden_layers=2, vocab_size=1024, max_position_embeddings=8192)
     cases = []
@@ -530,16 +563,12 @@ def model_cases(
                 head_dim=q // 32,
             )
             for t in token_grid:
-                cases.append(
-                    _model_case(
-                        "llama", kwargs, t, dtype, device, f"{name}-2L", calibrate=calibrate
-                    )
-                )
+                cases.append(_model_case("llama", kwargs, t, dtype, device, f"{name}-2L", **extra))
     if "model_qwen3" in models:
         name, arch, config = next(entry for entry in END_TO_END if entry[1] == "qwen3")
         kwargs = dict(config, vocab_size=1024, max_position_embeddings=8192)
         for t in token_grid:
-            cases.append(_model_case(arch, kwargs, t, dtype, device, name, calibrate=calibrate))
+            cases.append(_model_case(arch, kwargs, t, dtype, device, name, **extra))
     if "model_qwen3_moe" in models:
         experts = 128 if full else 64
         kwargs = dict(
@@ -557,7 +586,5 @@ def model_cases(
         )
         for t in token_grid:
             name = f"30b-a3b-E{experts}-2L"
-            cases.append(
-                _model_case("qwen3_moe", kwargs, t, dtype, device, name, calibrate=calibrate)
-            )
+            cases.append(_model_case("qwen3_moe", kwargs, t, dtype, device, name, **extra))
     return cases

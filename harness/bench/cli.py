@@ -87,6 +87,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "is (default: measure its kernels at each token count first, `fusion.calibrate`, "
         "cached per machine, so 'fused' is what fusion.fuse gives a user here)",
     )
+    parser.add_argument(
+        "--copies",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="model cases: time N separate copies of the unfused and of the fused model, "
+        "taking turns, and pool their rounds (default 1). Where a model's weights lie in "
+        "memory moves its speed by a few per cent, so one copy each cannot resolve a "
+        "difference that small; the table notes each copy's median",
+    )
     parser.add_argument("--json", type=str, default=None, metavar="FILE", help="write rows here")
     parser.add_argument(
         "--clock",
@@ -102,6 +112,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="torch CPU threads (default: torch's; 1 gives steadier numbers on a busy machine)",
     )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
@@ -142,7 +159,12 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
     selected = args.kernel or [*KERNELS, *MODELS]
     if args.models:
         cases = end_to_end_cases(
-            device, dtype, compiled=args.compile, tokens=args.tokens, calibrate=args.calibrate
+            device,
+            dtype,
+            compiled=args.compile,
+            tokens=args.tokens,
+            calibrate=args.calibrate,
+            copies=args.copies,
         )
         if args.kernel:  # --kernel model_* narrows --models to those models
             cases = [case for case in cases if case.kernel in args.kernel]
@@ -160,6 +182,7 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
         models=[k for k in selected if k in MODELS],
         tokens=args.tokens,
         calibrate=args.calibrate,
+        copies=args.copies,
     )
     return _run_and_print(cases, args, device, dtype)
 

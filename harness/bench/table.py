@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from harness.bench.cases import UNFUSED, Case, Unavailable
+from harness.bench.cases import UNFUSED, Case, Unavailable, variant_of
 from harness.bench.timers import iqr, malloc_env_set, measure, time_cpu_interleaved
 
 
@@ -35,6 +35,11 @@ class Row:
     unfused_iqr_ms: float | None = None
     fused_iqr_ms: float | None = None
     """Interquartile ranges of the per-round times (ms): the spread behind each median."""
+    copies: int = 1
+    unfused_copy_ms: list[float] | None = None
+    fused_copy_ms: list[float] | None = None
+    """With several copies of each variant (`Case.copies`): each copy's own median (ms); the
+    medians above pool every copy's rounds. Their range is the placement spread."""
 
 
 def rows_from_medians(
@@ -43,16 +48,20 @@ def rows_from_medians(
     copy_bw: float | None,
     notes: dict[str, str],
     iqrs: dict[str, float] | None = None,
+    per_copy: dict[str, list[float]] | None = None,
 ) -> list[Row]:
     """Table rows of `case`: each non-baseline variant against the unfused median (seconds;
-    `iqrs` the interquartile ranges, seconds, when known). Bandwidth (GB/s and fraction of
-    `copy_bw`) for memory-bound kernels when `copy_bw` is given."""
+    `iqrs` the interquartile ranges, seconds, when known; `per_copy` each copy's median,
+    seconds, when the case has several). Bandwidth (GB/s and fraction of `copy_bw`) for
+    memory-bound kernels when `copy_bw` is given."""
     base = medians.get(UNFUSED)
     spread = iqrs or {}
+    copies = per_copy or {}
     rows = []
     for variant in case.variants[1:]:
         t = medians.get(variant)
         bw = case.bytes_moved / t if (t and case.bytes_moved) else None
+        several = len(copies.get(variant, ())) > 1 or len(copies.get(UNFUSED, ())) > 1
         rows.append(
             Row(
                 kernel=case.kernel,
@@ -69,9 +78,16 @@ def rows_from_medians(
                 note=notes.get(variant, notes.get(UNFUSED, "")),
                 unfused_iqr_ms=_ms(spread.get(UNFUSED)),
                 fused_iqr_ms=_ms(spread.get(variant)),
+                copies=max(1, len(copies.get(variant, ()))),
+                unfused_copy_ms=_ms_list(copies.get(UNFUSED)) if several else None,
+                fused_copy_ms=_ms_list(copies.get(variant)) if several else None,
             )
         )
     return rows
+
+
+def _ms_list(seconds: list[float] | None) -> list[float] | None:
+    return None if seconds is None else [s * 1e3 for s in seconds]
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -84,31 +100,55 @@ def run_case(
     """Time every variant of `case` (same tensors) and return its rows. On CPU the variants
     take turns round by round (`time_cpu_interleaved`, read with `clock`), on GPU one after
     the other with CUDA events. A variant that cannot run here is reported with its reason
-    instead of a time."""
+    instead of a time. Several copies of a variant (`Case.copies`) take their turns like
+    variants of their own; the variant's median pools all their rounds, and each copy's
+    median is kept beside it."""
     notes: dict[str, str] = {}
     try:
         fns = case.build()
     except Exception as exc:  # a case that cannot be built is reported, not fatal
         return rows_from_medians(case, {}, None, {UNFUSED: f"cannot build: {exc}"})
-    runnable = {}
     for variant in case.variants:
         fn = fns.get(variant)
         if fn is None or isinstance(fn, Unavailable):
             notes[variant] = fn.reason if isinstance(fn, Unavailable) else "not available"
-            continue
-        runnable[variant] = fn
+    runnable = {
+        key: fn
+        for key, fn in fns.items()
+        if variant_of(key) in case.variants
+        and variant_of(key) not in notes
+        and not isinstance(fn, Unavailable)
+    }
     if torch.device(case.device).type == "cpu":
         times = time_cpu_interleaved(runnable, budget_s=budget_s, clock=clock)
     else:
-        times = {variant: measure(fn, case.device, budget_s) for variant, fn in runnable.items()}
+        times = {key: measure(fn, case.device, budget_s) for key, fn in runnable.items()}
     del fns, runnable
-    medians = {variant: statistics.median(t) for variant, t in times.items()}
-    spreads = {variant: iqr(t) for variant, t in times.items()}
-    return rows_from_medians(case, medians, copy_bw, notes, spreads)
+    pooled, per_copy = pool_copies(times)
+    medians = {variant: statistics.median(t) for variant, t in pooled.items()}
+    spreads = {variant: iqr(t) for variant, t in pooled.items()}
+    return rows_from_medians(case, medians, copy_bw, notes, spreads, per_copy)
+
+
+def pool_copies(
+    times: dict[str, list[float]],
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per-round times keyed by `make()` key (`fused`, `fused@1`, ...) -> (every round of each
+    variant, pooled over its copies; each copy's median, in key order)."""
+    pooled: dict[str, list[float]] = {}
+    per_copy: dict[str, list[float]] = {}
+    for key, rounds in times.items():
+        pooled.setdefault(variant_of(key), []).extend(rounds)
+        per_copy.setdefault(variant_of(key), []).append(statistics.median(rounds))
+    return pooled, per_copy
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _span(values: Sequence[float]) -> str:
+    return f"{min(values):.4f}-{max(values):.4f}"
 
 
 def format_table(rows: Sequence[Row], *, bandwidth: bool = False, ceiling: str = "copy") -> str:
@@ -143,6 +183,11 @@ def format_table(rows: Sequence[Row], *, bandwidth: bool = False, ceiling: str =
         table.append(line)
         if r.note:
             notes.append(f"{r.kernel} {r.variant} {r.shape} T={r.tokens}: {r.note}")
+        if r.unfused_copy_ms and r.fused_copy_ms:
+            notes.append(
+                f"{r.kernel} {r.variant} {r.shape} T={r.tokens}: copies' medians "
+                f"({len(r.unfused_copy_ms)} unfused, {len(r.fused_copy_ms)} {r.variant}): unfused {_span(r.unfused_copy_ms)} ms, {r.variant} {_span(r.fused_copy_ms)} ms"
+            )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     numeric = set(range(3, len(header))) - {4}
     lines = []

@@ -10,7 +10,8 @@ import torch
 
 from fusion.kernels import native_gemm
 from harness import bench
-from harness.bench.cases import streamed_weight_bytes
+from harness.bench.cases import copy_key, streamed_weight_bytes, variant_of
+from harness.bench.table import pool_copies
 
 
 def test_cpu_timer_returns_one_positive_time_per_round() -> None:
@@ -187,3 +188,60 @@ def test_read_bandwidth_and_the_table_name_their_ceiling() -> None:
     header = bench.format_table([row], bandwidth=True, ceiling="read").splitlines()[0]
     assert header.endswith("GB/s  % read BW")
     assert bench.format_table([row], bandwidth=True).splitlines()[0].endswith("% copy BW")
+
+
+def test_copies_are_pooled_per_variant_and_each_copy_keeps_its_median() -> None:
+    """`fused@1` is a second copy of `fused`: its rounds join the variant's pool, and each
+    copy's own median is kept in make()'s order (the placement spread)."""
+    pooled, per_copy = pool_copies(
+        {"unfused": [1.0, 3.0, 2.0], "fused": [1.0, 1.0, 1.0], "fused@1": [4.0, 5.0, 6.0]}
+    )
+    assert pooled == {"unfused": [1.0, 3.0, 2.0], "fused": [1.0, 1.0, 1.0, 4.0, 5.0, 6.0]}
+    assert per_copy == {"unfused": [2.0], "fused": [1.0, 5.0]}
+    assert copy_key("fused", 0) == "fused" and variant_of(copy_key("fused", 2)) == "fused"
+
+
+def test_every_copy_of_a_case_is_timed_and_reported() -> None:
+    """A case with three copies per variant: every copy runs in the timed rounds, the rows
+    carry three medians per side, and the table says so."""
+    calls: dict[str, int] = {}
+
+    def counting(key: str):
+        def run() -> None:
+            calls[key] = calls.get(key, 0) + 1
+
+        return run
+
+    keys = [copy_key(v, k) for v in ("unfused", "fused") for k in range(3)]
+    case = bench.Case(
+        kernel="model_llama",
+        shape="s",
+        dtype=torch.float32,
+        device="cpu",
+        tokens=1,
+        make=lambda: {key: counting(key) for key in keys},
+        variants=("unfused", "fused"),
+        copies=3,
+    )
+    (row,) = bench.run_case(case, budget_s=0.001)
+    assert set(calls) == set(keys)
+    assert row.copies == 3 and len(row.unfused_copy_ms) == len(row.fused_copy_ms) == 3
+    assert "copies' medians (3 unfused, 3 fused)" in bench.format_table([row])
+    single = bench.Case(
+        kernel="k",
+        shape="s",
+        dtype=torch.float32,
+        device="cpu",
+        tokens=1,
+        make=lambda: {"unfused": counting("u"), "fused": counting("f")},
+        variants=("unfused", "fused"),
+    )
+    (one,) = bench.run_case(single, budget_s=0.001)
+    assert one.copies == 1 and one.fused_copy_ms is None
+    assert "copies' medians" not in bench.format_table([one])
+
+
+def test_model_cases_ask_for_their_copies() -> None:
+    cases = bench.end_to_end_cases("cpu", torch.float32, tokens=[1], copies=3)
+    assert cases and all(c.copies == 3 for c in cases)
+    assert all(c.copies == 3 for c in bench.model_cases("cpu", torch.float32, copies=3))
