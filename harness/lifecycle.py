@@ -29,9 +29,10 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   logits must agree to bfloat16 rounding.
 - `matmul-precision`: an eval forward under `torch.set_float32_matmul_precision("medium")`.
   The logits must agree within the allowance plus how far the setting moved the unfused
-  logits; where it moved them at all, the fused logits must move too (a kernel that
-  ignores the setting leaves them bit-identical). On a CPU whose GEMMs ignore the setting
-  both stay put and the detail says so.
+  logits; where it moved them at all, the fused logits must move by at least a quarter as
+  much (a kernel that ignores the setting leaves them bit-identical, or moved only by the
+  layers around it on a CPU whose own GEMMs honour it). On a CPU whose GEMMs ignore the
+  setting both stay put and the detail says so.
 - `optimizer-before-fuse`: an AdamW optimiser is built on an unfused copy, the copy is
   fused, then three training steps on it and on an unfused twin (its own AdamW): every
   Parameter the unfused steps moved must have moved, by the same amount up to rounding
@@ -661,6 +662,12 @@ def _autocast(ctx: Context) -> str:
     return f"{len(got_dtypes)} modules return the unfused dtypes; logits within {diff:.3g}"
 
 
+# How much less than the unfused logits the fused ones may move under a reduced matmul
+# precision before a kernel is taken to ignore it (a blind kernel moves them by zero, or only
+# by what the layers around it move; an honest one by about as much as unfused).
+_PRECISION_MOVE_RATIO = 4.0
+
+
 def _matmul_precision(ctx: Context) -> str:
     unfused, fused = _twins(ctx)
     with preserved_globals():  # puts the caller's precision back, whichever API set it
@@ -671,12 +678,21 @@ def _matmul_precision(ctx: Context) -> str:
     diff = _compare("logits at matmul precision medium", got, want, ctx.allowance + 4 * moved)
     if moved == 0.0:
         return f"logits within {diff:.3g} (the setting changes no unfused logit here)"
-    if torch.equal(got, ctx.fused_logits):
+    fused_moved = float((got.double() - ctx.fused_logits.double()).abs().max())
+    if fused_moved < moved / _PRECISION_MOVE_RATIO:
+        # Both models round the same matmul inputs the same way under the setting, so an
+        # honest fused model moves about as far as the unfused one; bit-identity alone is
+        # not the test: on a CPU whose own GEMMs honour the setting (AMX), the layers a
+        # fusion leaves alone move the fused logits too while a blind kernel still hides
+        # most of the unfused movement.
         raise _Failed(
-            f"the setting moves the unfused logits by {moved:.3g} and leaves the fused ones "
-            "bit-identical: a fused kernel ignores it"
+            f"the setting moves the unfused logits by {moved:.3g} and the fused ones by only "
+            f"{fused_moved:.3g}: a fused kernel ignores it"
         )
-    return f"logits within {diff:.3g}; the setting moved both (unfused by {moved:.3g})"
+    return (
+        f"logits within {diff:.3g}; the setting moved both (unfused by {moved:.3g}, "
+        f"fused by {fused_moved:.3g})"
+    )
 
 
 def _fused_late(ctx: Context) -> tuple[nn.Module, torch.optim.Optimizer, list[int]]:
