@@ -101,8 +101,8 @@ class _Forwards:
     reference_error: BaseException | None = None
     fused_error: BaseException | None = None
     calls: dict[str, list] = field(default_factory=dict)
-    unfused_warnings: list[str] = field(default_factory=list)
-    fused_warnings: list[str] = field(default_factory=list)
+    unfused_warnings: warned.Lines = field(default_factory=warned.Lines)
+    fused_warnings: warned.Lines = field(default_factory=warned.Lines)
 
 
 def check_architecture(name: str, options: CheckOptions, *, fuse: FuseFn | None = None) -> Checked:
@@ -208,11 +208,12 @@ def check_model(
             fuse=lambda model: system.apply(model).report,
         )
         status, message = _with_lifecycle(status, message, cycle, judged.failures)
-    warnings_record = _warnings(runs, fusing_warnings)
+    warnings_record = _warnings(runs, fusing_warnings, system.diagnostics)
     status, message = _with_fused_warnings(
         status, message, warnings_record.get("fused-only", []), judged.failures
     )
     message = _with_note(status, message, system.note())
+    message = _with_compiler_warnings(message, warnings_record.get("compiler", []))
     verdict = judged.verdict
     result = _result(
         name,
@@ -232,15 +233,34 @@ def check_model(
     return Checked(result, subject)
 
 
-def _warnings(runs: _Forwards, fusing: list[str]) -> dict[str, list[str]]:
+def _warnings(
+    runs: _Forwards, fusing: list[str], diagnostics: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
     """The result's `warnings` record: what the unfused forward raised, what fusing raised,
-    and what the fused forward raised that the unfused one did not (empty lists left out)."""
+    what the fused forward raised that the unfused one did not (`fused-only`), and of those
+    the ones raised from the system's own `diagnostics` modules (`compiler`, then not in
+    `fused-only`); empty lists left out."""
+    fused_only = warned.only_in(runs.fused_warnings, runs.unfused_warnings)
+    fused_only, compiler = warned.split_by_origin(
+        fused_only, runs.fused_warnings.origins, diagnostics
+    )
     record = {
         "unfused": runs.unfused_warnings,
         "fusing": fusing,
-        "fused-only": warned.only_in(runs.fused_warnings, runs.unfused_warnings),
+        "fused-only": fused_only,
+        "compiler": compiler,
     }
     return {key: lines for key, lines in record.items() if lines}
+
+
+def _with_compiler_warnings(message: str, compiler: list[str]) -> str:
+    """The message with the system's own diagnostics named (status unchanged: they describe
+    the compiler, not the model); unchanged when there are none."""
+    if not compiler:
+        return message
+    more = f" (+{len(compiler) - 1} more)" if len(compiler) > 1 else ""
+    text = f"compiler warned: {compiler[0][:160]}{more}"
+    return f"{message}; {text}" if message else text
 
 
 def not_applicable(system: systems.System, mode: str) -> dict[str, dict[str, str]]:

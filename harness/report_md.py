@@ -248,6 +248,7 @@ def _warnings(results: Sequence[ArchResult], top: int = 5) -> list[str]:
     lines: list[str] = []
     for where, title in (
         ("fused-only", "Only the fused model (a verdict: fails its architecture)"),
+        ("compiler", "The compiler's own diagnostics (named, not a failure)"),
         ("fusing", "While fusing"),
         ("unfused", "The unfused model itself"),
     ):

@@ -151,7 +151,9 @@ class ArchResult:
     warnings: dict[str, list[str]] = field(default_factory=dict)
     """Warning lines (harness.warned) by where they were raised: `unfused` (the unfused
     forward), `fusing` (the system under test preparing the model), `fused-only` (the fused
-    forward, lines the unfused forward did not raise); empty lists left out."""
+    forward, lines the unfused forward did not raise), `compiler` (of those, the ones raised
+    from the system's own diagnostics modules, `harness.systems.System.diagnostics`: named,
+    not a failure); empty lists left out."""
     system: str = "fusion"
     """The system under test that was judged (harness.systems); "fusion" in records written
     before systems existed."""

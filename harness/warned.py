@@ -11,6 +11,11 @@ line. `harness.check` compares the unfused forward's lines with the fused forwar
 only the fused model raises is something a user of the fused model sees that a user of the
 unfused one does not.
 
+Each line also keeps where it came from (`Lines.origins`): the dotted module that raised it
+(a warning's file, a log record's logger name). A system under test that compiles names the
+modules whose warnings are its compiler's own diagnostics (`harness.systems.System.diagnostics`),
+which `split_by_origin` sets apart.
+
 Limits, stated rather than hidden: a warning emitted once per process (Transformers'
 `warning_once`, torch's `TORCH_WARN_ONCE`, a Python "once" filter inside library code) is
 seen by the first block that triggers it only, so such a line can be missing from a later
@@ -20,13 +25,16 @@ block's record; it never appears in one that did not trigger it.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 LOGGERS = ("transformers", "torch")
-"""Library loggers whose WARNING records count (their children propagate to them)."""
+"""Library loggers whose WARNING records count, their children's included (those that do not
+propagate to them, as torch's `torch._inductor`, are collected where they stop)."""
 
 LIMIT = 20
 """Distinct lines kept per block (the rest are counted in a last line)."""
@@ -40,49 +48,113 @@ def line(category: str, message: object) -> str:
     return f"{category}: {_ADDRESS.sub('0x?', text)[:300]}"
 
 
+class Lines(list):
+    """The distinct lines a block raised (a list of str), and `origins`: line -> the dotted
+    module that raised it first ("" when unknown)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.origins: dict[str, str] = {}
+
+
+def module_of(path: str, search: Sequence[str] | None = None) -> str:
+    """The dotted module name of source file `path`, read against the import path `search`
+    (default `sys.path`; the longest entry that holds it wins); "" when none holds it."""
+    full = os.path.abspath(path)
+    best = ""
+    for entry in sys.path if search is None else search:
+        root = os.path.abspath(entry or os.curdir)
+        if full.startswith(root + os.sep) and len(root) > len(best):
+            best = root
+    if not best:
+        return ""
+    relative = os.path.splitext(full[len(best) + 1 :])[0]
+    parts = relative.split(os.sep)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def from_modules(origin: str, prefixes: Iterable[str]) -> bool:
+    """Whether dotted module `origin` is one of `prefixes` or inside one of them."""
+    return any(origin == p or origin.startswith(p + ".") for p in prefixes)
+
+
+def split_by_origin(
+    lines: Sequence[str], origins: dict[str, str], prefixes: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """`lines` -> (those not raised from `prefixes`' modules, those that were), order kept. A
+    line whose origin is unknown stays with the first group: only a proven origin sets a
+    warning apart."""
+    own = [w for w in lines if prefixes and from_modules(origins.get(w, ""), prefixes)]
+    return [w for w in lines if w not in own], own
+
+
 class _Collector(logging.Handler):
-    def __init__(self, lines: list[str]) -> None:
+    def __init__(self, lines: list[tuple[str, str]]) -> None:
         super().__init__(logging.WARNING)
         self.lines = lines
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.lines.append(line(f"logging.{record.levelname}", record.getMessage()))
+            text = line(f"logging.{record.levelname}", record.getMessage())
         except Exception:  # a record that cannot format itself is not worth a crash
-            self.lines.append(line(f"logging.{record.levelname}", record.msg))
+            text = line(f"logging.{record.levelname}", record.msg)
+        self.lines.append((text, record.name))
+
+
+def _library_loggers() -> list[logging.Logger]:
+    """The `LOGGERS` roots and every logger already made below them."""
+    made = logging.Logger.manager.loggerDict
+    below = [
+        made[name]
+        for name in list(made)
+        if isinstance(made[name], logging.Logger)
+        and name not in LOGGERS
+        and from_modules(name, LOGGERS)
+    ]
+    return [*(logging.getLogger(name) for name in LOGGERS), *below]
 
 
 @contextmanager
-def capture() -> Iterator[list[str]]:
-    """Yields a list that holds, once the block exits (normally or by an exception), the
-    distinct warning lines the block raised, in order of first appearance.
+def capture() -> Iterator[Lines]:
+    """Yields a `Lines` that holds, once the block exits (normally or by an exception), the
+    distinct warning lines the block raised, in order of first appearance, with their
+    origins.
 
     The process's warning filters, its library loggers' levels and handlers are restored
     on exit; nothing is printed meanwhile."""
-    found: list[str] = []
-    logged: list[str] = []
-    saved = []
+    found = Lines()
+    logged: list[tuple[str, str]] = []
     collector = _Collector(logged)
-    for name in LOGGERS:
-        logger = logging.getLogger(name)
-        saved.append((logger, logger.level, logger.handlers[:], logger.propagate))
-        logger.handlers = [collector]
-        logger.setLevel(logging.WARNING)
-        logger.propagate = False
-    raw: list[str] = []
+    saved = [(lg, lg.level, lg.handlers[:], lg.propagate) for lg in _library_loggers()]
+    for logger, level, handlers, propagate in saved:
+        if logger.name in LOGGERS or level > logging.WARNING:  # a silenced child counts too
+            logger.setLevel(logging.WARNING)
+        if logger.name in LOGGERS or handlers or not propagate:
+            # Every record then reaches the collector exactly once: at the nearest logger
+            # that would have stopped or handled it (torch's own `torch._dynamo` and
+            # `torch._inductor` loggers do not propagate to `torch`).
+            logger.handlers = [collector]
+            logger.propagate = False
+    raw: list[tuple[str, str]] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
                 yield found
             finally:
-                raw = [line(w.category.__name__, w.message) for w in caught]
+                raw = [
+                    (line(w.category.__name__, w.message), module_of(w.filename)) for w in caught
+                ]
     finally:
         for logger, level, handlers, propagate in saved:
             logger.handlers = handlers
             logger.setLevel(level)
             logger.propagate = propagate
-        distinct = list(dict.fromkeys([*raw, *logged]))
+        for text, origin in [*raw, *logged]:
+            found.origins.setdefault(text, origin)
+        distinct = list(found.origins)
         if len(distinct) > LIMIT:
             distinct = [*distinct[:LIMIT], f"... and {len(distinct) - LIMIT} more"]
         found.extend(distinct)

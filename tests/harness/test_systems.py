@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from harness import check, cli, lifecycle, repro, sweep, systems
@@ -191,6 +194,73 @@ def test_the_plugin_refuses_an_unknown_system(tmp_path):
     )
     assert run.returncode == 4, run.stdout + run.stderr  # pytest's usage error
     assert "--fusion-system 'tvm'" in run.stderr and "inductor" in run.stderr
+
+
+INDUCTOR_FILE = os.path.join(os.path.dirname(torch.__file__), "_inductor", "lowering.py")
+
+
+def _warns_from(filename: str):
+    """Stands in for nn.Module.compile: the compiled call runs eager but first warns as if
+    from `filename` (Inductor's own source, or another file)."""
+
+    def compile(self: nn.Module, *args, **kwargs) -> None:
+        eager = self._call_impl
+
+        def compiled(*args, **kwargs):
+            warnings.warn_explicit(
+                "Torchinductor does not support code generation for complex operators.",
+                UserWarning,
+                filename=filename,
+                lineno=1,
+            )
+            logging.getLogger("torch._dynamo.variables.functions").warning(
+                "Dynamo detected a call to a lru_cache-wrapped function"
+            )
+            return eager(*args, **kwargs)
+
+        self._compiled_call_impl = compiled
+
+    return compile
+
+
+def test_a_compilers_own_diagnostics_are_named_not_failed(llama, llama_inputs, monkeypatch):
+    """A warning raised from Inductor's or Dynamo's modules (a file, a logger) is the
+    compiler's diagnostic about itself: recorded as `compiler`, named in the message, and
+    the architecture passes on its parity."""
+    monkeypatch.setattr(nn.Module, "compile", _warns_from(INDUCTOR_FILE))
+    options = dataclasses.replace(check.CheckOptions(), system="inductor", lifecycle="off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = check.check_model("llama", llama, llama_inputs, options).result
+    assert result.status == "pass", result.message
+    assert result.warnings["compiler"] == [
+        "UserWarning: Torchinductor does not support code generation for complex operators.",
+        "logging.WARNING: Dynamo detected a call to a lru_cache-wrapped function",
+    ]
+    assert "fused-only" not in result.warnings and result.failures == []
+    assert "compiler warned: UserWarning: Torchinductor does not support" in result.message
+    assert "(+1 more)" in result.message
+
+
+def test_the_same_warning_from_elsewhere_still_fails(llama, llama_inputs, monkeypatch):
+    """Only a proven origin sets a warning apart: the same text raised from another file is a
+    warning only the compiled model raises, a failure."""
+    monkeypatch.setattr(nn.Module, "compile", _warns_from(__file__))
+    options = dataclasses.replace(check.CheckOptions(), system="inductor", lifecycle="off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = check.check_model("llama", llama, llama_inputs, options).result
+    assert result.status == "fail", result.message
+    assert result.warnings["fused-only"] == [
+        "UserWarning: Torchinductor does not support code generation for complex operators."
+    ]
+    assert [f.kind for f in result.failures] == ["fused-warning"]
+
+
+def test_our_engine_has_no_diagnostics_modules():
+    """Every warning a fused model raises and the unfused one does not fails fusion."""
+    assert systems.get("fusion").diagnostics == ()
+    assert systems.get("inductor").diagnostics == systems.COMPILER_MODULES
 
 
 @pytest.mark.slow

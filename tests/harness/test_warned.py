@@ -50,3 +50,34 @@ def test_capture_keeps_a_bounded_number_of_lines() -> None:
 
 def test_only_in_drops_the_baseline_and_the_count_line() -> None:
     assert warned.only_in(["a", "b", "... and 3 more"], ["a"]) == ["b"]
+
+
+def test_each_line_keeps_the_module_that_raised_it(tmp_path) -> None:
+    """A warning's origin is the module of its file; a log record's, its logger's name (torch's
+    `torch._inductor` logger does not propagate to `torch`: its records count all the same,
+    and its handlers are its own again afterwards)."""
+    inductor = logging.getLogger("torch._inductor")
+    before = (inductor.handlers[:], inductor.propagate, inductor.level)
+    with warned.capture() as lines:
+        warnings.warn_explicit(
+            "from a file", UserWarning, filename=str(tmp_path / "pkg" / "mod.py"), lineno=3
+        )
+        logging.getLogger("torch._inductor.lowering").warning("from a logger")
+    assert lines == ["UserWarning: from a file", "logging.WARNING: from a logger"]
+    assert lines.origins["logging.WARNING: from a logger"] == "torch._inductor.lowering"
+    assert (inductor.handlers, inductor.propagate, inductor.level) == before
+    assert warned.module_of(str(tmp_path / "pkg" / "mod.py"), [str(tmp_path)]) == "pkg.mod"
+    assert warned.module_of(str(tmp_path / "pkg" / "__init__.py"), [str(tmp_path)]) == "pkg"
+    assert warned.module_of("/elsewhere/x.py", [str(tmp_path)]) == ""
+    nested = [str(tmp_path), str(tmp_path / "pkg")]  # the longest entry that holds it wins
+    assert warned.module_of(str(tmp_path / "pkg" / "mod.py"), nested) == "mod"
+
+
+def test_split_by_origin_sets_apart_only_proven_origins() -> None:
+    origins = {"a": "torch._dynamo.utils", "b": "torch._dynamo_fake", "c": "torch._inductor"}
+    prefixes = ("torch._dynamo", "torch._inductor")
+    assert warned.split_by_origin(["a", "b", "c", "d"], origins, prefixes) == (
+        ["b", "d"],
+        ["a", "c"],
+    )
+    assert warned.split_by_origin(["a"], origins, ()) == (["a"], [])
