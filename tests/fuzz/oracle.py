@@ -34,6 +34,7 @@ import copy
 import dataclasses
 import importlib.util
 import itertools
+import json
 import linecache
 import math
 import sys
@@ -601,10 +602,26 @@ class Tally:
 
     A module counts as fused when any fuser applied anywhere in it (a decoder layer whose
     norms fused counts, whatever its attention did); `fusers` says which. When a property
-    fails, the calls Hypothesis makes while shrinking are counted too."""
+    fails, the calls Hypothesis makes while shrinking are counted too.
+
+    With `checkpoint` set, the tally so far is written there (JSON, replaced atomically)
+    every `every` examples: a run of hours that is stopped or crashes keeps its counts."""
 
     counts: dict[str, Counter[str]] = field(default_factory=dict)
     fusers: dict[str, Counter[str]] = field(default_factory=dict)
+    checkpoint: Path | None = None
+    every: int = 100
+
+    def save(self, path: Path) -> None:
+        """Writes `to_json()` to `path` through a temporary file, so a reader never sees a
+        half-written tally."""
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        partial.replace(path)
+
+    def examples(self) -> int:
+        """Examples recorded so far, every shape together."""
+        return sum(row["examples"] for row in self.counts.values())
 
     def record(self, generated: GeneratedModule, outcome: Outcome) -> None:
         row = self.counts.setdefault(generated.shape, Counter())
@@ -617,6 +634,8 @@ class Tally:
             row["failures"] += 1
         for name in outcome.fusers:
             self.fusers.setdefault(generated.shape, Counter())[name] += 1
+        if self.checkpoint is not None and self.examples() % self.every == 0:
+            self.save(self.checkpoint)
 
     def merge(self, other: dict[str, Any]) -> None:
         """Add a `to_json()` dict (e.g. from an xdist worker)."""

@@ -8,6 +8,10 @@ conftest, so a run that wants the tally merged across workers names this plugin 
 - An xdist worker hands its tally to the controller (`workeroutput`), which merges them.
 - The process that owns the terminal prints the table in the terminal summary and, when
   `FUZZ_TALLY_JSON=<path>` is set, writes it there as JSON.
+- With `FUZZ_TALLY_JSON` set, every process also keeps its own running tally in
+  `<path>.<worker>.partial` (rewritten every `Tally.every` examples): a run stopped or
+  crashed hours in keeps what it checked, and `cat` shows how far a live one got. The
+  controller removes them once the merged tally is written.
 """
 
 from __future__ import annotations
@@ -29,8 +33,22 @@ def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def _partial(path: str, config: pytest.Config) -> Path:
+    """This process's running tally file beside the merged one."""
+    worker = config.workerinput["workerid"] if _is_worker(config) else "main"  # type: ignore[attr-defined]
+    return Path(f"{path}.{worker}.partial")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get(TALLY_ENV)
+    if path:
+        SESSION_TALLY.checkpoint = _partial(path, config)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
+    if SESSION_TALLY.checkpoint is not None and SESSION_TALLY.counts:
+        SESSION_TALLY.save(SESSION_TALLY.checkpoint)
     if _is_worker(config):
         config.workeroutput[_WORKER_KEY] = SESSION_TALLY.to_json()  # type: ignore[attr-defined]
 
@@ -53,3 +71,5 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if path:
         Path(path).write_text(json.dumps(SESSION_TALLY.to_json(), indent=2) + "\n")
         terminalreporter.write_line(f"tally written to {path}")
+        for partial in Path(path).parent.glob(Path(path).name + ".*.partial"):
+            partial.unlink()  # merged into the tally just written

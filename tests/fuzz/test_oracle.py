@@ -257,3 +257,17 @@ def test_guards_blind_to_a_replaced_child_are_caught(
     assert _replay(bundle) == 1  # still injected: reproduces
     monkeypatch.undo()
     assert _replay(bundle) == 0
+
+
+def test_a_checkpointed_tally_keeps_its_counts_on_disk(tmp_path) -> None:
+    """A long fuzz run stopped part-way keeps what it checked: the running tally is on disk
+    every `every` examples, the same counts `to_json` gives."""
+    outcome = check(BROKEN, 0, tmp_path)
+    checkpoint = tmp_path / "tally.json.gw0.partial"
+    tally = Tally(checkpoint=checkpoint, every=2)
+    tally.record(BROKEN, outcome)
+    assert not checkpoint.exists()
+    tally.record(BROKEN, outcome)
+    assert json.loads(checkpoint.read_text())["counts"]["attention"]["crashed"] == 2
+    tally.record(BROKEN, outcome)  # between checkpoints the file keeps the last one
+    assert json.loads(checkpoint.read_text()) != tally.to_json()
