@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import architectures, lifecycle, localise, parity, systems, warned
+from harness import architectures, lifecycle, localise, parity, systems, ties, warned
 from harness.results import ArchResult, Failure, ModuleResult, Refusal
 
 DTYPES: dict[str, torch.dtype] = {
@@ -101,6 +101,8 @@ class _Forwards:
     reference_error: BaseException | None = None
     fused_error: BaseException | None = None
     calls: dict[str, list] = field(default_factory=dict)
+    alone_calls: dict[str, list] = field(default_factory=dict)
+    """Calls of the units a system applied alone is localised to (`System.localise_alone`)."""
     unfused_warnings: warned.Lines = field(default_factory=warned.Lines)
     fused_warnings: warned.Lines = field(default_factory=warned.Lines)
 
@@ -178,10 +180,11 @@ def check_model(
         }
 
     runs = _Forwards()
+    alone = localise.block_children(model) if system.localise_alone else []
     try:
         with (
             warned.capture() as runs.unfused_warnings,
-            localise.record_calls(model, list(applied)) as runs.calls,
+            localise.record_calls(model, list(dict.fromkeys([*applied, *alone]))) as recorded,
         ):
             runs.unfused = _forward(model, inputs, options.torch_dtype)
     except Exception as exc:
@@ -189,7 +192,10 @@ def check_model(
         return Checked(
             _result(name, options, started, "forward-error", message, **fusion_fields), subject
         )
+    runs.calls = {q: recorded[q] for q in applied}
+    runs.alone_calls = {q: recorded[q] for q in alone}
     _run_reference_and_fused(runs, reference, fused, inputs, options.torch_dtype)
+    note = system.note()  # before a localisation applies the system again
     judged = _judge(runs, model, fused, reference, inputs, options, applied, system)
     status, message = judged.status, judged.message
     cycle: dict[str, dict[str, str]] = {}
@@ -212,7 +218,7 @@ def check_model(
     status, message = _with_fused_warnings(
         status, message, warnings_record.get("fused-only", []), judged.failures
     )
-    message = _with_note(status, message, system.note())
+    message = _with_note(status, message, note)
     message = _with_compiler_warnings(message, warnings_record.get("compiler", []))
     verdict = judged.verdict
     result = _result(
@@ -245,8 +251,8 @@ def _warnings(
         fused_only, runs.fused_warnings.origins, diagnostics
     )
     record = {
-        "unfused": runs.unfused_warnings,
-        "fusing": fusing,
+        "unfused": list(runs.unfused_warnings),  # plain lists: results cross processes
+        "fusing": list(fusing),
         "fused-only": fused_only,
         "compiler": compiler,
     }
@@ -353,9 +359,111 @@ def _judge(
             mask=mask,
         )
         if verdict.status == "fail":
+            verdict = _near_ties(verdict, runs, model, reference, inputs, options, mask)
+        if verdict.status == "fail":
             failures.insert(0, _model_failure(verdict))
+            if system.localise_alone:
+                found = _localise_alone(runs.alone_calls, model, reference, system, options, mask)
+                modules += [module_result(check, records) for check, records in found]
+                failures += [f for f in (_module_failure(*pair) for pair in found) if f]
+                if found and not any(check.verdict.status == "fail" for check, _ in found):
+                    verdict = dataclasses.replace(
+                        verdict,
+                        reason=f"{verdict.reason}; each of the {len(found)} layer modules "
+                        f"{system.name} was applied to alone agrees with eager: the departure "
+                        "arises only in the whole model's graph",
+                    )
+                    failures[0] = _model_failure(verdict)
     status, message = _overall(verdict, modules)
     return _Judged(status, message, verdict, modules, failures)
+
+
+def _near_ties(
+    verdict: parity.Verdict,
+    runs: _Forwards,
+    model: nn.Module,
+    reference: nn.Module,
+    inputs: Mapping[str, Any],
+    options: CheckOptions,
+    mask: torch.Tensor | None,
+) -> parity.Verdict:
+    """A failed logits `verdict`, or an inconclusive one when the logits fail only at tokens
+    after a near-tie top-k choice of the float64 reference (`harness.ties`): the unfused and
+    reference forwards are run again recording their topk scores, the fragile tokens and
+    their rows' later positions leave the mask, and the rest must pass. Never a pass: the
+    excluded tokens were not judged. Any doubt (no 2-D mask, calls that do not pair up, a
+    row that cannot be placed, nothing left, a re-run that raises) keeps the failure."""
+    if mask is None:
+        return verdict
+    try:
+        with ties.record_topk() as mine:
+            _forward(model, inputs, options.torch_dtype)
+        with localise.default_dtype(torch.float64), ties.record_topk() as exact:
+            _forward(reference, inputs, torch.float64)
+    except Exception:  # the forwards ran before; a re-run that cannot is no evidence
+        return verdict
+    rows = ties.fragile_rows(mine, exact, options.torch_dtype)
+    clean = ties.clean_mask(mask, rows, exact) if rows else None
+    if clean is None or not clean.any():
+        return verdict
+    logits = [parity.logits_of(out) for out in (runs.fused, runs.unfused, runs.reference)]
+    rest = parity.compare(*logits, dtype=options.torch_dtype, mask=clean)
+    if rest.status != "pass":
+        return verdict
+    judged, total = int(clean.sum()), int(mask.sum())
+    reason = (
+        f"{verdict.reason}, only at or after near-tie top-k choices of the float64 reference "
+        f"({ties.describe(rows, mask.shape[1])}); the other {judged} of {total} tokens pass "
+        f"(fused error {rest.fused_error:.3g} <= {rest.tolerance:.3g})"
+    )
+    return dataclasses.replace(verdict, status="inconclusive", reason=reason)
+
+
+@dataclass(frozen=True)
+class _Alone:
+    """What `module_result` reads of an applied record, for a module a system was applied to
+    alone: its class, and the system's name where a fuser's would be."""
+
+    qualname: str
+    fuser: str
+    source_class: str
+
+
+def _localise_alone(
+    calls: Mapping[str, list],
+    model: nn.Module,
+    reference: nn.Module,
+    system: systems.System,
+    options: CheckOptions,
+    mask: torch.Tensor | None,
+) -> list[tuple[localise.ModuleCheck, list[_Alone]]]:
+    """Each recorded unit (`System.localise_alone`) judged with the system applied to a deep
+    copy of the unfused module alone, on the inputs it saw in the unfused forward; with the
+    records `module_result` names it by. Units the forward never called are left out (they
+    cannot have moved these logits). Applying the system to a unit may raise: that unit is
+    then a module that raised, named with the exception."""
+    found = []
+    for qualname, recorded in calls.items():
+        if not recorded:
+            continue
+        unfused = model.get_submodule(qualname)
+        records = [_Alone(qualname, system.name, type(unfused).__name__)]
+        try:
+            alone = system.apply(copy.deepcopy(unfused)).model
+        except Exception as exc:
+            raised = f"{system.name} applied to the module alone raised: {localise.one_line(exc)}"
+            verdict = parity.Verdict("fail", math.nan, math.nan, math.nan, raised)
+            check = localise.ModuleCheck(
+                qualname, verdict, len(recorded), raised, localise.tail(exc)
+            )
+            found.append((check, records))
+            continue
+        versions = [unfused, alone, reference.get_submodule(qualname)]
+        check = localise.check_versions(
+            qualname, recorded, versions, dtype=options.torch_dtype, mask=mask
+        )
+        found.append((check, records))
+    return found
 
 
 def _with_lifecycle(

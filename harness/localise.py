@@ -145,6 +145,22 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def block_children(model: nn.Module) -> list[str]:
+    """Qualnames of the children of every element of every `nn.ModuleList` in `model` (a
+    decoder's layers: their attention, MLP or MoE block, norms), in module order.
+
+    The units a whole-model verdict is localised to when a system can be applied to one
+    module alone (`harness.systems.System.localise_alone`): each holds a layer's worth of
+    computation, small enough to name, large enough to compile on its own."""
+    names: list[str] = []
+    for qualname, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for index, element in module.named_children():
+                prefix = f"{qualname}.{index}" if qualname else index
+                names.extend(f"{prefix}.{child}" for child, _ in element.named_children())
+    return names
+
+
 def check_module(
     qualname: str,
     calls: Sequence[ModuleCall],
@@ -162,11 +178,36 @@ def check_module(
     pass: nothing about it was checked.
     """
     if not calls:
-        verdict = parity.Verdict(
-            "inconclusive", NAN, NAN, NAN, "module was not called by the model's forward"
-        )
-        return ModuleCheck(qualname, verdict, 0)
-    modules = [m.get_submodule(qualname) for m in (unfused, fused, reference)]
+        return _never_called(qualname)
+    return check_versions(
+        qualname,
+        calls,
+        [m.get_submodule(qualname) for m in (unfused, fused, reference)],
+        dtype=dtype,
+        mask=mask,
+    )
+
+
+def _never_called(qualname: str) -> ModuleCheck:
+    verdict = parity.Verdict(
+        "inconclusive", NAN, NAN, NAN, "module was not called by the model's forward"
+    )
+    return ModuleCheck(qualname, verdict, 0)
+
+
+def check_versions(
+    qualname: str,
+    calls: Sequence[ModuleCall],
+    modules: Sequence[nn.Module],
+    *,
+    dtype: torch.dtype,
+    mask: torch.Tensor | None,
+) -> ModuleCheck:
+    """`check_module` on the three versions given directly: `modules` is (unfused, fused,
+    float64 reference) of the module at `qualname` (a system applied to the module alone
+    supplies its own fused version)."""
+    if not calls:
+        return _never_called(qualname)
     verdicts = []
     for call in calls:
         try:

@@ -108,6 +108,14 @@ class System:
     fused-only warning raised from one of them is recorded as a `compiler` warning and named
     in the message, never a `fused-warning` failure. Empty for our engine: every warning a
     fused model raises that the unfused one does not is a failure of fusion."""
+    localise_alone: bool = False
+    """Whether a failed logits verdict is localised by applying the system (`apply`) to a
+    copy of each decoder-layer child alone (`harness.localise.block_children`) and judging
+    it on the inputs that child saw in the unfused forward. For a compiler, which keeps no
+    module of its own to replay: a module compiled alone is not bit for bit what the whole
+    model's graph runs (the compiler fuses across module boundaries there), so this names
+    where the compiler's numerics depart, as evidence beside the logits verdict. False for
+    our engine, whose fused modules are replayed where they stand."""
 
 
 def not_applicable(system: System) -> str:
@@ -184,6 +192,7 @@ def _inductor(name: str, options: dict[str, Any], description: str) -> System:
         forward_kind="compile-error",
         timeout=INDUCTOR_TIMEOUT,
         diagnostics=COMPILER_MODULES,
+        localise_alone=True,
     )
 
 

@@ -52,9 +52,9 @@ class Lines(list):
     """The distinct lines a block raised (a list of str), and `origins`: line -> the dotted
     module that raised it first ("" when unknown)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.origins: dict[str, str] = {}
+    def __init__(self, lines: Iterable[str] = (), origins: dict[str, str] | None = None) -> None:
+        super().__init__(lines)
+        self.origins: dict[str, str] = dict(origins or {})
 
 
 def module_of(path: str, search: Sequence[str] | None = None) -> str:

@@ -110,3 +110,12 @@ def test_default_dtype_is_restored():
     with localise.default_dtype(torch.float64):
         assert torch.tensor(1.0).dtype == torch.float64
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_block_children_are_each_layers_children_in_module_order(llama):
+    layers = len(llama.model.layers)
+    children = ["self_attn", "mlp", "input_layernorm", "post_attention_layernorm"]
+    assert localise.block_children(llama) == [
+        f"model.layers.{i}.{child}" for i in range(layers) for child in children
+    ]
+    assert localise.block_children(nn.Linear(2, 2)) == []

@@ -263,6 +263,54 @@ def test_our_engine_has_no_diagnostics_modules():
     assert systems.get("inductor").diagnostics == systems.COMPILER_MODULES
 
 
+def _miscompiles_mlps(self: nn.Module, *args, **kwargs) -> None:
+    """Stands in for nn.Module.compile: every LlamaMLP in what is compiled (the whole model, or
+    the MLP alone) computes its output 5% off, as a miscompiled kernel would."""
+    for module in self.modules():
+        if type(module).__name__ == "LlamaMLP":
+            eager = module._call_impl
+            module._compiled_call_impl = lambda *a, eager=eager, **k: eager(*a, **k) * 1.05
+
+
+def test_a_compiled_models_mismatch_is_localised_to_the_module_compiled_alone(
+    llama, llama_inputs, monkeypatch
+):
+    """The logits fail; each decoder-layer child is then compiled alone and judged on the
+    inputs it saw: the MLPs fail, named with their class and the system, the rest pass."""
+    monkeypatch.setattr(nn.Module, "compile", _miscompiles_mlps)
+    options = dataclasses.replace(check.CheckOptions(), system="inductor", lifecycle="off")
+    result = check.check_model("llama", llama, llama_inputs, options).result
+    assert result.status == "fail"
+    verdicts = {m.qualname: m.status for m in result.modules}
+    layers = len(llama.model.layers)
+    assert sorted(verdicts) == sorted(
+        f"model.layers.{i}.{child}"
+        for i in range(layers)
+        for child in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    )
+    assert {q for q, v in verdicts.items() if v == "fail"} == {
+        f"model.layers.{i}.mlp" for i in range(layers)
+    }
+    assert set(verdicts.values()) == {"pass", "fail"}
+    assert result.message.startswith("model.layers.0.mlp (LlamaMLP) [inductor]: ")
+    assert [f.kind for f in result.failures] == ["model-parity"] + ["module-parity"] * layers
+
+
+def test_a_compiled_model_that_passes_is_not_localised(llama, llama_inputs, monkeypatch):
+    """Localisation compiles every unit again: only a failed verdict pays for it."""
+    monkeypatch.setattr(nn.Module, "compile", lambda self, *a, **k: None)  # eager: agrees
+    options = dataclasses.replace(check.CheckOptions(), system="inductor", lifecycle="off")
+    result = check.check_model("llama", llama, llama_inputs, options).result
+    assert (result.status, result.modules) == ("pass", [])
+
+
+def test_only_compilers_are_localised_alone():
+    assert not systems.get("fusion").localise_alone
+    assert (
+        systems.get("inductor").localise_alone and systems.get("inductor-freezing").localise_alone
+    )
+
+
 @pytest.mark.slow
 def test_inductor_compiles_a_tiny_llama_and_passes_the_parity_oracle():
     """End to end, in process: build, torch.compile (Inductor), the three forwards, judged."""

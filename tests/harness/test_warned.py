@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 import warnings
 
 import pytest
@@ -81,3 +82,10 @@ def test_split_by_origin_sets_apart_only_proven_origins() -> None:
         ["a", "c"],
     )
     assert warned.split_by_origin(["a"], origins, ()) == (["a"], [])
+
+
+def test_lines_copy_and_pickle_with_their_origins() -> None:
+    """A record crosses processes (the sweep's workers): Lines survive pickling."""
+    lines = warned.Lines(["a", "b"], {"a": "torch._dynamo"})
+    again = pickle.loads(pickle.dumps(lines))
+    assert again == ["a", "b"] and again.origins == {"a": "torch._dynamo"}
