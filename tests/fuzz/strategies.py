@@ -1022,10 +1022,11 @@ def rmsnorm_part(
                 "{h}.pow(2).mean(-1, keepdim=True)",
                 "torch.mean({h} * {h}, dim=-1, keepdim=True)",
                 "{h}.square().mean(-1, keepdim=True)",
+                "{h}.pow(exponent=2).mean(-1, keepdim=True)",
             ]
         )
     )
-    scale = draw(st.sampled_from(["rsqrt", "rsqrt", "div_sqrt"]))
+    scale = draw(st.sampled_from(["rsqrt", "rsqrt", "div_sqrt", "pow_kw", "pow_all_kw"]))
     output = draw(st.sampled_from(["llama", "llama", "gemma", "cast_after", "no_weight"]))
     near_miss = draw(
         weighted(
@@ -1072,6 +1073,10 @@ def rmsnorm_part(
         factor = f"(torch.rsqrt(variance) + {eps_ref})"
     elif scale == "rsqrt":
         factor = f"torch.rsqrt(variance + {eps_ref})"
+    elif scale == "pow_kw":  # vLLM's test spellings (issue 27): keywords, the same call
+        factor = f"torch.pow(variance + {eps_ref}, exponent=-0.5)"
+    elif scale == "pow_all_kw":
+        factor = f"torch.pow(input=variance + {eps_ref}, exponent=-0.5)"
     else:
         factor = f"(1.0 / torch.sqrt(variance + {eps_ref}))"
     inplace = not safe and draw(st.integers(0, 3)) == 0

@@ -124,6 +124,8 @@ class Interpreter:
         return result
 
     def _dispatch(self, name: str, args: tuple, kwargs: dict) -> Any:
+        if name == "pow" and kwargs:
+            args, kwargs = _positional(args, kwargs, ("input", "exponent"))
         if name == "getattr":
             obj, attr = args
             if isinstance(obj, Expr):
@@ -213,3 +215,15 @@ class Interpreter:
         elif weight is not None:
             return None
         return cast(n, x.dtype)
+
+
+def _positional(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
+    """(args, kwargs) with keyword arguments named `names` moved to their positions
+    (`torch.pow(v, exponent=-0.5)`, `torch.pow(input=v, exponent=-0.5)` and
+    `v.pow(exponent=2)` are `pow(v, -0.5)` / `pow(v, 2)`: the same call, spelled with
+    keywords). Unchanged when any keyword is not among the names still unfilled, so an
+    unknown form stays unmodelled (opaque), never guessed."""
+    free = names[len(args) :]
+    if not set(kwargs) <= set(free) or set(free[: len(kwargs)]) != set(kwargs):
+        return args, kwargs
+    return (*args, *(kwargs[name] for name in free[: len(kwargs)])), {}
