@@ -5,4 +5,7 @@
 - `vllm`: vLLM's Transformers-backend fuser detection (imported lazily, from a separate
   environment: `scripts/vllm_peer.sh`, `tox -e vllm-peer`) against `fusion.plan` over the
   corpus; `python -m harness.peers.vllm`.
+- `vllm_tests`: vLLM's own fuser unit tests (from its sdist) run against our engine,
+  `python -m harness.peers.vllm_tests`; `vllm_mapping` is the pytest plugin and stand-in
+  `vllm` package they run under (loaded only into that subprocess).
 """
