@@ -8,4 +8,6 @@
 - `vllm_tests`: vLLM's own fuser unit tests (from its sdist) run against our engine,
   `python -m harness.peers.vllm_tests`; `vllm_mapping` is the pytest plugin and stand-in
   `vllm` package they run under (loaded only into that subprocess).
+- `hazards`: repro bundles of the vLLM rewrites our analysis refuses as unsafe,
+  `python -m harness.peers.hazards DIR`.
 """
