@@ -609,6 +609,9 @@ class Tally:
 
     counts: dict[str, Counter[str]] = field(default_factory=dict)
     fusers: dict[str, Counter[str]] = field(default_factory=dict)
+    families: dict[str, Counter[str]] = field(default_factory=dict)
+    """Per grammar family (a hazard's or feature's label up to its first ':', e.g.
+    `region`, `guard`, `upcast`): how the examples that drew it ended."""
     checkpoint: Path | None = None
     every: int = 100
 
@@ -634,6 +637,14 @@ class Tally:
             row["failures"] += 1
         for name in outcome.fusers:
             self.fusers.setdefault(generated.shape, Counter())[name] += 1
+        for family in dict.fromkeys(
+            label.split(":", 1)[0] for label in (*generated.hazards, *generated.features)
+        ):
+            row = self.families.setdefault(family, Counter())
+            row[outcome.status] += 1
+            row["examples"] += 1
+            if outcome.failure is not None:
+                row["failures"] += 1
         if self.checkpoint is not None and self.examples() % self.every == 0:
             self.save(self.checkpoint)
 
@@ -643,6 +654,8 @@ class Tally:
             self.counts.setdefault(shape, Counter()).update(row)
         for shape, row in other.get("fusers", {}).items():
             self.fusers.setdefault(shape, Counter()).update(row)
+        for family, row in other.get("families", {}).items():
+            self.families.setdefault(family, Counter()).update(row)
 
     def safe_fused_ratio(self, shape: str) -> float:
         row = self.counts.get(shape, Counter())
@@ -652,6 +665,7 @@ class Tally:
         return {
             "counts": {shape: dict(row) for shape, row in self.counts.items()},
             "fusers": {shape: dict(row) for shape, row in self.fusers.items()},
+            "families": {family: dict(row) for family, row in sorted(self.families.items())},
             "safe_fused_ratio": {shape: self.safe_fused_ratio(shape) for shape in self.counts},
         }
 
@@ -671,6 +685,13 @@ class Tally:
                 f"{row['crashed']:>8}{row['failures']:>7}{row['safe']:>6}"
                 f"{self.safe_fused_ratio(shape):>10.0%}  {fusers}"
             )
+        if self.families:
+            out.append(f"{'family':<14}{'examples':>9}{'fused':>7}{'refused':>8}{'failed':>7}")
+            for family, row in sorted(self.families.items()):
+                out.append(
+                    f"{family:<14}{row['examples']:>9}{row['fused']:>7}{row['refused']:>8}"
+                    f"{row['failures']:>7}"
+                )
         return out
 
 

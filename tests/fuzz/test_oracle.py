@@ -3,6 +3,7 @@ its repro bundles must replay them from text alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import runpy
@@ -166,6 +167,17 @@ def test_a_module_that_cannot_run_counts_as_crashed(tmp_path: Path) -> None:
     tally = Tally()
     tally.record(BROKEN, outcome)
     assert tally.counts["attention"]["crashed"] == 1
+    drew = dataclasses.replace(
+        BROKEN, hazards=("region:k:no_grad",), features=("rotary:half", "region:all:none")
+    )
+    tally.record(drew, outcome)  # each family it drew counted once, however many labels
+    assert {f: dict(row) for f, row in tally.families.items()} == {
+        "region": {"crashed": 1, "examples": 1},
+        "rotary": {"crashed": 1, "examples": 1},
+    }
+    merged = Tally()
+    merged.merge(tally.to_json())
+    assert merged.families == tally.families
 
 
 def test_relative_error() -> None:
