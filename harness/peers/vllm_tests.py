@@ -133,8 +133,9 @@ def test_files(archive: Path) -> dict[str, bytes]:
     files above them. Only regular files at exactly those paths are read, so the archive
     (untrusted until checked) cannot write anywhere else."""
     prefix = f"vllm-{VERSION}/"
-    wanted_inits = {"tests/__init__.py", "tests/models/__init__.py"}
-    wanted_inits.add("tests/models/transformers/__init__.py")
+    wanted_inits = {
+        f"{d}/__init__.py" for d in ("tests", "tests/models", "tests/models/transformers")
+    }
     found: dict[str, bytes] = {}
     with tarfile.open(archive, "r:gz") as tar:
         for member in tar:
@@ -194,19 +195,24 @@ def run_tests(tree: Path, select: str | None = None) -> list[dict[str, str]]:
             str(tree / TEST_DIR),
         ]
         # NOT_MAPPED_TESTS are deselected and recorded below, with their reasons.
-        deselect = [f"--deselect={TEST_DIR}/{f}::{t}" for f, t in _listed(tree)]
+        listed = _listed(tree)
+        deselect = [f"--deselect={TEST_DIR}/{f}::{t}" for f, t in listed]
         if select:
             command += ["-k", select]
         env = {**os.environ, RESULTS_ENV: str(out), "PYTHONPATH": _pythonpath()}
         subprocess.run([*command, *deselect], cwd=tree, env=env, capture_output=True)
         outcomes = json.loads(out.read_text()) if out.is_file() else []
-    listed = [
-        {"test": f"{TEST_DIR}/{f}::{t}", "file": f, "outcome": "not-mapped", "detail": why}
-        for f, t in _listed(tree)
-        for name, why in NOT_MAPPED_TESTS.items()
-        if t == name
+    recorded = [
+        {
+            "test": f"{TEST_DIR}/{f}::{t}",
+            "file": f,
+            "outcome": "not-mapped",
+            "detail": NOT_MAPPED_TESTS[t],
+            "ours": "",
+        }
+        for f, t in listed
     ]
-    return [*outcomes, *({**o, "ours": ""} for o in listed)]
+    return [*outcomes, *recorded]
 
 
 def _listed(tree: Path) -> list[tuple[str, str]]:
