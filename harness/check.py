@@ -178,6 +178,8 @@ def check_model(
             "refusals": group_refusals(report.skipped),
             "kernels": [str(choice) for choice in getattr(report, "kernels", ())],
         }
+    elif prepared.applied:
+        fusion_fields = {"applied": dict(prepared.applied)}
 
     runs = _Forwards()
     alone = localise.block_children(model) if system.localise_alone else []

@@ -50,7 +50,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """--dtype choices: the keys of harness.check.DTYPES (a test keeps them equal), spelled out here
 so that building the parser does not import torch."""
 
-SYSTEM_NAMES = ("fusion", "inductor", "inductor-freezing")
+SYSTEM_NAMES = ("fusion", "inductor", "inductor-freezing", "vllm")
 """--system choices: harness.systems.NAMES (a test keeps them equal), spelled out here for the
 same reason; the first is the default."""
 
@@ -149,7 +149,7 @@ def _add_run_parser(commands: Any) -> None:
         default=None,
         metavar="S",
         help="seconds one architecture may take before its worker is killed (default 120; "
-        "600 for the inductor systems, whose first call compiles)",
+        "600 for the inductor systems, whose first call compiles; 300 for vllm)",
     )
     run.add_argument(
         "--system",
@@ -157,7 +157,9 @@ def _add_run_parser(commands: Any) -> None:
         default=SYSTEM_NAMES[0],
         help="the system under test (harness.systems): 'fusion' (default) fuses with "
         "fusion.fuse; 'inductor' compiles the unfused model with torch.compile (Inductor) and "
-        "'inductor-freezing' with Inductor's freezing; all are judged by the same parity oracle",
+        "'inductor-freezing' with Inductor's freezing; 'vllm' applies vLLM's own fusers with "
+        "its layers' native forwards (only where vLLM imports: tox -e vllm-peer's "
+        "environment); all are judged by the same parity oracle",
     )
     run.add_argument(
         "--results",
@@ -500,6 +502,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = _check_options(args)
+    problem = systems.unavailable(options.system)
+    if problem is not None:
+        raise UsageError(f"--system {options.system}: {problem}")
     timeout = args.timeout if args.timeout is not None else systems.get(options.system).timeout
     if args.update_expected:
         _check_golden_options(options)

@@ -15,19 +15,26 @@ unfused model and returns the model to run. Each system is a `System` record:
 - `inductor-freezing`: the same with Inductor's `freezing` option, for inference under
   `torch.no_grad` (the harness's forwards): weights are folded into the compiled graph as
   constants when it is compiled, so later weight edits are not seen by design.
+- `vllm`: vLLM's own Transformers-backend fusers applied with its layers' native forwards at
+  tensor parallel size 1 (`harness.peers.vllm_apply`; only where vLLM imports, the peer
+  environment). Its note is what vLLM applied and left per family; its failures are
+  `fuse-error` / `fused-error`, as ours are, with the system named in every result.
 
 A compiler's warnings about its own work (`System.diagnostics`) are recorded apart, as
 `compiler` warnings named in the result's message, rather than failing as a warning only the
 fused model raises: they describe the compiler, and the oracles judge what the compiled model
 computes.
 
-Lifecycle checks do not apply to the Inductor systems yet: most of them (a training step,
+Lifecycle checks do not apply to the Inductor and vLLM systems yet: most of them (a training step,
 save/load, weight edits) would each compile again (tens of seconds apiece on a 2-core CPU),
-and `harness.lifecycle.check` runs all of its operations or none. They are recorded `n/a`
-with the reason (`not_applicable`).
+and `harness.lifecycle.check` runs all of its operations or none; vLLM's layers are built for
+serving (no training, no save_pretrained). They are recorded `n/a` with the reason
+(`not_applicable`).
 
-`get(name)` makes a system; `NAMES` lists them. Nothing here holds state between calls: a
-System is frozen, and `apply` changes only the model it is given.
+`get(name)` makes a system; `NAMES` lists them; `unavailable(name)` says why one cannot run
+here. Nothing here holds state between calls beyond what a system's own `note` reports of its
+last `apply` (held in that System's closure): a System is frozen, and `apply` changes only
+the model it is given.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ from torch._dynamo.utils import counters
 
 import fusion
 from fusion.report import FusionReport
+from harness.peers import vllm_apply
 
 DEFAULT = "fusion"
-NAMES = ("fusion", "inductor", "inductor-freezing")
+NAMES = ("fusion", "inductor", "inductor-freezing", "vllm")
 """Every system `get` makes; the first is the default."""
 
 FUSION_TIMEOUT = 120.0
@@ -56,6 +64,9 @@ INDUCTOR_TIMEOUT = 600.0
 compile measured 13-42 s on a loaded 2-core CPU (gpt2 13 s, llama 42 s including Inductor's
 one-time start-up), more for deep MoE models whose experts loop unrolls."""
 
+VLLM_TIMEOUT = 300.0
+"""Seconds one architecture may take in a sweep of `vllm`: its fusers trace and compile each
+class's rewritten forward (about 0.2 s per class on a 2-core CPU) besides our own steps."""
 
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
 """Where torch.compile's own diagnostics come from: Dynamo's (graph breaks, "ignores the cache
@@ -72,10 +83,13 @@ class UnknownSystem(ValueError):
 @dataclass(frozen=True)
 class Prepared:
     """What `System.apply` returns: the model to judge (the argument itself, changed in
-    place) and the fusion report when the system is our engine (None otherwise)."""
+    place), the fusion report when the system is our engine (None otherwise), and for
+    another system that rewrites modules, how many rewrites it applied per family (results
+    and summaries count them as they count ours)."""
 
     model: nn.Module
     report: FusionReport | None = None
+    applied: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +156,22 @@ def get(name: str = DEFAULT, *, fuse: Callable[[nn.Module], Any] | None = None) 
             "torch.compile, Inductor with freezing (weights folded as constants), inference "
             "under torch.no_grad",
         )
+    if name == "vllm":
+        return _vllm()
     raise UnknownSystem(f"unknown system {name!r}; known systems: {', '.join(NAMES)}")
+
+
+def unavailable(name: str) -> str | None:
+    """Why system `name` cannot run in this environment, or None when it can: `vllm` needs
+    vLLM importable (the peer environment); the others need only torch. A CLI turns the
+    reason into a usage error before any model is built."""
+    if name != "vllm":
+        return None
+    try:
+        vllm_apply.RUNTIME.modules()
+    except vllm_apply.PeerUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def _fusion(fuse: Callable[[nn.Module], Any] | None) -> System:
@@ -208,3 +237,29 @@ def compiled_note() -> str:
         first = reason.strip().splitlines()[0] if reason.strip() else "?"
         text += f", most often ({count}x): {first[:120]}"
     return text
+
+
+def _vllm() -> System:
+    last: list[vllm_apply.Application] = []
+
+    def apply(model: nn.Module) -> Prepared:
+        last[:] = [vllm_apply.apply(model)]
+        return Prepared(model, applied=last[0].counts())
+
+    def note() -> str:
+        """What vLLM applied and left in the model it rewrote last."""
+        return last[0].summary() if last else ""
+
+    return System(
+        name="vllm",
+        description="vLLM 0.33's Transformers-backend fusers with its layers' native "
+        "forwards, tensor parallel size 1, CPU (harness.peers.vllm_apply)",
+        apply=apply,
+        note=note,
+        lifecycle=False,
+        golden=False,
+        apply_status="fuse-error",
+        forward_status="fused-error",
+        forward_kind="fused-forward-error",
+        timeout=VLLM_TIMEOUT,
+    )

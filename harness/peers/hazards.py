@@ -1,4 +1,4 @@
-"""Repro bundles for the rewrites vLLM makes that our analysis refuses as unsafe.
+"""Repro bundles for the rewrites vLLM makes that compute otherwise than the unfused model.
 
     python -m harness.peers.hazards DIR
 
@@ -8,7 +8,12 @@ with nothing but torch (and vLLM, when installed, for its own kernel): `DIR/<nam
 builds the hazard as a tiny module, runs what vLLM's rewrite computes beside what the
 unfused module computes, prints both, and exits 1 when they differ (the hazard reproduced),
 0 when they agree (the rewrite is safe there, e.g. once the engine is fixed); `README.md`
-says which architectures have the shape and why our engine refuses it.
+says which architectures have the shape and why our engine refuses it (or, for the third,
+what our engine does instead).
+
+The third kind, `weightless-norm-buffer`, was found by running vLLM's rewrites (the `vllm`
+system, `harness.peers.vllm_apply`) over the corpus: FalconMamba's forward fails after vLLM's
+RMSNorm fuser takes a dummy buffer for the norm's weight.
 """
 
 from __future__ import annotations
@@ -123,6 +128,72 @@ print(f"activations over the limit:  max diff {over:.3g}")
 sys.exit(1 if over > 1e-5 else 0)
 '''
 
+_WEIGHTLESS = '''
+"""vLLM's RMSNorm fuser takes a weightless norm's dummy buffer for its weight.
+
+FalconMamba's FalconMambaWeightlessRMSNorm never reads `self.weight`: it is a non-persistent
+buffer of ones kept "for imitating the kernels path", sized `intermediate_size` even where the
+norm normalises `time_step_rank` features (dt_layernorm). vLLM's RMSNorm fuser reads
+`getattr(module, "weight")`, finds the buffer and builds an RMSNorm of the buffer's size with
+a weight: the rewritten norm multiplies the input by it, so the forward raises a shape error
+(the sizes differ) or, where they agree, multiplies by ones. Exit 1: the hazard reproduced
+(vLLM's own RMSNorm.forward_native is used when vLLM is importable)."""
+import os
+import sys
+
+import torch
+from torch import nn
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+class WeightlessRMSNorm(nn.Module):  # FalconMamba's, as Transformers defines it
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Buffer(torch.ones(hidden_size), persistent=False)  # never read
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+try:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    def fused(module):  # vLLM's RMSNorm of the size the fuser reads from the buffer
+        with set_current_vllm_config(VllmConfig()):
+            return RMSNorm(hidden_size=module.weight.size(0), eps=module.eps).forward_native
+
+    source = "vLLM's RMSNorm.forward_native"
+except Exception:
+    def fused(module):
+        weight = torch.ones(module.weight.size(0))  # vLLM's RMSNorm starts its weight at ones
+
+        def forward(t):
+            t32 = t.float()
+            return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + module.eps)).type_as(t) * weight
+
+        return forward
+
+    source = "x * rsqrt(mean(x^2) + eps) * weight (vLLM not importable: its RMSNorm's definition)"
+print(f"kernel: {source}")
+torch.manual_seed(0)
+same = WeightlessRMSNorm(16)  # b_layernorm: buffer and input both state_size wide
+x = torch.randn(1, 5, 16)
+print(f"buffer as wide as the input (b_layernorm): max diff {(fused(same)(x) - same(x)).abs().max().item():.3g}")
+dt = WeightlessRMSNorm(128)  # dt_layernorm: the buffer is intermediate_size wide ...
+x = torch.randn(1, 5, 8)  # ... the input time_step_rank
+try:
+    diff = (fused(dt)(x) - dt(x)).abs().max().item()
+except RuntimeError as exc:
+    print(f"buffer of 128 features, input of 8 (dt_layernorm): the rewritten norm raises: {exc}")
+    sys.exit(1)
+print(f"buffer of 128 features, input of 8 (dt_layernorm): max diff {diff:.3g}")
+sys.exit(1 if diff > 1e-6 else 0)
+'''
+
 HAZARDS: tuple[Hazard, ...] = (
     Hazard(
         "tied-shared-block",
@@ -141,6 +212,17 @@ HAZARDS: tuple[Hazard, ...] = (
         "program, guarded per call) and refuses the block-level FusedMoE",
         _CLAMPED,
     ),
+    Hazard(
+        "weightless-norm-buffer",
+        "A weightless RMSNorm's dummy buffer taken for its weight",
+        "falcon_mamba (FalconMambaWeightlessRMSNorm: dt_layernorm, b_layernorm, c_layernorm; "
+        "the forward fails at dt_layernorm, whose buffer has intermediate_size features and "
+        "whose input time_step_rank)",
+        "our rmsnorm fuser fuses what the forward computes: these norms read no weight, so "
+        "they become weightless fused norms and the buffer is left alone (the vllm system of "
+        "the harness found this: `fusion-harness run --system vllm --arch falcon_mamba`)",
+        _WEIGHTLESS,
+    ),
 )
 
 
@@ -154,7 +236,7 @@ def write_bundles(directory: Path) -> list[Path]:
         (folder / "README.md").write_text(
             f"# {hazard.title}\n\n"
             f"Architectures with this shape: {hazard.architectures}.\n\n"
-            f"Why our engine refuses the rewrite: {hazard.refusal}.\n\n"
+            f"Why our engine does not make this rewrite: {hazard.refusal}.\n\n"
             "Replay: `python repro.py` (torch only; vLLM's own kernel when importable). "
             "Exit 1: the rewrite computes otherwise than the unfused model; 0: it agrees.\n"
         )

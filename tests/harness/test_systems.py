@@ -40,7 +40,7 @@ def _result(**fields) -> ArchResult:
 
 
 def test_every_name_makes_its_system_and_the_cli_offers_exactly_them():
-    assert systems.NAMES == ("fusion", "inductor", "inductor-freezing")
+    assert systems.NAMES == ("fusion", "inductor", "inductor-freezing", "vllm")
     assert [systems.get(name).name for name in systems.NAMES] == list(systems.NAMES)
     assert cli.SYSTEM_NAMES == systems.NAMES  # the parser spells them out without torch
     assert all(systems.get(name).description for name in systems.NAMES)
