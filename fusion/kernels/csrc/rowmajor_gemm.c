@@ -13,6 +13,12 @@
  * are bit-identical whatever the thread count, and a row's result does not depend on the
  * other rows (batch invariant).
  *
+ * bfloat16 weights (fh_linear_bf16w): the same kernel reading a bf16 weight [N, K] where it
+ * lies, each 16-bit value widened exactly to float32 in registers (a bf16 is a float32's top
+ * half); x, b and y stay float32 (the caller widens the few input rows and rounds the
+ * outputs once). Half the bytes streamed, the same sums: what PyTorch's bf16 linear on a CPU
+ * computes (float32 accumulation, one rounding of each output), in another fixed order.
+ *
  * Contract (the Python side checks it, fh_linear re-checks the cheap parts): K a positive
  * multiple of 16; unit stride along K for x and w; row strides ldx >= K, ldw >= K,
  * ldy >= N; y does not overlap x, w or b. Vector types are GCC's generic ones sized to the
@@ -38,8 +44,10 @@
 
 typedef float vec __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned loads */
 typedef float acc_t __attribute__((vector_size(VL * 4)));
+typedef uint16_t hvec __attribute__((vector_size(VL * 2), aligned(2))); /* VL bf16 values */
+typedef uint32_t uvec __attribute__((vector_size(VL * 4)));
 
-int fh_abi_version(void) { return 3; }
+int fh_abi_version(void) { return 4; }
 
 static inline float lane_sum(acc_t v) {
   float t[VL];
@@ -50,6 +58,18 @@ static inline float lane_sum(acc_t v) {
 }
 
 #define LOAD(p) (*(const vec *)(p))
+
+/* VL bf16 values widened to float32: exact (the 16 bits become the float's top half). */
+static inline acc_t load_bf16(const uint16_t *p) {
+  const uvec wide = __builtin_convertvector(*(const hvec *)p, uvec) << 16;
+  acc_t f;
+  __builtin_memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+/* Element k of a weight row, VL of them, float32 or bf16 (`bf16` is a constant at every
+   call site, so each caller's copy of the kernel has one kind of load). */
+#define LOAD_W(row, k) (bf16 ? load_bf16((const uint16_t *)(row) + (k)) : LOAD((const float *)(row) + (k)))
 /* Keep a loaded vector in a register: without it GCC re-reads operands from L1 as memory
    operands of every FMA (2-4x the loads; the loop then waits on loads, not FMAs). */
 #if defined(__AVX512F__)
@@ -60,19 +80,21 @@ static inline float lane_sum(acc_t v) {
 #define HOLD(v) ((void)0)
 #endif
 
-/* Rows [0, rows) of x against weight rows n0 .. n0+nb-1 (nb <= NR), whole K. */
-static void weight_block(const float *x, int64_t ldx, const float *w, int64_t ldw,
-                         const float *b, float *y, int64_t ldy, int rows, int64_t n0,
-                         int nb, int64_t K) {
+/* Rows [0, rows) of x against weight rows n0 .. n0+nb-1 (nb <= NR), whole K; the weight's
+   elements are float32, or bf16 where `bf16` (inlined into each caller with a constant). */
+static inline __attribute__((always_inline)) void weight_block(
+    const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b, float *y,
+    int64_t ldy, int rows, int64_t n0, int nb, int64_t K, const int bf16) {
+  const int64_t esize = bf16 ? 2 : 4; /* bytes per weight element */
   acc_t sum[MB][NR];
   const acc_t zero = {0};
   for (int m = 0; m < rows; m++)
     for (int j = 0; j < NR; j++) sum[m][j] = zero;
   /* Missing rows of a short block repeat row n0: in bounds, results dropped. */
-  const float *wr[NR];
-  for (int j = 0; j < NR; j++) wr[j] = w + (n0 + (j < nb ? j : 0)) * ldw;
-  /* The next block's rows: prefetch never faults, so past the end is harmless. */
-  const int64_t ahead = NR * ldw;
+  const char *wr[NR];
+  for (int j = 0; j < NR; j++) wr[j] = (const char *)w + (n0 + (j < nb ? j : 0)) * ldw * esize;
+  /* The next block's rows, in bytes: prefetch never faults, so past the end is harmless. */
+  const int64_t ahead = NR * ldw * esize;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t k1 = k0 + KC < K ? k0 + KC : K;
     int m = 0;
@@ -87,8 +109,8 @@ static void weight_block(const float *x, int64_t ldx, const float *w, int64_t ld
         acc_t v[NR];
 #pragma GCC unroll 16
         for (int j = 0; j < NR; j++) {
-          __builtin_prefetch(wr[j] + ahead + k);
-          v[j] = LOAD(wr[j] + k);
+          __builtin_prefetch(wr[j] + ahead + k * esize);
+          v[j] = LOAD_W(wr[j], k);
           HOLD(v[j]);
         }
 #pragma GCC unroll 16
@@ -113,8 +135,8 @@ static void weight_block(const float *x, int64_t ldx, const float *w, int64_t ld
         const acc_t u = LOAD(xr + k);
 #pragma GCC unroll 16
         for (int j = 0; j < NR; j++) {
-          __builtin_prefetch(wr[j] + ahead + k);
-          a[j] += u * LOAD(wr[j] + k);
+          __builtin_prefetch(wr[j] + ahead + k * esize);
+          a[j] += u * LOAD_W(wr[j], k);
         }
       }
 #pragma GCC unroll 16
@@ -129,9 +151,26 @@ static void weight_block(const float *x, int64_t ldx, const float *w, int64_t ld
     }
 }
 
-/* Returns 0, or a negative code when the cheap parts of the contract do not hold. */
-int fh_linear(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *b,
-              float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+/* One weight block per element type: each a copy of `weight_block` with its loads fixed. */
+typedef void (*block_fn)(const float *, int64_t, const void *, int64_t, const float *, float *,
+                         int64_t, int, int64_t, int, int64_t);
+
+static void block_f32(const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b,
+                      float *y, int64_t ldy, int rows, int64_t n0, int nb, int64_t K) {
+  weight_block(x, ldx, w, ldw, b, y, ldy, rows, n0, nb, K, 0);
+}
+
+static void block_bf16(const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b,
+                       float *y, int64_t ldy, int rows, int64_t n0, int nb, int64_t K) {
+  weight_block(x, ldx, w, ldw, b, y, ldy, rows, n0, nb, K, 1);
+}
+
+/* The row-block loop both entry points share (`block` is called once per NR weight rows and
+   MB input rows: a call's cost is nothing beside a whole-K block); returns 0, or a negative
+   code when the cheap parts of the contract do not hold. */
+static int linear_rows(const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b,
+                       float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads,
+                       block_fn block) {
   if (M < 1 || N < 1 || K < 16 || K % 16 != 0) return -1;
   if (ldx < K || ldw < K || ldy < N || threads < 1) return -2;
   const int64_t blocks = (N + NR - 1) / NR;
@@ -141,8 +180,21 @@ int fh_linear(const float *x, int64_t ldx, const float *w, int64_t ldw, const fl
     const int nb = N - n0 < NR ? (int)(N - n0) : NR;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int rows = M - m0 < MB ? (int)(M - m0) : MB;
-      weight_block(x + m0 * ldx, ldx, w, ldw, b, y + m0 * ldy, ldy, rows, n0, nb, K);
+      block(x + m0 * ldx, ldx, w, ldw, b, y + m0 * ldy, ldy, rows, n0, nb, K);
     }
   }
   return 0;
+}
+
+/* y = x @ w^T (+ b), all float32. */
+int fh_linear(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *b,
+              float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads, block_f32);
+}
+
+/* y = x @ w^T (+ b) for a bf16 weight (uint16_t bit patterns); x, b, y float32. */
+int fh_linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                    const float *b, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads, block_bf16);
 }

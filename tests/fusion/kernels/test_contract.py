@@ -319,6 +319,41 @@ def test_merged_linear_under_cpu_autocast_is_the_unfused_linears(
     assert taken == []
 
 
+def _bf16_linear_pair(seed: int = 0) -> tuple[nn.Linear, RowLinear]:
+    """`_linear_pair` in bfloat16 (a bf16 model's projection and its `RowLinear`)."""
+    linear, row = _linear_pair(seed)
+    return linear.to(torch.bfloat16), row.to(torch.bfloat16)
+
+
+def test_bfloat16_modules_obey_the_ambient_state(monkeypatch, taken: list[str]) -> None:
+    """The native kernel's bf16 path (a bf16 model's projections) is the dense kernel's
+    stand-in on the same terms as float32: taken in plain state (within a bf16 rounding of
+    `F.linear`), and refused, so the unfused call runs with its exact result, under
+    autocast to another dtype, a `__torch_function__` mode, a subclass input and a
+    `__torch_dispatch__` mode."""
+    force_native_on(monkeypatch)
+    linear, row = _bf16_linear_pair()
+    with torch.no_grad():
+        for rows in (1, 4, 16):
+            x = torch.randn(rows, K).bfloat16()
+            want, got = linear(x), row(x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+        assert taken == ["native"] * 3
+        taken.clear()
+        x = torch.randn(4, K).bfloat16()
+        with torch.autocast("cpu", dtype=torch.float16):
+            got, want = row(x), linear(x)
+            assert got.dtype == want.dtype == torch.float16 and torch.equal(got, want)
+        with PlusOneMode():
+            assert torch.equal(row(x), linear(x))
+        with PlusOneDispatchMode():
+            assert torch.equal(row(x), linear(x))
+        sub = x.as_subclass(PlusOneTensor)
+        assert torch.equal(_plain(row(sub)), _plain(linear(sub)))
+    assert taken == []
+
+
 # --------------------------------------------------------------------------------------------
 # Defect 2: subclasses and modes
 

@@ -110,6 +110,67 @@ def test_error_at_model_widths_is_below_mkls(n: int, k: int) -> None:
     assert worst <= 1.0
 
 
+BF16_HALF_ULP = 2.0**-8
+"""bfloat16's unit roundoff: 8 significand bits, so rounding to nearest errs by at most
+2^-8 of the value. Each output of a bf16 linear is rounded once, by either kernel."""
+
+
+def _bf16_bound(x: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """How far a bf16 linear with float32 accumulation may lie from the float64 result of
+    the same bf16 operands, per output: the output's one rounding (`BF16_HALF_ULP` of the
+    exact value) plus a float32 sum's error over K terms (K * eps32 * sum |terms|), derived
+    from the reduction length and the dtypes, not from any machine's results."""
+    bias = None if b is None else b.double()
+    exact = F.linear(x.double(), weight.double(), bias)
+    terms = F.linear(x.abs().double(), weight.abs().double(), None if b is None else bias.abs())
+    k = weight.shape[-1]
+    return BF16_HALF_ULP * exact.abs() + (k + 2) * torch.finfo(torch.float32).eps * terms
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    n=st.integers(1, 37),
+    k_blocks=st.integers(1, 40),
+    bias=st.booleans(),
+    x_pad=st.integers(0, 3),
+    w_pad=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_linear_is_the_dense_function(rows, n, k_blocks, bias, x_pad, w_pad, seed):
+    """bfloat16 operands (the weight read as bf16 in place, padded row strides of both):
+    a bf16 result of `F.linear`'s shape within one bf16 rounding plus a float32 sum's error
+    of the exact product, the same bound PyTorch's own bf16 linear meets (checked beside
+    it), so the two can differ only by the order of a float32 sum before one rounding."""
+    k = 16 * k_blocks
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k + 16 * x_pad, generator=g).bfloat16()[:, :k]
+    weight = (torch.randn(n, k + 16 * w_pad, generator=g) / k**0.5).bfloat16()[:, :k]
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = native_gemm.linear(x, weight, b)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    bound = _bf16_bound(x, weight, b)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((F.linear(x, weight, b).double() - exact).abs() <= bound).all()
+
+
+@needs_kernel
+def test_bfloat16_results_round_the_float32_sum_once() -> None:
+    """Each bf16 output is the float32 kernel's output on the same (exactly widened)
+    operands, rounded once to bf16: the bf16 entry point only changes what is streamed, and
+    a 3-D input keeps its leading dimensions."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 1024, generator=g).bfloat16()
+    weight = torch.randn(96, 1024, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    got = native_gemm.linear(x, weight, b)
+    wide = native_gemm.linear(x.float(), weight.float(), b.float())
+    assert got.shape == (2, 3, 96)
+    assert torch.equal(got, wide.bfloat16())
+
+
 @needs_kernel
 def test_results_do_not_depend_on_threads_or_on_the_other_rows() -> None:
     """Each output is one thread's fixed-order sum: bit-identical at 1, 2 and 3 threads,
@@ -159,7 +220,8 @@ def test_narrower_vector_builds_compute_the_same_function(
 ) -> None:
     """The AVX2 (8 lanes, 2 x 4 blocks) and SSE (4 lanes, 4 x 2 blocks) code paths, built on
     this machine: they pass the probe and match `F.linear` within MKL's error over row
-    counts that exercise every block remainder."""
+    counts that exercise every block remainder, and their bf16 entry point rounds their
+    float32 sums once."""
     monkeypatch.setenv(native_build.MARCH_ENV, march)
     assert native_gemm.built(), native_gemm.NATIVE.machine().reason
     g = torch.Generator().manual_seed(2)
@@ -173,6 +235,10 @@ def test_narrower_vector_builds_compute_the_same_function(
         err_got = ((got.double() - ref).abs() / scale).max().item()
         err_mkl = ((mkl.double() - ref).abs() / scale).max().item()
         assert err_got <= max(1.5 * err_mkl, floor), (rows, n, k)
+        # the bf16-weight entry point of the same build: the float32 sums, rounded once
+        xb, wb, bb = x.bfloat16(), weight.bfloat16(), b.bfloat16()
+        wide = native_gemm.linear(xb.float(), wb.float(), bb.float())
+        assert torch.equal(native_gemm.linear(xb, wb, bb), wide.bfloat16()), (rows, n, k)
 
 
 class _Subclass(torch.Tensor):
@@ -181,7 +247,8 @@ class _Subclass(torch.Tensor):
 
 @needs_kernel
 def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
-    """Refused: gradients recorded, other dtypes, K not a multiple of 16, more than
+    """Taken in float32 and bfloat16 (operands of one dtype). Refused: gradients recorded,
+    other dtypes and mixed ones, K not a multiple of 16, more than
     the machine's row limits (`LIMITS`), a weight not unit-stride along K, a bias of the wrong shape, tensor
     subclasses, and everything below the size rule or off the machine rule."""
     x, weight, b = torch.randn(3, 64), torch.randn(32, 64), torch.randn(32)
@@ -192,7 +259,10 @@ def test_applies_only_to_what_the_kernel_computes(monkeypatch) -> None:
         assert native_gemm.applies(x, weight, b)
         assert native_gemm.applies(x[0], weight, None)
         assert not native_gemm.applies(x.double(), weight.double(), None)
-        assert not native_gemm.applies(x.bfloat16(), weight.bfloat16(), None)
+        assert native_gemm.applies(x.bfloat16(), weight.bfloat16(), b.bfloat16())
+        assert not native_gemm.applies(x.bfloat16(), weight.bfloat16(), b)  # float32 bias
+        assert not native_gemm.applies(x, weight.bfloat16(), None)
+        assert not native_gemm.applies(x.half(), weight.half(), None)
         assert not native_gemm.applies(x[:, :56], weight[:, :56], None)
         many = torch.randn(native_gemm.LIMITS["AVX512"].max_rows + 1, 64)
         assert not native_gemm.applies(many, weight, None)
