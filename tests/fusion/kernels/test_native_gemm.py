@@ -312,10 +312,12 @@ def test_row_limits_follow_the_capability(monkeypatch, fresh_native: None, capab
     assert native_gemm.rows_ok(16, 2048)  # decode widths are taken on both
 
 
-def _merged(sizes: tuple[int, ...], k: int, bias: bool) -> MergedLinear:
+def _merged(
+    sizes: tuple[int, ...], k: int, bias: bool, dtype: torch.dtype = torch.float32
+) -> MergedLinear:
     torch.manual_seed(0)
     return MergedLinear.from_linears(
-        {f"p{i}": nn.Linear(k, n, bias=bias) for i, n in enumerate(sizes)}
+        {f"p{i}": nn.Linear(k, n, bias=bias, dtype=dtype) for i, n in enumerate(sizes)}
     )
 
 
@@ -345,36 +347,46 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
 
 
 @needs_kernel
-def test_every_weight_write_is_seen(monkeypatch) -> None:
-    """Nothing is cached: writes through `.data`, `copy_`, `set_`, numpy, and an optimiser
-    step after a first forward all show in the next forward, at 1 and 16 rows."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_weight_write_is_seen(monkeypatch, dtype: torch.dtype) -> None:
+    """Nothing is cached: writes through `.data`, `copy_`, `set_`, numpy (float32: numpy has
+    no bf16) and an optimiser step after a first forward all show in the next forward, at 1
+    and 16 rows, in float32 and in bfloat16 (whose weight the kernel reads in place too)."""
     force_native_on(monkeypatch)
-    merged = _merged((48, 16), 32, bias=False)
+    ran: list[torch.dtype] = []
+    real = native_gemm.linear
+    monkeypatch.setattr(native_gemm, "linear", lambda x, *a: ran.append(x.dtype) or real(x, *a))
+    merged = _merged((48, 16), 32, bias=False, dtype=dtype)
     optimiser = torch.optim.SGD([s.weight for s in merged.shards], lr=0.5)
+    # float32: the kernel's error is MKL's; bf16: one bf16 rounding of the same sums
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-6}
 
     def unfused(x):
         return torch.cat([x @ s.weight.t() for s in merged.shards], dim=-1)
 
+    writes = [
+        lambda w, new: w.data.copy_(new),
+        lambda w, new: w.data.mul_(2.0),
+        lambda w, new: w.set_(new.clone()),  # breaks the view: shards apart
+    ]
+    if dtype == torch.float32:
+        writes.insert(2, lambda w, new: np.copyto(w.detach().numpy()[:, 0], 3.0))
     for rows in (1, 16):
-        x = torch.randn(rows, 32)
+        x = torch.randn(rows, 32).to(dtype)
         with torch.no_grad():
             merged(x)
         for shard in merged.shards:
             new = torch.randn_like(shard.weight)
-            for write in (
-                lambda w, new=new: w.data.copy_(new),
-                lambda w: w.data.mul_(2.0),
-                lambda w: np.copyto(w.detach().numpy()[:, 0], 3.0),
-                lambda w, new=new: w.set_(new.clone()),  # breaks the view: shards apart
-            ):
+            for write in writes:
                 with torch.no_grad():
-                    write(shard.weight)
-                    torch.testing.assert_close(merged(x), unfused(x), rtol=1e-5, atol=1e-5)
+                    write(shard.weight, new)
+                    torch.testing.assert_close(merged(x), unfused(x), **tol)
         merged(x).sum().backward()  # records a gradient: each shard's own F.linear
         optimiser.step()
         optimiser.zero_grad()
         with torch.no_grad():
-            torch.testing.assert_close(merged(x), unfused(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(merged(x), unfused(x), **tol)
+    assert dtype in ran  # the kernel itself computed some of these, in this dtype
 
 
 @needs_kernel
