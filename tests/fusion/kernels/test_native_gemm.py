@@ -50,6 +50,22 @@ def test_the_kernel_builds_where_a_compiler_exists() -> None:
         assert capability in native_gemm.status()
 
 
+def _products(max_rows: int) -> dict[str, st.SearchStrategy]:
+    """The products the property tests draw: any rows up to `max_rows` (the 4-row blocks and
+    their remainders), any N up to 37 (the 4-column blocks and the short last one), K across
+    several 256-wide blocks, padded row strides of the input and the weight, with or without
+    a bias."""
+    return {
+        "rows": st.integers(1, max_rows),
+        "n": st.integers(1, 37),
+        "k_blocks": st.integers(1, 40),
+        "bias": st.booleans(),
+        "x_pad": st.integers(0, 3),
+        "w_pad": st.integers(0, 3),
+        "seed": st.integers(0, 2**16),
+    }
+
+
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     scale = max(ref.abs().max().item(), 1e-30)
     return (got.double() - ref).abs().max().item() / scale
@@ -57,15 +73,7 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @needs_kernel
 @settings(max_examples=60, deadline=None)
-@given(
-    rows=st.integers(1, 70),
-    n=st.integers(1, 37),
-    k_blocks=st.integers(1, 40),
-    bias=st.booleans(),
-    x_pad=st.integers(0, 3),
-    w_pad=st.integers(0, 3),
-    seed=st.integers(0, 2**16),
-)
+@given(**_products(max_rows=70))
 def test_linear_equals_f_linear_and_errs_no_more(rows, n, k_blocks, bias, x_pad, w_pad, seed):
     """Any rows (the 4-row blocks and their remainders), any N (the 4-column blocks and the
     short last block), K across several 256-wide blocks, padded row strides of `x` and the
@@ -129,15 +137,7 @@ def _bf16_bound(x: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None) -
 
 @needs_kernel
 @settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 40),
-    n=st.integers(1, 37),
-    k_blocks=st.integers(1, 40),
-    bias=st.booleans(),
-    x_pad=st.integers(0, 3),
-    w_pad=st.integers(0, 3),
-    seed=st.integers(0, 2**16),
-)
+@given(**_products(max_rows=40))
 def test_bfloat16_linear_is_the_dense_function(rows, n, k_blocks, bias, x_pad, w_pad, seed):
     """bfloat16 operands (the weight read as bf16 in place, padded row strides of both):
     a bf16 result of `F.linear`'s shape within one bf16 rounding plus a float32 sum's error
