@@ -38,7 +38,7 @@ import copy
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from torch import nn
 
 from fusion import source
 from fusion.errors import RewriteRefused
-from fusion.guards import ChildGuard, GlobalsGuard, Guard, first_failure
+from fusion.guards import ChildGuard, GlobalsGuard, Guard, distinct, first_failure, holding_check
 
 
 class BoundForward:
@@ -67,7 +67,7 @@ class BoundForward:
         self.original = original
         self.rewritten = rewritten
         self.fn = fn
-        self.guards = tuple(guards)
+        self.guards = guards
         self.globals_guard = GlobalsGuard.of(fn) if globals_guard is None else globals_guard
         self.guard_failures = 0
         self.last_failure: str | None = None
@@ -88,9 +88,23 @@ class BoundForward:
             self.last_failure = reason
         return self.cls.forward(self.module, *args, **kwargs)
 
+    @property
+    def guards(self) -> tuple[Guard, ...]:
+        """What the proof relied on, each premise once (`distinct`)."""
+        return self._guards
+
+    @guards.setter
+    def guards(self, guards: Iterable[Guard]) -> None:
+        self._guards = distinct(guards)
+        self._holds = holding_check(self._guards)
+
     def failure(self) -> str | None:
-        """Why the rewrite may not run now (a guard that no longer holds), or None."""
-        reason = first_failure(self.module, self.guards)
+        """Why the rewrite may not run now (a guard that no longer holds), or None: the
+        one-frame check of the common case first (`holding_check`), the guards one by one
+        (naming the reason) only when it says no."""
+        if self._holds(self.module):
+            return None if torch.compiler.is_compiling() else self.globals_guard.failure()
+        reason = first_failure(self.module, self._guards)
         if reason is None and not torch.compiler.is_compiling():
             reason = self.globals_guard.failure()
         return reason
@@ -196,7 +210,7 @@ def replace_guarded_child(parent: nn.Module, name: str, old: nn.Module, new: nn.
     forward = parent.__dict__.get("forward")
     if not isinstance(forward, BoundForward):
         return
-    forward.guards = tuple(
+    forward.guards = distinct(
         ChildGuard(name, new, type(new), guard.called)
         if isinstance(guard, ChildGuard) and guard.name == name and guard.child is old
         else guard

@@ -279,6 +279,16 @@ def _chosen_product(
     return None
 
 
+def chooses(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> bool:
+    """Eager: does `policy.POLICY` name any kernel for `op` at this shape, `x`'s dtype and
+    row count (`x.numel() // width`), thread count and `backend`? False means `product`
+    would answer None for any operands: the caller may compute its reference at once,
+    without checking anything a kernel would need (a merged projection's views, the
+    operands' eligibility), since only a chosen kernel reads them. One memoised lookup."""
+    rows = x.numel() // width if width else 0
+    return bool(policy.POLICY.choose(op, shape, _dtype_name(x.dtype), rows, backend))
+
+
 @torch.library.custom_op("fusion::linear_product", mutates_args=())
 def _linear_product_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, op: str, shape: list[int], backend: str

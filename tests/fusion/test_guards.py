@@ -18,7 +18,15 @@ from torch import nn
 
 import fusion
 from fusion.bound import BoundForward
-from fusion.guards import ChildGuard, GlobalsGuard, attribute_guard
+from fusion.callpath import CALL_PATH, HOOK_ATTRS
+from fusion.guards import (
+    ChildGuard,
+    GlobalsGuard,
+    attribute_guard,
+    distinct,
+    first_failure,
+    holding_check,
+)
 from fusion.modules import RowLinear
 from tests.fusion.merged_paths import stacked_products
 from tests.fusion.tiny_models import tiny_model, token_ids
@@ -172,6 +180,135 @@ def test_attribute_guard_kinds() -> None:
     assert scale.failure(module) is None
     module.scale = 3.0
     assert "rebound" in scale.failure(module)
+
+
+class _OwnCall(nn.Linear):
+    """A linear whose class overrides the call path (what a wrapper library might do)."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) + 1.0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "replaced",
+        "class",
+        "forward hook",
+        "forward pre-hook",
+        "backward hook",
+        "backward pre-hook",
+        "instance forward",
+        "instance __call__",
+        "instance _call_impl",
+        "instance _wrapped_call_impl",
+        "class __call__",
+    ],
+)
+def test_each_child_premise_fails_its_guard(monkeypatch, change: str) -> None:
+    """Every premise `ChildGuard` watches, changed one at a time, fails the guard with a
+    reason and fails the one-frame check (`holding_check`, which spells the premises out
+    and must let none through), and both hold again once it is restored; a `called` guard
+    watches identity and class only."""
+    assert CALL_PATH == ("__call__", "_wrapped_call_impl", "_call_impl")  # as spelled there
+    assert HOOK_ATTRS == (
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+    )
+    parent = nn.Module()
+    parent.lin = nn.Linear(4, 4)
+    guard = ChildGuard.of(parent, "lin")
+    called = ChildGuard.of(parent, "lin", called=True)
+    holds, holds_called = holding_check((guard,)), holding_check((called,))
+    assert guard.failure(parent) is None and called.failure(parent) is None
+    assert holds(parent) and holds_called(parent)
+    child = parent.lin
+    undo = None
+    if change == "replaced":
+        parent.lin = nn.Linear(4, 4)
+    elif change == "class":
+        child.__class__ = _OwnCall
+    elif change == "forward hook":
+        undo = child.register_forward_hook(lambda m, a, o: o).remove
+    elif change == "forward pre-hook":
+        undo = child.register_forward_pre_hook(lambda m, a: None).remove
+    elif change == "backward hook":
+        undo = child.register_full_backward_hook(lambda m, gi, go: None).remove
+    elif change == "backward pre-hook":
+        undo = child.register_full_backward_pre_hook(lambda m, go: None).remove
+    elif change.startswith("instance "):
+        name = change.removeprefix("instance ")
+        child.__dict__[name] = lambda *a, **k: None
+
+        def undo() -> None:
+            del child.__dict__[name]
+    elif change == "class __call__":
+        monkeypatch.setattr(nn.Linear, "__call__", lambda self, *a, **k: 0.0, raising=False)
+        undo = monkeypatch.undo
+    reason = guard.failure(parent)
+    assert reason is not None and "lin" in reason, reason
+    assert first_failure(parent, (guard,)) is not None and not holds(parent)
+    if change in ("replaced", "class"):
+        assert called.failure(parent) is not None and not holds_called(parent)
+    else:
+        assert called.failure(parent) is None  # hooks on a called module run as they would
+        assert holds_called(parent)
+        undo()
+        assert guard.failure(parent) is None and holds(parent)
+
+
+def test_the_one_frame_check_sees_global_hooks_and_other_guards() -> None:
+    """`holding_check` answers False under a global module hook (any kind) and when a
+    method or attribute guard fails, and defers an equivalent class swap to the guards
+    (False there, while `first_failure` finds the premise holding)."""
+    parent = nn.Module()
+    parent.lin = nn.Linear(4, 4)
+    parent.scale = 2.0
+    guards = (ChildGuard.of(parent, "lin"), attribute_guard(parent, "scale"))
+    holds = holding_check(guards)
+    assert holds(parent)
+    for register in (
+        nn.modules.module.register_module_forward_hook,
+        nn.modules.module.register_module_forward_pre_hook,
+        nn.modules.module.register_module_full_backward_hook,
+        nn.modules.module.register_module_full_backward_pre_hook,
+    ):
+        handle = register(lambda *args: None)
+        try:
+            assert not holds(parent) and first_failure(parent, guards) is not None
+        finally:
+            handle.remove()
+    assert holds(parent)
+    parent.scale = 3.0
+    assert not holds(parent) and "rebound" in first_failure(parent, guards)
+    parent.scale = 2.0
+    parent.lin.__class__ = RowLinear  # decode_linear's swap: equivalent
+    assert not holds(parent) and first_failure(parent, guards) is None
+
+
+def test_distinct_drops_only_repeated_premises() -> None:
+    """`distinct` keeps the first of guards alike in kind and fields and every guard that
+    differs in any (name, watched object, class, `called`), in order; a fused attention's
+    forward holds each premise once (its shards are also children read between the merged
+    calls) and still falls back when one changes."""
+    parent = nn.Module()
+    parent.a, parent.b = nn.Linear(2, 2), nn.Linear(2, 2)
+    a, b = ChildGuard.of(parent, "a"), ChildGuard.of(parent, "b")
+    a_again, a_called = ChildGuard.of(parent, "a"), ChildGuard.of(parent, "a", called=True)
+    other = ChildGuard("a", parent.b, nn.Linear)  # another object under the same name
+    assert distinct([a, b, a_again, a_called, other, b]) == (a, b, a_called, other)
+    unfused, fused = _pair()
+    guards = _attn(fused).forward.guards
+    keys = [
+        (type(g), g.name, id(getattr(g, "child", None)), getattr(g, "called", None)) for g in guards
+    ]
+    assert len(keys) == len(set(keys))
+    for model in (unfused, fused):
+        _attn(model).k_proj.register_forward_pre_hook(lambda m, args: args[0].mul_(0.5))
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    assert _attn(fused).forward.guard_failures == 1
 
 
 def test_globals_guard_watches_names_reached_through_helpers() -> None:

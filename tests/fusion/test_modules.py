@@ -116,6 +116,32 @@ def test_a_broken_view_computes_each_shard_from_its_current_parameters(change: s
     assert merged.shard_calls == 1
 
 
+def test_a_call_no_kernel_is_chosen_for_skips_the_views(monkeypatch) -> None:
+    """Where the policy could choose (not idle) but names no kernel for this call's shape
+    and rows, the shards are computed apart on their current Parameters without checking
+    the views (only a chosen stacked kernel reads them): same result, broken view or not;
+    where it names the stacked kernel, the views are checked and a broken one computes
+    apart too."""
+    linears = _linears((True, False, True))
+    merged = MergedLinear.from_linears(linears)
+    checked = []
+    real = MergedLinear.views_hold
+    monkeypatch.setattr(MergedLinear, "views_hold", lambda self: checked.append(1) or real(self))
+    monkeypatch.setattr(POLICY, "idle", lambda op, backend: False)
+    monkeypatch.setattr(POLICY, "choose", lambda op, shape, dtype, rows, backend: ())
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        want = torch.cat([lin(x) for lin in linears.values()], dim=-1)
+        torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+        linears["k"].weight.data = torch.randn(4, 6)  # the view breaks
+        want = torch.cat([lin(x) for lin in linears.values()], dim=-1)
+        torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+        assert checked == [] and (merged.stacked_calls, merged.shard_calls) == (0, 2)
+        with stacked_products():
+            torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+    assert checked and (merged.stacked_calls, merged.shard_calls) == (0, 3)
+
+
 def test_restack_moves_only_memory_nothing_else_uses() -> None:
     linears = _linears()
     merged = MergedLinear.from_linears(linears)
