@@ -435,15 +435,23 @@ def test_torch_backend_fast_path_is_the_reference_bit_for_bit(dtype, wdtype) -> 
 
     backend = torch_ref.TorchKernels()
     generator = torch.Generator().manual_seed(0)
-    for offset, upcast, after, to_weight in itertools.product(
-        (0.0, 1.0), (True, False), (True, False), (False, True)
+    # widths and row counts where ATen's norm may block or vectorise its reduction
+    # differently: odd, per-head, model widths, one row and many
+    shapes = ((4, 3, 96), (1, 7), (16, 128), (1, 1024), (33, 2048), (2, 4096))
+    for (offset, upcast, after, to_weight), shape in itertools.product(
+        itertools.product((0.0, 1.0), (True, False), (True, False), (False, True)), shapes
     ):
-        x = (3 * torch.randn(4, 3, 96, generator=generator)).to(dtype)
-        w = None if wdtype is None else (0.3 * torch.randn(96, generator=generator) + 1).to(wdtype)
+        width = shape[-1]
+        x = (3 * torch.randn(*shape, generator=generator)).to(dtype)
+        w = (
+            None
+            if wdtype is None
+            else (0.3 * torch.randn(width, generator=generator) + 1).to(wdtype)
+        )
         variant = NormVariant(offset, upcast, after, to_weight)
         expected = torch_ref.rms_norm(x, w, 1e-5, variant=variant)
         actual = backend.rms_norm(x, w, 1e-5, variant=variant)
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected), variant
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), (variant, shape)
 
 
 class ShapeBranchRMSNorm(nn.Module):
