@@ -123,10 +123,7 @@ def attribute_guard(module: nn.Module, name: str, *, called: bool = False) -> Gu
 
 _MISSING = object()
 _MODULE_CALL_PATH = {attr: getattr(nn.Module, attr) for attr in CALL_PATH}
-_MODULE_CALL = nn.Module.__call__
-_MODULE_WRAPPED_CALL_IMPL = nn.Module._wrapped_call_impl
-_MODULE_CALL_IMPL = nn.Module._call_impl
-# `holding_check` spells out these names and `HOOK_ATTRS` (a test keeps them one set)
+# `holding_check` spells out `CALL_PATH` and `HOOK_ATTRS` (a test keeps them one set)
 
 
 class GlobalsGuard:
@@ -246,6 +243,9 @@ def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
     # plain bools: Dynamo traces `not` of a bool, not of a tuple
     any_plain, any_others = bool(plain), bool(others)
     registry = nn_module  # read per call: the registries are module globals torch may rebind
+    module_call = _MODULE_CALL_PATH["__call__"]
+    module_wrapped = _MODULE_CALL_PATH["_wrapped_call_impl"]
+    module_impl = _MODULE_CALL_PATH["_call_impl"]
 
     def holds(module: nn.Module) -> bool:
         children = module._modules
@@ -276,9 +276,9 @@ def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
                     or "__call__" in state
                     or "_wrapped_call_impl" in state
                     or "_call_impl" in state
-                    or cls.__call__ is not _MODULE_CALL
-                    or cls._wrapped_call_impl is not _MODULE_WRAPPED_CALL_IMPL
-                    or cls._call_impl is not _MODULE_CALL_IMPL
+                    or cls.__call__ is not module_call
+                    or cls._wrapped_call_impl is not module_wrapped
+                    or cls._call_impl is not module_impl
                 ):
                     return False
         return not any_others or all(guard.failure(module) is None for guard in others)

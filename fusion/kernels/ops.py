@@ -270,23 +270,26 @@ def _chosen_product(
 ) -> Tensor | None:
     """The eager choice of `product`: the kernels the policy names for this call, the first
     eligible one; None for the reference."""
-    width = weight.shape[-1]
-    rows = x.numel() // width if width else 0
-    for kernel in policy.POLICY.choose(op, shape, _dtype_name(x.dtype), rows, backend):
+    for kernel in _named(op, shape, backend, x, weight.shape[-1]):
         out = _fast_product(kernel, x, weight, bias)
         if out is not None:
             return out
     return None
 
 
-def chooses(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> bool:
-    """Eager: does `policy.POLICY` name any kernel for `op` at this shape, `x`'s dtype and
-    row count (`x.numel() // width`), thread count and `backend`? False means `product`
-    would answer None for any operands: the caller may compute its reference at once,
-    without checking anything a kernel would need (a merged projection's views, the
-    operands' eligibility), since only a chosen kernel reads them. One memoised lookup."""
+def _named(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> tuple[str, ...]:
+    """The kernels `policy.POLICY` names for `op` at this shape, `x`'s dtype, its row count
+    (`x.numel() // width`), the thread count and `backend`, in the order to try them."""
     rows = x.numel() // width if width else 0
-    return bool(policy.POLICY.choose(op, shape, _dtype_name(x.dtype), rows, backend))
+    return policy.POLICY.choose(op, shape, _dtype_name(x.dtype), rows, backend)
+
+
+def chooses(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> bool:
+    """Eager: does the policy name any kernel for this call (`_named`)? False means
+    `product` would answer None for any operands: the caller may compute its reference at
+    once, without checking anything a kernel would need (a merged projection's views, the
+    operands' eligibility), since only a chosen kernel reads them. One memoised lookup."""
+    return bool(_named(op, shape, backend, x, width))
 
 
 @torch.library.custom_op("fusion::linear_product", mutates_args=())
