@@ -29,6 +29,10 @@ projections keep their children, `fusion.modules.MergedLinear`), so the original
 computes the unfused function. While Dynamo traces, the child guards are traced with the
 forward (Dynamo then guards what they read, and recompiles when it changes); the global
 names are left to Dynamo's own guards on the globals it reads.
+
+Routes (`fusion.routes`): where the calibration measured every kernel the rewrite could
+choose for a call to lose to its reference, the call runs the original forward too, before
+any guard is checked (the original needs none), counted in `original_calls`.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion import source
+from fusion import routes, source
 from fusion.errors import RewriteRefused
 from fusion.guards import ChildGuard, GlobalsGuard, Guard, distinct, first_failure, holding_check
 
@@ -71,6 +75,9 @@ class BoundForward:
         self.globals_guard = GlobalsGuard.of(fn) if globals_guard is None else globals_guard
         self.guard_failures = 0
         self.last_failure: str | None = None
+        self.original_calls = 0
+        """Calls that ran the class's original forward by the route (`fusion.routes`):
+        every kernel the rewrite could choose measured slower here for the call."""
         self.call = rewrap(cls.forward, fn)
         # The class's own signature (the rewrite keeps the parameters, minus annotations).
         signature = inspect.signature(inspect.unwrap(cls.forward))
@@ -80,6 +87,10 @@ class BoundForward:
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        route = self._route
+        if route is not None and route.takes_original(args, kwargs):
+            self.original_calls += 1
+            return self.cls.forward(self.module, *args, **kwargs)
         reason = self.failure()
         if reason is None:
             return self.call(self.module, *args, **kwargs)
@@ -97,6 +108,7 @@ class BoundForward:
     def guards(self, guards: Iterable[Guard]) -> None:
         self._guards = distinct(guards)
         self._holds = holding_check(self._guards)
+        self._route = routes.route_of(self._guards, self.cls.forward)
 
     def failure(self) -> str | None:
         """Why the rewrite may not run now (a guard that no longer holds), or None: the

@@ -462,11 +462,14 @@ class FusedRMSNorm(nn.Module):
     def _set_variant(self, variant: NormVariant) -> None:
         """Hold `variant`, and what `forward`'s float32 fast path asks of it, read once here
         so that path reads one attribute: whether `torch.rms_norm` computes this variant on
-        float32 operands (statistics in float32 and no offset; the weight order and cast
-        target do not matter when everything is float32). The only writer of either, so the
+        float32 operands (ATen's composite, `torch_ref.ATEN_RMS_NORM_IS_COMPOSITE`;
+        statistics in float32 and no offset; the weight order and cast target do not matter
+        when everything is float32). The only writer of either, so the
         two never disagree."""
         self._variant = variant
-        self._float32_aten = variant.upcast and not variant.offset
+        self._float32_aten = (
+            variant.upcast and not variant.offset and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
+        )
 
     @property
     def variant(self) -> NormVariant:
@@ -495,19 +498,21 @@ class FusedRMSNorm(nn.Module):
                 f"(input, weight) dtypes {sorted(map(str, self.verified))}, not {pair}"
             )
         eps = self.eps if self.eps is not None else self._eps_for(x.dtype)
-        if (
-            pair == _FLOAT32_PAIR
-            and self._float32_aten
-            and x.is_cpu
-            and self.backend in ("auto", "torch")
-            and weight.dim() == 1  # type: ignore[union-attr]
-            and weight.shape[0] == x.shape[-1]  # type: ignore[union-attr]
-            and not torch.compiler.is_compiling()
-        ):
-            # Exactly the call the reference backend makes here (`TorchKernels.rms_norm`:
-            # float32 throughout, every variant order the same product), without the frames
-            # between: on a decode step they run from caches a GEMV has just emptied.
-            return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+        if x.is_cpu and self.backend in ("auto", "torch") and not torch.compiler.is_compiling():
+            # Exactly the call the reference backend makes here (`TorchKernels.rms_norm`),
+            # without the frames between: on a decode step they run from caches a GEMV has
+            # just emptied. float32 first, decided by one attribute (every variant order the
+            # same product there); then `torch_ref.aten_norm` for the other dtypes.
+            if (
+                pair == _FLOAT32_PAIR
+                and self._float32_aten
+                and weight.dim() == 1  # type: ignore[union-attr]
+                and weight.shape[0] == x.shape[-1]  # type: ignore[union-attr]
+            ):
+                return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+            norm = torch_ref.aten_norm(x, weight, self._variant)
+            if norm is not None:
+                return torch_ref.aten_rms_norm(x, norm, eps)
         return ops.rms_norm(self.backend, x, weight, eps, variant=self._variant)
 
     def _eps_for(self, dtype: torch.dtype) -> float:

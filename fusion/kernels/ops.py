@@ -77,10 +77,10 @@ def _reference_for(backend: str, device: torch.device, op: str, *tensors: Tensor
 
 
 _REFERENCE = TorchKernels()
-"""The reference backend's kernels (stateless), called directly by `_eager_reference`."""
+"""The reference backend's kernels (stateless), called directly by `eager_reference`."""
 
 
-def _eager_reference(backend: str, x: Tensor) -> bool:
+def eager_reference(backend: str, x: Tensor) -> bool:
     """Is this an eager call that the reference computes whatever the operands: `backend`
     `torch`, or `auto` on a CPU tensor (`kernels.get` resolves CPU `auto` to the reference
     backend, `fusion.kernels`)? Then the caller goes straight to the reference kernel:
@@ -151,7 +151,7 @@ def rms_norm(
 ) -> Tensor:
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`): a new tensor, `x`
     normalised in `variant`."""
-    if _eager_reference(backend, x):
+    if eager_reference(backend, x):
         return _REFERENCE.rms_norm(x, weight, eps, variant=variant)
     if _use_operator():
         if _reference_for(backend, x.device, "rms_norm", x, weight):
@@ -197,7 +197,7 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))` in `variant`, two
     new tensors."""
-    if _eager_reference(backend, a):
+    if eager_reference(backend, a):
         return _REFERENCE.add_rms_norm(a, b, weight, eps, variant=variant)
     if _use_operator():
         if _reference_for(backend, a.device, "add_rms_norm", a, b, weight):
@@ -219,7 +219,7 @@ def _act_and_mul_fake(x, activation, backend):
 
 def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     """`Kernels.act_and_mul` on `backend`."""
-    if _eager_reference(backend, x):
+    if eager_reference(backend, x):
         return torch_ref.act_and_mul(x, activation)
     if _use_operator():
         if _reference_for(backend, x.device, "act_and_mul", x):
@@ -233,7 +233,7 @@ def act_and_mul_pair(backend: str, gate: Tensor, up: Tensor, activation: str) ->
     reference's elementwise ops on the two tensors where `backend` computes act-and-mul
     with the reference for these operands (every CPU backend; any backend under autocast or
     a mode), else the backend's kernel on their concatenation (its one-input contract)."""
-    if _eager_reference(backend, gate) or _reference_for(
+    if eager_reference(backend, gate) or _reference_for(
         backend, gate.device, "act_and_mul", gate, up
     ):
         return torch_ref.act_and_mul_pair(gate, up, activation)
@@ -245,7 +245,7 @@ _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in (
 )}  # fmt: skip
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     name = _DTYPE_NAMES.get(dtype)
     return str(dtype).removeprefix("torch.") if name is None else name
 
@@ -281,7 +281,7 @@ def _named(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int)
     """The kernels `policy.POLICY` names for `op` at this shape, `x`'s dtype, its row count
     (`x.numel() // width`), the thread count and `backend`, in the order to try them."""
     rows = x.numel() // width if width else 0
-    return policy.POLICY.choose(op, shape, _dtype_name(x.dtype), rows, backend)
+    return policy.POLICY.choose(op, shape, dtype_name(x.dtype), rows, backend)
 
 
 def chooses(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> bool:
@@ -371,7 +371,7 @@ def _experts_backend(backend: str, hidden: Tensor, gate_up: Tensor, topk_ids: Te
         return backend
     shape = (*gate_up.shape, topk_ids.shape[-1])
     rows = hidden.shape[0] if hidden.dim() == 2 else 0
-    for kernel in policy.POLICY.choose("experts", shape, _dtype_name(hidden.dtype), rows, "auto"):
+    for kernel in policy.POLICY.choose("experts", shape, dtype_name(hidden.dtype), rows, "auto"):
         try:
             candidate = kernels.get(kernel, "cpu")  # builds or probes only this backend
         except ValueError:  # not available on this machine

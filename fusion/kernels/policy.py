@@ -217,6 +217,35 @@ class KernelPolicy:
             self._memo[key] = chosen
         return chosen
 
+    def measured_reference(
+        self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
+    ) -> bool:
+        """Was the reference measured to be what `op` runs for `rows` rows of this shape and
+        dtype under `backend` at the current thread count: the `measured` mode, a backend
+        that measures (not pinned), a row bucket, a calibration entry for the key, and no
+        kernel of it winning (or its winners vetoed)? False wherever nothing was measured,
+        so a caller that takes another path on True (a rewritten forward running its
+        class's original, `fusion.routes`) changes nothing on a machine that never
+        calibrated. One dict lookup after the first call per key (memoised with the
+        choices, forgotten with them)."""
+        if self.recording:
+            return False  # every product asks while recording: nothing may route around it
+        threads = torch.get_num_threads()
+        key = ("measured-reference", op, shape, dtype, row_bucket(rows), threads, backend)
+        answer = self._memo.get(key)
+        if answer is None:
+            answer = self._measured_reference(op, shape, dtype, key[4], threads, backend)
+            self._memo[key] = answer
+        return bool(answer)
+
+    def _measured_reference(
+        self, op: str, shape: tuple[int, ...], dtype: str, bucket: int, threads: int, backend: str
+    ) -> bool:
+        if backend in PINNED or bucket == 0 or self.mode != "measured":
+            return False
+        entry = self.table.lookup(op, shape, dtype, bucket, threads)
+        return entry is not None and _best(entry, allowed(op, backend)) == "reference"
+
     def explain(
         self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
     ) -> tuple[str, str]:

@@ -260,29 +260,77 @@ def _grouped_mm(
     )
 
 
-_NO_ATEN = object()
 _ATEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _aten_scale(
+def _has_cpu_kernel(op: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
+    except RuntimeError:  # no such operator in this build: nothing registered for it
+        return False
+
+
+ATEN_RMS_NORM_IS_COMPOSITE = not (
+    _has_cpu_kernel("aten::rms_norm") or _has_cpu_kernel("aten::_fused_rms_norm")
+)
+"""Does `torch.rms_norm` on CPU run ATen's composite (no CPU kernel registered for
+`aten::rms_norm` or `aten::_fused_rms_norm`)? That composite is, in order: the input
+upcast to float32 (`to`), `pow(2)`, `mean(-1, keepdim)`, `+ eps`, `rsqrt`, `mul`, and the
+cast back (`type_as(input)`), the weight, when given, multiplied in float32 before that
+cast: the very ops `rms_norm` below runs, so the same bits. Every shortcut to
+`torch.rms_norm` asks this first (a build that registers a fused CPU kernel, with its own
+reduction order, takes the plain ops instead: fail closed)."""
+
+
+@dataclass(frozen=True)
+class AtenNorm:
+    """How `torch.rms_norm` computes `rms_norm` bit for bit: `torch.rms_norm(x, (d,),
+    weight, eps)`, then, when `after` is set, `after * that` (Llama's order: the scale
+    applied to the normalised value already cast back, `scale * n.to(x.dtype)`)."""
+
+    weight: torch.Tensor | None
+    after: torch.Tensor | None = None
+
+
+def aten_norm(
     x: torch.Tensor, weight: torch.Tensor | None, variant: NormVariant
-) -> torch.Tensor | object | None:
-    """The weight to hand `torch.rms_norm` so it computes `rms_norm` bit for bit, or
-    `_NO_ATEN`. On CPU (PyTorch 2.x) `torch.rms_norm` upcasts to float32, normalises,
-    multiplies by `weight.to(float32)` and casts back: our weight-before-cast variant.
-    (`cast_to_weight` needs no check: it only changes a cast that is the identity wherever
-    this returns a weight for the weight-after-cast order, everything float32.)"""
-    if x.device.type != "cpu" or not variant.upcast or x.dtype not in _ATEN_DTYPES or x.dim() == 0:
-        return _NO_ATEN
-    if weight is None:
+) -> AtenNorm | None:
+    """The `torch.rms_norm` call that computes `rms_norm(x, weight, eps, variant=variant)`
+    bit for bit, or None. On CPU, under ATen's composite (`ATEN_RMS_NORM_IS_COMPOSITE`),
+    `torch.rms_norm` upcasts to float32, normalises, multiplies by `weight.to(float32)`
+    and casts back: our weight-before-cast variant. Weightless it is `n.to(x.dtype)`, so
+    the weight-after-cast order is `scale * torch.rms_norm(x, None)` whenever the cast
+    target is `x.dtype` (not `cast_to_weight`, or the weight has `x`'s dtype); `scale` is
+    `weight + offset` in the weight's dtype, as `rms_norm` forms it. None (the plain ops)
+    off CPU, without the float32 statistics, for another dtype, or a weight that is not
+    one value per feature."""
+    if (
+        not ATEN_RMS_NORM_IS_COMPOSITE
+        or x.device.type != "cpu"
+        or not variant.upcast
+        or x.dtype not in _ATEN_DTYPES
+        or x.dim() == 0
+    ):
         return None
-    if weight.dtype not in _ATEN_DTYPES or weight.shape[0] != x.shape[-1]:
-        return _NO_ATEN
-    if variant.weight_after_cast and not (x.dtype == weight.dtype == torch.float32):
-        return _NO_ATEN  # Llama's order rounds the normalised value first: not aten's
+    if weight is None:
+        return AtenNorm(None)
+    if weight.dtype not in _ATEN_DTYPES or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return None
+    if variant.weight_after_cast:
+        if variant.cast_to_weight and weight.dtype != x.dtype:
+            return None  # the normalised value is cast to the weight's dtype: not aten's cast
+        if x.dtype == weight.dtype == torch.float32 and not variant.offset:
+            return AtenNorm(weight)  # every cast the identity: one call
+        return AtenNorm(None, weight + variant.offset if variant.offset else weight)
     if not variant.offset:
-        return weight
-    return weight.float() + variant.offset
+        return AtenNorm(weight)
+    return AtenNorm(weight.float() + variant.offset)
+
+
+def aten_rms_norm(x: torch.Tensor, norm: AtenNorm, eps: float) -> torch.Tensor:
+    """`rms_norm` through `torch.rms_norm` as `norm` (`aten_norm`) says."""
+    out = torch.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    return out if norm.after is None else norm.after * out
 
 
 class TorchKernels:
@@ -309,13 +357,11 @@ class TorchKernels:
         variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
         """`rms_norm`, through PyTorch's own `torch.rms_norm` where that computes the same
-        ops in the same order (so the same bits; checked over the dtype grid by the tests):
-        on CPU, statistics in float32, and the weight applied in float32 before the cast
-        back (or after it, when everything is float32 and the cast is the identity)."""
-        if weight is None or weight.dim() == 1:
-            scale = _aten_scale(x, weight, variant)
-            if scale is not _NO_ATEN:
-                return torch.rms_norm(x, (x.shape[-1],), scale, eps)
+        ops in the same order (`aten_norm`: so the same bits; checked over the dtype grid
+        by the tests): fewer dispatches of the same ATen ops."""
+        norm = aten_norm(x, weight, variant)
+        if norm is not None:
+            return aten_rms_norm(x, norm, eps)
         return rms_norm(x, weight, eps, variant=variant)
 
     def add_rms_norm(

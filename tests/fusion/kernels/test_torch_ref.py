@@ -108,3 +108,40 @@ def test_rms_norm_traces_with_fx_and_dynamo(after: bool) -> None:
     assert torch.equal(traced(x), expected)
     compiled = torch.compile(norm, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_llama_order_in_half_precision_is_one_aten_norm_and_a_product(dtype, offset) -> None:
+    """The weight-after-cast order in bf16/fp16 (Llama, Qwen3) is `scale * torch.rms_norm(x,
+    None)`: the weightless ATen norm is `n.to(x.dtype)`, then the product. Bit for bit."""
+    variant = NormVariant(offset, True, True, False)
+    generator = torch.Generator().manual_seed(1)
+    for shape in ((1, 7), (16, 128), (3, 5, 1024), (2, 4096)):
+        x = (3 * torch.randn(*shape, generator=generator)).to(dtype)
+        w = (0.3 * torch.randn(shape[-1], generator=generator) + 1).to(dtype)
+        norm = torch_ref.aten_norm(x, w, variant)
+        assert norm is not None and norm.weight is None and norm.after is not None
+        expected = torch_ref.rms_norm(x, w, 1e-6, variant=variant)
+        assert torch.equal(torch_ref.aten_rms_norm(x, norm, 1e-6), expected), shape
+
+
+def test_aten_shortcuts_need_the_composite(monkeypatch) -> None:
+    """A torch build that registers a CPU kernel of its own for the norm (its own reduction
+    order) gets the plain ops: no shortcut is taken on the strength of an old build."""
+    x, w = torch.randn(4, 64), torch.randn(64)
+    assert torch_ref.aten_norm(x, w, NormVariant(0.0, True, False, False)) is not None
+    monkeypatch.setattr(torch_ref, "ATEN_RMS_NORM_IS_COMPOSITE", False)
+    assert torch_ref.aten_norm(x, w, NormVariant(0.0, True, False, False)) is None
+    called = []
+    monkeypatch.setattr(torch, "rms_norm", lambda *a, **k: called.append(a))
+    torch_ref.TorchKernels().rms_norm(x, w, 1e-6)
+    assert called == []
+
+
+def test_cast_to_a_wider_weight_is_not_the_aten_cast() -> None:
+    """T5's order casts the normalised value to the weight's dtype: `torch.rms_norm` casts
+    to the input's, so no shortcut when the two differ."""
+    x, w = torch.randn(4, 64).to(torch.bfloat16), torch.randn(64)
+    assert torch_ref.aten_norm(x, w, NormVariant(0.0, True, True, True)) is None
+    assert torch_ref.aten_norm(x, w.to(torch.bfloat16), NormVariant(0.0, True, True, True))
