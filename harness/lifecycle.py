@@ -49,6 +49,11 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   or any user replacement would: the logits must agree (the fused forward falls back to
   the original, and counts it); with the child put back, the logits agree again and the
   fused forward runs fused. `n/a` where no rewritten forward guards a child.
+- `route`: with a calibration table measuring every merged product to lose at every row
+  bucket (what `fusion.calibrate` writes where fusion only costs), the rewritten forwards
+  that call merged projections run their classes' originals on the fused state
+  (`fusion.routes`): the logits must agree with the unfused model's, and a route must have
+  been taken. `n/a` without such a forward, or outside the `measured` policy mode.
 - `lora-after-fuse`: PEFT LoRA adapters (`inject_adapter_in_model`, rank 4, random A and
   B) on up to two names of merged projections (`q_proj`, `v_proj`, ...) in both models,
   with the same adapter weights: the adapters' names must be the same, the logits must
@@ -94,6 +99,8 @@ import fusion
 from fusion.bound import BoundForward
 from fusion.checkpoint import unfused_named
 from fusion.guards import ChildGuard
+from fusion.kernels.calibration import Entry, Table
+from fusion.kernels.policy import MAX_BUCKET, POLICY, row_bucket
 from fusion.modules import MergedLinear
 from fusion.trace import preserved_globals
 from harness import localise
@@ -116,6 +123,7 @@ OPERATIONS = (
     "optimizer-before-fuse",
     "parameters",
     "guard-round-trip",
+    "route",
     "lora-after-fuse",
     "train-global-hook",
     "compile",
@@ -851,6 +859,57 @@ def _guard_round_trip(ctx: Context) -> str:
     raise _NotApplicable("no guarded rewritten forward runs on these inputs")
 
 
+def _references_measured(model: nn.Module) -> Table:
+    """A calibration table in which every merged projection of `model` was measured, at
+    every row bucket and this thread count, in every floating dtype, to run its reference
+    (no kernel won): what `fusion.calibrate` writes on a machine where fusion only costs."""
+    table = Table("lifecycle: every merged product measured to lose")
+    buckets = sorted({row_bucket(rows) for rows in range(1, MAX_BUCKET + 1)})
+    for merged in (m for m in model.modules() if isinstance(m, MergedLinear)):
+        for dtype in ("float32", "bfloat16", "float16", "float64"):
+            for bucket in buckets:
+                table.add(
+                    Entry(
+                        op="stacked",
+                        shape=merged.kernel_shape,
+                        dtype=dtype,
+                        rows=bucket,
+                        threads=torch.get_num_threads(),
+                        median_us={"reference": 1.0},
+                        ratios={},
+                        rounds=0,
+                    )
+                )
+    return table
+
+
+def _route(ctx: Context) -> str:
+    """Where a calibration measured every merged product to lose, the rewritten forwards
+    run their classes' originals on the fused state (`fusion.routes`): the logits agree with
+    the unfused model's, and at least one forward took the route."""
+    if POLICY.mode != "measured":
+        raise _NotApplicable(f"kernel policy mode {POLICY.mode!r}: routes are measured-mode only")
+    fused = copy.deepcopy(ctx.fused)
+    forwards = [
+        f
+        for m in fused.modules()
+        if isinstance(f := m.__dict__.get("forward"), BoundForward) and f._route is not None
+    ]
+    if not forwards:
+        raise _NotApplicable("no rewritten forward has a route (no merged projection it calls)")
+    previous = POLICY.table
+    POLICY.set_table(_references_measured(fused))
+    try:
+        got = _logits(fused, ctx)
+    finally:
+        POLICY.set_table(previous)
+    taken = sum(f.original_calls for f in forwards)
+    if not taken:
+        raise _NotApplicable("no route taken on these inputs (hooks, or another input width)")
+    _compare("logits on the route", got, ctx.unfused_logits, ctx.allowance)
+    return f"{taken} of the rewritten forwards' calls ran the original; logits agree"
+
+
 def _lora_targets(model: nn.Module) -> list[str]:
     """Two shard names (or one) of the model's first merged projection (attention comes
     before the MLP): what a user names in `LoraConfig(target_modules=...)` (`q_proj` and
@@ -952,6 +1011,7 @@ _OPERATIONS: dict[str, Callable[[Context], str]] = {
     "optimizer-before-fuse": _optimizer_before_fuse,
     "parameters": _parameters,
     "guard-round-trip": _guard_round_trip,
+    "route": _route,
     "lora-after-fuse": _lora_after_fuse,
     "train-global-hook": _train_global_hook,
     "compile": _compile,

@@ -1,5 +1,6 @@
 """Steer every merged projection down one path: its stacked product (`stacked_products`),
-or an injected fault (`inject`, tests of the oracles).
+the route around it (`measured_references`), or an injected fault (`inject`, tests of the
+oracles).
 
 A fault is `fault(merged, x) -> tensor`, the concatenated output it claims. Every path of
 `MergedLinear.forward` (the concatenation, `pieces` that splits it, `outputs` that the GLU
@@ -39,4 +40,14 @@ def stacked_products() -> Iterator[None]:
         mock.patch.object(POLICY, "choose", _stacked),
         mock.patch.object(POLICY, "idle", lambda op, backend: False),
     ):
+        yield
+
+
+@contextmanager
+def measured_references() -> Iterator[None]:
+    """A block in which every merged projection's stacked product counts as measured to lose
+    to its reference (the table a calibration writes where nothing wins), so a rewritten
+    forward whose kernels are all merged products runs its class's original instead
+    (`fusion.routes`): the path a calibrated machine takes where fusion only costs."""
+    with mock.patch.object(POLICY, "measured_reference", lambda *args: True):
         yield

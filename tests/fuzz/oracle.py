@@ -13,7 +13,9 @@ and fresh random inputs:
   cache passed in);
 - with one stacked product per merged projection (`_stacked_failure`: the path a kernel
   measured faster takes, its output split into pieces laid out as the rewrite asked; the
-  default policy computes each shard apart), outputs and mutated inputs agree too;
+  default policy computes each shard apart), outputs and mutated inputs agree too, and so
+  they do on the route around the rewrite (every merged product measured to lose: the
+  rewritten forward runs its class's original on the fused state, `fusion.routes`);
 - gradients agree (`_gradient_failure`): a second forward with the first floating input
   requiring grad, backward of a fixed random projection of the outputs; the input's gradient
   and every parameter's (mapped to unfused names) to `GRAD_TOLERANCE`. A projection moved
@@ -40,8 +42,8 @@ import math
 import sys
 import traceback
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -55,7 +57,7 @@ from fusion import numerics, registry
 from fusion.checkpoint import unfused_named
 from fusion.report import FusionReport
 from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
-from tests.fusion.merged_paths import stacked_products
+from tests.fusion.merged_paths import measured_references, stacked_products
 from tests.fuzz.strategies import SHAPES, GeneratedModule
 
 TOLERANCE = 1e-5
@@ -356,6 +358,9 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
             return Outcome(status, report)
         failure = _gradient_failure(module, seed, *pristine)
         failure = failure or _stacked_failure(module, seed, *pristine)
+        failure = failure or _stacked_failure(
+            module, seed, *pristine, path=measured_references, label="on the route"
+        )
         failure = failure or _ambient_failure(module, seed, *pristine)
         failure = failure or _premise_failure(module, seed, *pristine)
         return Outcome(status, report, failure)
@@ -472,14 +477,21 @@ def _gradient_failure(
 
 
 def _stacked_failure(
-    module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
+    module: ModuleType,
+    seed: int,
+    original: nn.Module,
+    fused: nn.Module,
+    path: Callable[[], AbstractContextManager[None]] = stacked_products,
+    label: str = "with one stacked product",
 ) -> Failure | None:
     """The path a kernel measured faster takes, which the default policy (the reference:
     each shard's own product) never does: without autograd, every merged projection as one
     stacked product, its output split into pieces laid out as the rewrite asked (views,
-    contiguous, fresh copies). Outputs and mutated inputs must agree with the unfused
-    forward's; `module-parity` / `input-state` / `fused-forward-error` otherwise, the
-    message saying which path."""
+    contiguous, fresh copies); or, with `path=measured_references`, the route a calibrated
+    machine takes where no kernel wins (the class's original forward on the fused state).
+    Outputs and mutated inputs must agree with the unfused forward's; `module-parity` /
+    `input-state` / `fused-forward-error` otherwise, the message (`label`) saying which
+    path."""
     args, kwargs = make_inputs(module, seed)
     args_fused, kwargs_fused = copy.deepcopy((args, kwargs))
     unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
@@ -489,12 +501,12 @@ def _stacked_failure(
     except Exception:
         return None  # the unfused forward needs autograd: nothing to compare
     try:
-        with torch.no_grad(), stacked_products():
+        with torch.no_grad(), path():
             actual = fused_copy(*args_fused, **kwargs_fused)
     except Exception as exc:
         return Failure(
             "fused-forward-error",
-            f"with one stacked product: {type(exc).__name__}: {exc}",
+            f"{label}: {type(exc).__name__}: {exc}",
             _tail(exc),
         )
     for kind, want, got, what in (
@@ -505,7 +517,7 @@ def _stacked_failure(
         if error > TOLERANCE:
             return Failure(
                 kind,
-                f"with one stacked product: {where} differs (relative error {error:.3g})",
+                f"{label}: {where} differs (relative error {error:.3g})",
                 observed=error,
                 tolerance=TOLERANCE,
             )
