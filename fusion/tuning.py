@@ -208,10 +208,22 @@ PREFILL_ROWS = 128
 """The row counts `kernel_choices` reports: one decode step, a prompt chunk."""
 
 
+def _explained(
+    op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
+) -> tuple[str, str]:
+    """`KernelPolicy.explain`, saying so where the measured reference routes the rewritten
+    forwards calling this merged product to their classes' originals (`fusion.routes`)."""
+    kernel, why = policy.POLICY.explain(op, shape, dtype, rows, backend)
+    if op == "stacked" and policy.POLICY.measured_reference(op, shape, dtype, rows, backend):
+        why += "; the rewritten forward calling it runs its class's original (route)"
+    return kernel, why
+
+
 def kernel_choices(model: nn.Module) -> list[KernelChoice]:
     """For each distinct product of a fused model (merged projections, `RowLinear`s), the
     kernel the policy runs at `DECODE_ROWS` and `PREFILL_ROWS` rows on this machine, now,
-    and why (`policy.KernelPolicy.explain`). Routed experts choose per call (their row
+    and why (`policy.KernelPolicy.explain`, and where a merged product's measured reference
+    routes the forward calling it to its original, `fusion.routes`). Routed experts choose per call (their row
     counts depend on the routing): not listed."""
     seen: dict[tuple, KernelChoice] = {}
     for name, module in model.named_modules():
@@ -229,7 +241,8 @@ def kernel_choices(model: nn.Module) -> list[KernelChoice]:
         if key in seen:
             seen[key].modules.append(name)
             continue
-        decode = policy.POLICY.explain(op, shape, dtype_name, DECODE_ROWS, backend)
-        prefill = policy.POLICY.explain(op, shape, dtype_name, PREFILL_ROWS, backend)
+        decode, prefill = (
+            _explained(op, shape, dtype_name, rows, backend) for rows in (DECODE_ROWS, PREFILL_ROWS)
+        )
         seen[key] = KernelChoice(op, shape, dtype_name, backend, decode, prefill, [name])
     return list(seen.values())

@@ -177,3 +177,11 @@ def test_route_of_needs_merged_projections_and_known_children() -> None:
     wrong_width = torch.randn(1, 5, route.merged[0].in_features + 1)
     assert not route.takes_original((wrong_width,), {})
     assert not route.takes_original((), {"hidden_states": None})
+
+
+def test_the_report_says_where_a_route_runs() -> None:
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 1, "float32", stacked=LOSS))
+    choices = [c for c in fusion.kernel_choices(fused) if c.op == "stacked"]
+    assert choices and all("runs its class's original (route)" in c.decode[1] for c in choices)
+    assert not any("route" in c.prefill[1] for c in choices)  # 128 rows: not measured
