@@ -428,3 +428,43 @@ def test_one_row_product_width_rule_depends_on_threads(monkeypatch) -> None:
             )
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, None),
+        (torch.bfloat16, None),
+    ],
+)
+def test_fused_norm_forward_is_the_reference_bit_for_bit(pair) -> None:
+    """`FusedRMSNorm.forward` takes `torch.rms_norm` directly on CPU where it can (the
+    float32 shortcut, the half-precision weight-after-cast one, `torch_ref.aten_norm`):
+    every variant, at model widths, is `torch_ref.rms_norm` exactly."""
+    import itertools
+
+    from fusion.kernels import torch_ref
+    from fusion.kernels.norm_variant import NormVariant
+
+    dtype, wdtype = pair
+    generator = torch.Generator().manual_seed(2)
+    for flags, shape in itertools.product(
+        itertools.product((0.0, 1.0), (True, False), (True, False), (False, True)),
+        ((1, 16, 1024), (1, 16, 16, 128), (3, 2048), (1, 7)),
+    ):
+        variant = NormVariant(*flags)
+        x = (3 * torch.randn(*shape, generator=generator)).to(dtype)
+        weight = None
+        if wdtype is not None:
+            weight = nn.Parameter(
+                (0.3 * torch.randn(shape[-1], generator=generator) + 1).to(wdtype)
+            )
+        norm = FusedRMSNorm(weight, 1e-6, variant=variant, verified=frozenset({pair}))
+        with torch.no_grad():
+            got = norm(x)
+            want = torch_ref.rms_norm(x, weight, 1e-6, variant=variant)
+        assert got.dtype == want.dtype and torch.equal(got, want), (variant, shape)
