@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
+from fusion import routes
 from fusion.kernels.policy import POLICY
 from fusion.modules import MergedLinear
 
@@ -51,3 +52,20 @@ def measured_references() -> Iterator[None]:
     (`fusion.routes`): the path a calibrated machine takes where fusion only costs."""
     with mock.patch.object(POLICY, "measured_reference", lambda *args: True):
         yield
+
+
+def stale_route(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
+    """A fault only on the route (`fusion.routes`): whenever a rewritten forward takes its
+    class's original, its merged projections' stacked weights (so their shards' Parameters,
+    views of it) are first scaled by `factor` (undone with `monkeypatch`)."""
+    takes = routes.Route.takes_original
+
+    def takes_with_stale_shards(self, args, kwargs):
+        taken = takes(self, args, kwargs)
+        if taken:
+            with torch.no_grad():
+                for merged in self.merged:
+                    merged.stacked_weight.mul_(factor)
+        return taken
+
+    monkeypatch.setattr(routes.Route, "takes_original", takes_with_stale_shards)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion import apply, modules, routes
+from fusion import apply, modules
 from fusion.modules import MergedLinear
 from fusion.report import FusionReport
 from tests.fusion import merged_paths
@@ -290,17 +290,7 @@ def test_the_route_is_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     fused state, taken where a calibration measured every merged product to lose), which an
     uncalibrated machine never takes: the oracle's route pass finds it. The fault: the
     shards' weights off by 0.1% whenever the route is taken."""
-    takes = routes.Route.takes_original
-
-    def takes_with_stale_shards(self, args, kwargs):
-        taken = takes(self, args, kwargs)
-        if taken:
-            with torch.no_grad():
-                for merged in self.merged:
-                    merged.stacked_weight.mul_(1.001)
-        return taken
-
-    monkeypatch.setattr(routes.Route, "takes_original", takes_with_stale_shards)
+    merged_paths.stale_route(monkeypatch, 1.001)
     outcome = check(ATTENTION, 0, tmp_path)
     assert outcome.failure is not None and outcome.failure.kind == "module-parity", outcome
     assert "on the route" in outcome.failure.message

@@ -276,20 +276,10 @@ def test_peft_that_cannot_load_adapters_into_the_unfused_model_is_n_a(
 def test_the_route_is_checked(llama, llama_inputs, monkeypatch):
     """`route` passes on a correct fusion (the originals ran on the fused state) and fails
     when the route computes something else (its shards' weights off by 1%)."""
-    from fusion import routes
+    from tests.fusion import merged_paths
 
     verdicts = _verdicts(_run(llama, llama_inputs, fusion.fuse))
     assert verdicts["route"] == "pass"
-    takes = routes.Route.takes_original
-
-    def takes_with_stale_shards(self, args, kwargs):
-        taken = takes(self, args, kwargs)
-        if taken:
-            with torch.no_grad():
-                for merged in self.merged:
-                    merged.stacked_weight.mul_(1.01)
-        return taken
-
-    monkeypatch.setattr(routes.Route, "takes_original", takes_with_stale_shards)
+    merged_paths.stale_route(monkeypatch, 1.01)
     result = _run(llama, llama_inputs, fusion.fuse)
     assert _verdicts(result)["route"] == "fail", result.lifecycle["route"]
