@@ -422,10 +422,6 @@ DtypePair = tuple[torch.dtype, torch.dtype | None]
 _FLOAT32_PAIR = (torch.float32, torch.float32)
 """(input dtype, weight dtype or None for a weightless norm)."""
 
-_HALF_PAIRS = frozenset({(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)})
-"""Pairs whose weight-after-cast norm is `weight * torch.rms_norm(x, None)` (weight and
-input of one dtype, so `cast_to_weight` casts to the input's dtype: `torch_ref.aten_norm`)."""
-
 
 class FusedRMSNorm(nn.Module):
     """An RMSNorm in the exact variant it was matched in, as one kernel call.
@@ -468,19 +464,11 @@ class FusedRMSNorm(nn.Module):
         so that path reads one attribute: whether `torch.rms_norm` computes this variant on
         float32 operands (ATen's composite, `torch_ref.ATEN_RMS_NORM_IS_COMPOSITE`;
         statistics in float32 and no offset; the weight order and cast target do not matter
-        when everything is float32); and whether, with input and weight of one half dtype,
-        it is `weight * torch.rms_norm(x, None)` (`_half_after`: statistics in float32, the
-        weight after the cast, no offset). The only writer of these, so they never
+        when everything is float32). The only writer of either, so the two never
         disagree."""
         self._variant = variant
         self._float32_aten = (
             variant.upcast and not variant.offset and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
-        )
-        self._half_after = (
-            variant.upcast
-            and variant.weight_after_cast
-            and not variant.offset
-            and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
         )
 
     @property
@@ -522,14 +510,6 @@ class FusedRMSNorm(nn.Module):
                 and weight.shape[0] == x.shape[-1]  # type: ignore[union-attr]
             ):
                 return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-            if (
-                self._half_after
-                and pair in _HALF_PAIRS
-                and weight.dim() == 1  # type: ignore[union-attr]
-                and weight.shape[0] == x.shape[-1]  # type: ignore[union-attr]
-            ):
-                # `torch_ref.aten_norm`'s weight-after-cast answer, read off one attribute
-                return weight * torch.rms_norm(x, (x.shape[-1],), None, eps)
             norm = torch_ref.aten_norm(x, weight, self._variant)
             if norm is not None:
                 return torch_ref.aten_rms_norm(x, norm, eps)

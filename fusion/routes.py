@@ -53,6 +53,8 @@ class Route:
         (`KernelPolicy.measured_reference`), every act-and-mul on its torch reference
         (`ops.eager_reference`), and no hook on any of them (the original does not call
         them, and a hook on a fused module expects its calls)."""
+        if not POLICY.routes_possible("stacked"):
+            return False  # nothing measured to lose: the common case, decided first
         x = args[0] if args else kwargs.get(self.first)
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or torch.compiler.is_compiling():
             return False

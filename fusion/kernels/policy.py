@@ -217,6 +217,23 @@ class KernelPolicy:
             self._memo[key] = chosen
         return chosen
 
+    def routes_possible(self, op: str) -> bool:
+        """Could `measured_reference(op, ...)` answer True for any key now: the `measured`
+        mode, not recording, and some table entry of `op` measured with the reference
+        best? Lets a caller skip its per-call questions on a machine that never calibrated
+        (one dict lookup after the first call; memoised with the choices)."""
+        if self.recording:
+            return False
+        key = ("routes-possible", op)
+        answer = self._memo.get(key)
+        if answer is None:
+            answer = self.mode == "measured" and any(
+                entry.op == op and _best(entry, OPS[op]) == "reference"
+                for entry in self.table.entries.values()
+            )
+            self._memo[key] = answer
+        return bool(answer)
+
     def measured_reference(
         self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
     ) -> bool:

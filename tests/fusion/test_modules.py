@@ -443,7 +443,8 @@ def test_one_row_product_width_rule_depends_on_threads(monkeypatch) -> None:
 )
 def test_fused_norm_forward_is_the_reference_bit_for_bit(pair) -> None:
     """`FusedRMSNorm.forward` takes `torch.rms_norm` directly on CPU where it can (the
-    float32 shortcut, the half-precision weight-after-cast one, `torch_ref.aten_norm`):
+    float32 shortcut, then `torch_ref.aten_norm`, e.g. the half-precision weight-after-cast
+    order as `weight * torch.rms_norm(x, None)`):
     every variant, at model widths, is `torch_ref.rms_norm` exactly."""
     import itertools
 
