@@ -53,10 +53,12 @@ class Route:
         (`KernelPolicy.measured_reference`), every act-and-mul on its torch reference
         (`ops.eager_reference`), and no hook on any of them (the original does not call
         them, and a hook on a fused module expects its calls)."""
-        if not POLICY.routes_possible("stacked"):
-            return False  # nothing measured to lose: the common case, decided first
+        # compiled code never routes, and must not read (so guard on) the policy's memo;
+        # then the common case: nothing measured to lose, one memoised lookup
+        if torch.compiler.is_compiling() or not POLICY.routes_possible("stacked"):
+            return False
         x = args[0] if args else kwargs.get(self.first)
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or torch.compiler.is_compiling():
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return False
         width = x.shape[-1]
         if not width:
