@@ -56,6 +56,8 @@ from fusion.guards import ChildGuard, GlobalsGuard, Guard, distinct, first_failu
 class BoundForward:
     """`fn` (a compiled rewrite of `cls.forward`) bound to `module`."""
 
+    fusion_installed = True  # `fusion.callpath.FUSION_INSTALLED`
+
     def __init__(
         self,
         module: nn.Module,

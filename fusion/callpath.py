@@ -45,6 +45,20 @@ def global_hooks() -> str | None:
     return None
 
 
+FUSION_INSTALLED = "fusion_installed"
+"""The class attribute (True) of every forward object fusion installs on an instance
+(`fusion.bound.BoundForward` and the fused forwards of kept modules): such an instance-level
+`forward` computes the function of the class's own forward (proven, or its guards fall back
+to it), so a parent's proof that reads the child as its forward still holds."""
+
+
+def installed_forward(module: nn.Module) -> bool:
+    """Whether `module`'s instance-level `forward`, if any, is one fusion installed: False
+    for any other instance-level forward (a user's), True when there is none."""
+    forward = module.__dict__.get("forward")
+    return forward is None or getattr(type(forward), FUSION_INSTALLED, False) is True
+
+
 def own_call_path(child: nn.Module) -> str | None:
     """The first of `CALL_PATH` that `child` does not take from `nn.Module` (its class
     overrides it, or the instance carries its own), or None.
