@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from fusion import bound, placement, registry
+from fusion.callpath import installed_forward
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.modules import MergedLinear
+from fusion.norm_forward import NormForward
 from fusion.report import Applied, FusionReport, Skipped
 
 
@@ -222,13 +224,19 @@ def _is_fused_module(module: nn.Module) -> bool:
 def _already_fused(module: nn.Module) -> str | None:
     """The skip reason for a module that is a product of fusion, or None for any other.
 
-    A fused module class says so by name; a module with an instance-level forward and fused
-    children is one a fuser rewrote. Short on purpose: fusers would only refuse these with
-    long reasons (their traces see fused code, not the structure they match).
+    A fused module class says so by name; a module whose instance-level forward fusion
+    installed (`fusion.callpath.installed_forward`: a rewritten forward, a kept norm's fused
+    forward) is one a fuser took, and so is one with an instance-level forward and fused
+    children. Short on purpose: fusers would only refuse these with long reasons (their
+    traces see fused code, not the structure they match).
     """
     if _is_fused_module(module):
         return f"already fused ({type(module).__name__})"
-    if "forward" in module.__dict__ and any(_is_fused_module(c) for c in module.children()):
+    if "forward" not in module.__dict__:
+        return None
+    if type(module.__dict__["forward"]) is NormForward:
+        return "already fused (its forward is a fused norm's)"
+    if installed_forward(module) or any(_is_fused_module(c) for c in module.children()):
         return "already fused (its forward was rewritten to call fused modules)"
     return None
 

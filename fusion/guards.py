@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from fusion.callpath import CALL_PATH, HOOK_ATTRS, global_hooks
+from fusion.callpath import CALL_PATH, HOOK_ATTRS, global_hooks, installed_forward
 from fusion.modules import RowLinear
 
 EQUIVALENT_CLASSES: frozenset[type] = frozenset({nn.Linear, RowLinear})
@@ -70,7 +70,7 @@ class ChildGuard:
         # `callpath.has_hooks` / `own_call_path`, inlined: this runs on every call. Global
         # hooks are checked once per forward by `first_failure`.
         state = current.__dict__
-        if "forward" in state:
+        if not installed_forward(current):
             return f"{self.name} has an instance-level forward"
         for attr in HOOK_ATTRS:
             if state.get(attr):
@@ -272,7 +272,7 @@ def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
                     or get("_forward_pre_hooks")
                     or get("_backward_hooks")
                     or get("_backward_pre_hooks")
-                    or "forward" in state
+                    or ("forward" in state and not installed_forward(current))
                     or "__call__" in state
                     or "_wrapped_call_impl" in state
                     or "_call_impl" in state

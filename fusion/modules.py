@@ -418,13 +418,78 @@ class ActAndMul(nn.Module):
 
 
 DtypePair = tuple[torch.dtype, torch.dtype | None]
-
-_FLOAT32_PAIR = (torch.float32, torch.float32)
 """(input dtype, weight dtype or None for a weightless norm)."""
+
+
+def uses_float32_aten(variant: NormVariant) -> bool:
+    """Whether `torch.rms_norm` computes `variant` on float32 operands: ATen's composite
+    (`torch_ref.ATEN_RMS_NORM_IS_COMPOSITE`), statistics in float32 and no offset (the weight
+    order and cast target do not matter when everything is float32). Read once per fused
+    norm, so the float32 fast path asks one attribute."""
+    return variant.upcast and not variant.offset and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
+
+
+def norm_eps(eps: float | None, dtype: torch.dtype) -> float:
+    """`eps`, or (None) the float32-or-wider finfo eps of `dtype`, as `torch.nn.RMSNorm`
+    and `F.rms_norm(..., eps=None)` use."""
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
+def norm_kernel(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float | None,
+    variant: NormVariant,
+    float32_aten: bool,
+    backend: str,
+) -> torch.Tensor:
+    """`x` normalised in `variant` with `weight` and `eps` (None: `norm_eps`), on `backend`:
+    the fused norms' one computation. The caller has checked the (input, weight) dtype pair
+    is one the variant was proven for, and that the weight is per-channel.
+
+    On CPU with the reference backends, exactly the call the reference backend makes here
+    (`TorchKernels.rms_norm`) without the frames between, which on a decode step run from
+    caches a GEMV has just emptied: float32 first, decided by one flag (`uses_float32_aten`),
+    then `torch_ref.aten_norm` for the other dtypes."""
+    eps = norm_eps(eps, x.dtype)
+    if x.is_cpu and backend in ("auto", "torch") and not torch.compiler.is_compiling():
+        if (
+            float32_aten
+            and x.dtype == torch.float32
+            and weight is not None
+            and weight.dtype == torch.float32
+            and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1]
+        ):
+            return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+        norm = torch_ref.aten_norm(x, weight, variant)
+        if norm is not None:
+            return torch_ref.aten_rms_norm(x, norm, eps)
+    return ops.rms_norm(backend, x, weight, eps, variant=variant)
+
+
+def norm_pair_kernel(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float | None,
+    variant: NormVariant,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(a + b, norm_kernel(a + b, ...))` as one `add_rms_norm` kernel call, bit for bit the
+    two ops apart (`Kernels.add_rms_norm`); `a` and `b` of one dtype and shape."""
+    return ops.add_rms_norm(backend, a, b, weight, norm_eps(eps, a.dtype), variant=variant)
 
 
 class FusedRMSNorm(nn.Module):
     """An RMSNorm in the exact variant it was matched in, as one kernel call.
+
+    No longer installed by the RMSNorm fuser, which keeps the user's norm module in its slot
+    and gives it a fused forward (`fusion.norm_forward.NormForward`, the same `norm_kernel`);
+    kept so that a model fused and pickled by an earlier version loads and runs, and as the
+    norm kernel's module for benchmarks and kernel tests.
 
     `variant` (a frozen `NormVariant`, read-only here) is what `fusion.fusers.rmsnorm` proved
     the replaced module computes; `torch_ref.rms_norm` defines each field. `weight` is the
@@ -467,9 +532,7 @@ class FusedRMSNorm(nn.Module):
         when everything is float32). The only writer of either, so the two never
         disagree."""
         self._variant = variant
-        self._float32_aten = (
-            variant.upcast and not variant.offset and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
-        )
+        self._float32_aten = uses_float32_aten(variant)
 
     @property
     def variant(self) -> NormVariant:
@@ -497,30 +560,11 @@ class FusedRMSNorm(nn.Module):
                 f"FusedRMSNorm was proven equal to the module it replaced only for "
                 f"(input, weight) dtypes {sorted(map(str, self.verified))}, not {pair}"
             )
-        eps = self.eps if self.eps is not None else self._eps_for(x.dtype)
-        if x.is_cpu and self.backend in ("auto", "torch") and not torch.compiler.is_compiling():
-            # Exactly the call the reference backend makes here (`TorchKernels.rms_norm`),
-            # without the frames between: on a decode step they run from caches a GEMV has
-            # just emptied. float32 first, decided by one attribute (every variant order the
-            # same product there); then `torch_ref.aten_norm` for the other dtypes.
-            if (
-                pair == _FLOAT32_PAIR
-                and self._float32_aten
-                and weight.dim() == 1  # type: ignore[union-attr]
-                and weight.shape[0] == x.shape[-1]  # type: ignore[union-attr]
-            ):
-                return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-            norm = torch_ref.aten_norm(x, weight, self._variant)
-            if norm is not None:
-                return torch_ref.aten_rms_norm(x, norm, eps)
-        return ops.rms_norm(self.backend, x, weight, eps, variant=self._variant)
+        return norm_kernel(x, weight, self.eps, self._variant, self._float32_aten, self.backend)
 
     def _eps_for(self, dtype: torch.dtype) -> float:
-        """The eps the replaced module used: its own, or (None) the float32-or-wider finfo
-        eps of the input dtype, as `torch.nn.RMSNorm` does."""
-        if self.eps is not None:
-            return self.eps
-        return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+        """The eps the replaced module used (`norm_eps`)."""
+        return norm_eps(self.eps, dtype)
 
     def extra_repr(self) -> str:
         width = tuple(self.weight.shape) if self.has_weight else "any width"
@@ -555,6 +599,4 @@ class FusedRMSNorm(nn.Module):
         ):
             total = a + b
             return total, self(total)
-        return ops.add_rms_norm(
-            self.backend, a, b, weight, self._eps_for(a.dtype), variant=self._variant
-        )
+        return norm_pair_kernel(a, b, weight, self.eps, self._variant, self.backend)

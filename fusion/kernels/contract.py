@@ -92,6 +92,17 @@ def plain_dense(device_type: str, *tensors: Tensor | None, matmul: bool = True) 
     return _settings_reason(device_type)
 
 
+def mode_reason() -> str | None:
+    """Why an active mode would see a fast path's ops instead of the original's, or None:
+    `plain_dense`'s mode rules alone, asked before touching any tensor (under a
+    `__torch_function__` mode even `x.dim()` is an op the mode records). Eager only."""
+    if torch._C._is_torch_function_mode_enabled() and not _only_device_context():
+        return "a __torch_function__ mode is active"
+    if torch._C._len_torch_dispatch_stack():
+        return "a __torch_dispatch__ mode is active"
+    return None
+
+
 def _traced_reason(device_type: str, tensors: tuple[Tensor | None, ...]) -> str | None:
     """`plain_dense` while Dynamo traces: the rules it can trace and guards on (module
     docstring); the operators a fast path is traced as ask the rest when they run."""

@@ -214,14 +214,20 @@ def test_a_root_module_is_fused_in_place_or_refused_with_the_reason() -> None:
     # Rewriting fusers change the module's own forward: a root takes them.
     assert fusion.fuse(mlp).counts() == {"glu": 1}
     assert fusion.fuse(attention).counts() == {"qkv": 1}
-    # A replacing fuser needs the parent's slot: the root norm stays, and says why.
+    # The norm fuser keeps the module (a fused forward of its own): a root takes it too.
     before = norm.state_dict()
-    report = fusion.fuse(norm)
-    assert not report.applied
-    (skipped,) = report.skipped
+    x = torch.randn(2, 3, norm.weight.shape[0])
+    expected = norm(x)
+    assert fusion.fuse(norm).counts() == {"rmsnorm": 1}
+    assert type(norm) is type(model.model.norm) and norm.state_dict().keys() == before.keys()
+    assert torch.equal(norm(x), expected)
+    # A replacing fuser needs the parent's slot: the root MoE block stays, and says why.
+    block = copy.deepcopy(tiny_model("qwen3_moe").model.layers[0].mlp)
+    report = fusion.fuse(block)
+    assert "moe" not in report.counts(), str(report)
+    (skipped,) = [s for s in report.skipped if s.fuser == "moe"]
     assert "cannot replace the root module itself" in skipped.reason
-    assert str(skipped).startswith("<root> (LlamaRMSNorm): rmsnorm refused")
-    assert norm.state_dict().keys() == before.keys()
+    assert str(skipped).startswith("<root> (Qwen3MoeSparseMoeBlock): moe refused")
 
 
 def test_a_failed_fuse_restores_classes_and_parameter_memory(monkeypatch) -> None:

@@ -1,7 +1,7 @@
 """Residual add + RMSNorm: `h = a + b; r = h; h = self.norm(h)` -> one `add_rms_norm` call.
 
 In a decoder layer the residual add and the norm that reads the sum are two memory-bound
-passes over the hidden states; `FusedRMSNorm.add_forward` makes them one kernel that returns
+passes over the hidden states; `NormForward.add_forward` (a fused norm's forward) makes them one kernel that returns
 both the sum and the normalised value. The pattern is read from the forward's source (the
 sum's name is what ties the two together, which a traced graph also shows but cannot
 rewrite), never from class names:
@@ -14,7 +14,8 @@ rewrite), never from class names:
   registry's `rmsnorm` verdict on the child, per instance its `validate`), proves the sum
   stable between the add and the norm with `fusion.alias`, and rewrites the forward;
 - `runtime` is what the rewritten forward calls: the fused kernel when the norm child is a
-  plain `FusedRMSNorm` at call time, else the original two operations.
+  norm whose call runs only its fused forward at call time, and that forward's premises
+  hold; else the original two operations.
 
 Out of place on purpose: the sum goes to a new tensor as `a + b` did, because the residual
 buffer is the layer's input, which the caller may still hold (`output_hidden_states`).

@@ -17,7 +17,7 @@ from fusion.fusers.base import Fuser
 from fusion.fusers.residual_norm.runtime import HELPER, add_rms_norm
 from fusion.fusers.residual_norm.sites import Refused, Site, find_sites
 from fusion.fusers.rmsnorm import RMSNormFuser
-from fusion.modules import FusedRMSNorm
+from fusion.norm_forward import NormForward
 
 TEMP_PREFIX = "_fused_add_norm"
 """Prefix of the temporaries holding each site's normalised value in the rewritten forward."""
@@ -26,15 +26,24 @@ NOT_A_NORM = "not a norm"
 """`norm_verdict` for a child the RMSNorm fuser does not recognise as a norm at all."""
 
 
+def is_fused_norm(child: object) -> bool:
+    """Is `child` a norm module the RMSNorm fuser has fused (its instance-level forward a
+    `NormForward` of its own)?"""
+    if not isinstance(child, nn.Module):
+        return False
+    forward = child.__dict__.get("forward")
+    return type(forward) is NormForward and forward.module is child
+
+
 def norm_verdict(child: nn.Module | None) -> RMSNormFuser | str | None:
-    """How the RMSNorm fuser judges `child`: None when it is already a `FusedRMSNorm`, the
+    """How the RMSNorm fuser judges `child`: None when it is already fused (`is_fused_norm`), the
     matched `RMSNormFuser` when it proves an RMSNorm variant, the refusal reason when it
     recognises a norm it refuses, `NOT_A_NORM` otherwise.
 
     This is the RMSNorm fuser's own verdict, from the registry's per-class cache, so the
     norm is proven by exactly the proof that will replace it (and is traced once per class).
     """
-    if type(child) is FusedRMSNorm:
+    if is_fused_norm(child):
         return None
     if not isinstance(child, nn.Module) or not RMSNormFuser.candidate(child):
         return NOT_A_NORM
@@ -60,7 +69,7 @@ def _is_norm(module: nn.Module, name: str) -> bool:
 
 def check_norm_instance(module: nn.Module, name: str) -> None:
     """Refuse unless `module.<name>` is, or will be made by the RMSNorm fuser, a plain
-    `FusedRMSNorm`: the fused call then computes exactly its forward on the sum."""
+    fused norm: the fused call then computes exactly its forward on the sum."""
     child = getattr(module, name, None)
     verdict = norm_verdict(child)
     if isinstance(verdict, str):
@@ -74,7 +83,7 @@ def check_norm_instance(module: nn.Module, name: str) -> None:
     hooks = has_hooks(child)
     if hooks:
         raise RewriteRefused(f"norm has {hooks}: {name}")
-    call = own_call_path(child) or ("forward" if "forward" in child.__dict__ else None)
+    call = own_call_path(child) or ("forward" if not is_fused_norm(child) else None)
     if call:
         raise RewriteRefused(f"norm has its own {call}: {name}")
 
@@ -157,8 +166,7 @@ class ResidualNormFuser(Fuser):
         if getattr(type(module), "forward", None) is nn.Module.forward:
             return False  # containers (ModuleList, ModuleDict) have no forward to rewrite
         return any(
-            type(child) is FusedRMSNorm or RMSNormFuser.candidate(child)
-            for child in module.children()
+            is_fused_norm(child) or RMSNormFuser.candidate(child) for child in module.children()
         )
 
     @classmethod
@@ -202,7 +210,7 @@ class ResidualNormFuser(Fuser):
             check_norm_instance(module, name)
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
-        # The kernel's backend is the norm's own (FusedRMSNorm carries the one it was fused
+        # The kernel's backend is the norm's own (its NormForward carries the one it was fused
         # with), so the add + norm runs where the norm alone would have.
         self.validate(module)
         setattr(module, HELPER, add_rms_norm)

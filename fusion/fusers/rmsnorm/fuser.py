@@ -1,4 +1,9 @@
-"""`RMSNormFuser`: which modules are norms, per-instance matches, validate, fuse."""
+"""`RMSNormFuser`: which modules are norms, per-instance matches, validate, fuse.
+
+Fusing keeps the norm module in its slot, of its own class, and installs
+`fusion.norm_forward.NormForward` as its forward; what the proof relied on besides eps and the
+weight (which the fused forward reads live) is recorded here as the original forward reads
+it (`forward_reads`), never listed by hand."""
 
 from __future__ import annotations
 
@@ -6,14 +11,18 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 from torch import fx, nn
 
 from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
+from fusion.experts_modules import AttributeGuard
 from fusion.fusers.base import Fuser, per_signature
+from fusion.fusers.moe.reads import guarded_reads, recording
 from fusion.fusers.rmsnorm.interpret import op_name
 from fusion.fusers.rmsnorm.match import NormMatch, instance_signature, prove_variant
-from fusion.modules import FusedRMSNorm
+from fusion.fusers.rmsnorm.variants import GRID
+from fusion.norm_forward import NormForward
 
 _NORM_NAME = re.compile(r"RMSNorm$")
 """Classes whose name says RMSNorm: if they do not match, the reason must be reported."""
@@ -30,12 +39,11 @@ def _looks_like_norm(graph: fx.Graph | None) -> bool:
 
 @dataclass
 class RMSNormFuser(Fuser):
-    """Replace a norm module with a `FusedRMSNorm` computing its exact variant."""
+    """Give a norm module a fused forward computing its exact variant (`NormForward`)."""
 
     name: ClassVar[str] = "rmsnorm"
     redefines_forward: ClassVar[bool] = True
-    replaces_module: ClassVar[bool] = True
-    changes_layout: ClassVar[bool] = False  # same slot, same Parameter under the same name
+    changes_layout: ClassVar[bool] = False  # the same module, its Parameter untouched
 
     class_match: NormMatch | None = None
     signature: tuple = ()
@@ -89,21 +97,72 @@ class RMSNormFuser(Fuser):
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
         self.validate(module)
         found = self._match_for(module)
-        v = found.variant
-        weight = module._parameters[found.weight_name] if found.weight_name else None
-        eps = getattr(module, found.eps_attr)
-        fused = FusedRMSNorm(
-            weight if v.has_weight else None,
-            None if eps is None else float(eps),
-            variant=v.kernel,
+        weight_name = found.weight_name if found.variant.has_weight else None
+        reads = AttributeGuard.record(forward_reads(module, found))
+        module.forward = NormForward(
+            module,
+            variant=found.variant.kernel,
             verified=found.verified,
+            eps_attr=found.eps_attr,
+            eps_default_rule=found.eps_default_rule,
+            weight_name=weight_name,
             backend=backend,
+            reads=reads,
         )
-        for name in found.carried_buffers:
-            fused.register_buffer(name, module._buffers[name], persistent=False)
-        fused.train(module.training)
-        return fused
+        return module
 
     def describe(self) -> str:
         assert self.class_match is not None
-        return f"-> FusedRMSNorm ({self.class_match.variant.describe()}, eps from {self.class_match.eps_attr})"
+        match = self.class_match
+        return f"-> fused RMSNorm ({match.variant.describe()}, eps from {match.eps_attr})"
+
+
+def forward_reads(module: nn.Module, found: NormMatch) -> tuple[tuple[nn.Module, str], ...]:
+    """`(module, name)` for every attribute of `module` its class's forward reads while it
+    runs at each input dtype of the proof's grid (on a two-row input of the weight's width,
+    on the weight's device), except eps and the weight, which the fused forward reads live:
+    the premises `NormForward` guards (`AttributeGuard`).
+
+    Recorded as read (`fusion.fusers.moe.reads.recording`), so a flag read by a helper method
+    is found as well as one read by `forward` itself; `training` is kept when read. A read
+    whose value a per-call comparison cannot see (a dict, a config object) refuses
+    (`guarded_reads`), as does a forward that runs at no grid dtype."""
+    cls = type(module)
+    weight = module._parameters.get(found.weight_name) if found.weight_name else None
+    device = weight.device if weight is not None else torch.device("cpu")
+    raw: list[tuple[nn.Module, str]] = []
+    ran = 0
+    for dtype in GRID:
+        for width in _widths(module, weight):
+            x = torch.ones(2, width, dtype=dtype, device=device)
+            with recording(module) as reads, torch.no_grad():
+                try:
+                    cls.forward(module, x)
+                    ran += 1
+                except Exception:  # a width or dtype this norm cannot run: calls fall back
+                    continue
+                finally:
+                    raw.extend(reads)
+            break
+    if not ran:
+        raise RewriteRefused("the norm's forward runs at no dtype of the proof's grid")
+    live = {found.eps_attr, found.weight_name}
+    raw = [(owner, name) for owner, name in raw if name not in live]
+    names = {name for path, name in guarded_reads(module, raw) if not path}
+    if any(owner is module and name == "training" for owner, name in raw):
+        names.add("training")
+    return tuple((module, name) for name in sorted(names))
+
+
+def _widths(module: nn.Module, weight: torch.Tensor | None) -> list[int]:
+    """Input widths to run a norm at: its weight's, or (weightless) each positive integer
+    the instance carries (`normalized_shape`'s last entry, a `dim`), then 8."""
+    if weight is not None:
+        return [int(weight.shape[0])]
+    found = []
+    for value in module.__dict__.values():
+        if isinstance(value, tuple) and value and isinstance(value[-1], int):
+            value = value[-1]
+        if type(value) is int and 0 < value <= 1 << 16 and value not in found:
+            found.append(value)
+    return [*found, 8]
