@@ -134,7 +134,8 @@ class NormForward:
             return f"{cls.__name__}.{self.weight_name} is a class attribute"
         if not self.reads.holds():
             return "an attribute the norm's forward read changed"
-        reason = self.globals_guard.failure()
+        # While Dynamo traces, the globals are left to its own guards (as `BoundForward`).
+        reason = None if torch.compiler.is_compiling() else self.globals_guard.failure()
         if reason is not None:
             return reason
         if not isinstance(x, torch.Tensor):

@@ -229,7 +229,7 @@ def _norm_without_call_fuse(model):
     report = fusion.fuse(model)
     for module in model.modules():
         if HELPER in module.__dict__:
-            module.__dict__[HELPER] = lambda a, b, norm: norm.add_forward(a, b)
+            module.__dict__[HELPER] = lambda a, b, norm: norm.forward.add_forward(a, b)
     return report
 
 
