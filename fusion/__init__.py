@@ -9,6 +9,7 @@ Every rewrite either provably computes the same function or is refused with a re
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fusion import apply, kernels
@@ -36,7 +37,9 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
     and machine by measurement (`fusion.kernels.policy`: where nothing was measured on this
     machine, the reference computes, at the unfused model's speed); `torch` runs torch's
     own ops only; `native`, `onednn` (CPU), `triton`, `vllm` (GPU) pin that backend's
-    kernels wherever they are eligible. Only the named backend is built or probed. Never
+    kernels wherever they are eligible. Only the named backend is built or probed. Works the
+    same inside `torch.inference_mode` (what it makes is ordinary tensors); a model whose
+    tensors are inference tensors is refused whole (`apply.inference_refusal`). Never
     raises for a model it cannot fuse; raises TypeError if `model` is not an nn.Module,
     ValueError for an unknown backend or one that cannot run on the model's devices.
     """
@@ -53,10 +56,12 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
     report = apply.run(model, backend=backend)
     if devices and report.applied:
         # Probe kernels and load the policy's table now, not inside a later torch.compile
-        # trace (compiled code only reads them).
-        kernels.resolve_ahead(devices)
-        ops.prepare(backend)
-        report.kernels = kernel_choices(model)
+        # trace (compiled code only reads them); with inference mode off, as `apply.run`
+        # fuses, so nothing made here is an inference tensor.
+        with torch.inference_mode(False):
+            kernels.resolve_ahead(devices)
+            ops.prepare(backend)
+            report.kernels = kernel_choices(model)
     return report
 
 

@@ -10,6 +10,13 @@ this package: MergedLinear, FusedRMSNorm, FusedMoE, ...) or a module whose forwa
 rewritten around fused children is reported as skipped, "already fused", and left alone,
 except that a merged projection whose Parameters stopped viewing its stacked weight is
 merged again where that is unobservable (`MergedLinear.restack`).
+
+`torch.inference_mode`: fusing runs with inference mode off (`run`), so the stacked weights
+and views it makes are ordinary tensors whatever mode the caller is in, and the model trains
+afterwards as its unfused twin does. A model whose own Parameters or buffers are inference
+tensors (built or loaded inside inference mode) is refused whole, untouched
+(`inference_refusal`): such tensors keep no version counter, so neither the views of a
+stacked weight nor the guards that watch them can be made of them.
 """
 
 from __future__ import annotations
@@ -102,12 +109,53 @@ def _applied(qualname: str, fuser: Fuser) -> Applied:
     )
 
 
+def inference_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot be fused because of `torch.inference_mode`, or None: the first of
+    its Parameters and buffers that is an inference tensor (made inside inference mode).
+    Such a tensor has no version counter (a merge makes a Parameter a view of a stacked
+    weight, and ops on those views, and the piece guards, need one) and cannot be saved for
+    backward; fusing it would change which calls raise, so the model is left as it is."""
+    for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+        for name, tensor in named():
+            if tensor.is_inference():
+                return (
+                    f"{kind} {name} is an inference tensor (the model was built or loaded "
+                    "inside torch.inference_mode): it has no version counter, so no merged "
+                    "view of it can be guarded; build the model outside inference mode to fuse it"
+                )
+    return None
+
+
 def run(
     model: nn.Module,
     *,
     backend: str = "auto",
     dry_run: bool = False,
     fusers: tuple[type[Fuser], ...] | None = None,
+) -> FusionReport:
+    """Fuse `model` in place (or, with `dry_run`, only decide what would be fused), with
+    `torch.inference_mode` off (`_run`).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fusion expects an nn.Module, got {type(model).__name__}")
+    refusal = inference_refusal(model)
+    if refusal is not None:
+        report = FusionReport(dry_run=dry_run)
+        report.skipped.append(Skipped("", None, type(model).__name__, refusal))
+        return report
+    # Off, so every tensor fusing makes (stacked weights, their views) is an ordinary one:
+    # made inside inference mode they could never be saved for backward once the caller
+    # leaves it, where the unfused model trains.
+    with torch.inference_mode(False):
+        return _run(model, backend=backend, dry_run=dry_run, fusers=fusers)
+
+
+def _run(
+    model: nn.Module,
+    *,
+    backend: str,
+    dry_run: bool,
+    fusers: tuple[type[Fuser], ...] | None,
 ) -> FusionReport:
     """Fuse `model` in place (or, with `dry_run`, only decide what would be fused).
 
@@ -119,8 +167,6 @@ def run(
     `placement.prune_model_plans`), so they name only what the fused model has. Returns the
     report; never raises for a model it cannot fuse.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fusion expects an nn.Module, got {type(model).__name__}")
     report = FusionReport(dry_run=dry_run)
     chosen_fusers = registry.FUSERS if fusers is None else tuple(fusers)
     replaced: list[str] = []  # "qualname." of every module that left the model

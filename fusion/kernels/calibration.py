@@ -1,6 +1,6 @@
 """Kernel timings measured on this machine, and the table the kernel policy reads.
 
-`measure` times every kernel of one op (`fusion.kernels.policy.OPS`) against its reference
+`measure` times every kernel of one op (`OPS`) against its reference
 on one (shape, dtype, threads, rows) and returns an `Entry`; `Table` holds the entries of
 this machine and is saved as JSON under the cache directory, in a file named by
 `machine_key()`: the CPU model and flags, ATen's CPU capability and the environment that
@@ -19,16 +19,28 @@ cancels the drift of a busy machine. A kernel *wins* only if its median ratio is
 `1 + MARGIN` and its lower quartile at least 1: measurably faster, not faster on average.
 The policy runs the winner with the highest median ratio, else the reference, so no measured
 choice makes a product slower than the reference beyond the noise of its own measurement.
+
+Reading a table (`load_table`) validates it field by field before anything uses it
+(`parse_table`): the schema and key, each entry's op, shape, dtype name, row bucket, thread
+count and round count, every kernel name against `OPS`, every time and ratio a finite
+positive number, no field unknown or missing. A file with any problem is ignored whole, with
+one `CalibrationWarning` naming the file and its first problem: the policy then runs every
+reference, as on a machine that never calibrated. Whole, not entry by entry: a file with one
+field wrong was written by something other than `save_table` (a hand edit, another version,
+a torn write), so its other fields are no evidence either, and the references are always
+correct.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +51,15 @@ from fusion import kernels
 from fusion.kernels import native_build, native_gemm, onednn_backend
 
 SCHEMA = 1
+
+OPS: dict[str, tuple[str, ...]] = {
+    "linear": ("reference", "native", "onednn-row"),
+    "stacked": ("reference", "stacked", "native", "onednn-row"),
+    "experts": ("reference", "native", "onednn"),
+}
+"""Per op, its kernels; the reference first (`fusion.kernels.policy` chooses among them; a
+table naming any other op or kernel is not read)."""
+
 MARGIN = 0.03
 """A kernel must beat the reference by this fraction (median of paired ratios) to be used."""
 
@@ -127,19 +148,132 @@ class Entry:
         return out
 
     @classmethod
-    def from_json(cls, data: dict) -> Entry:
+    def from_json(cls, data: object, where: str = "entry") -> Entry:
+        """The entry `data` (one item of a saved table's `entries`) describes; `TableError`
+        naming the first field (under `where`) that `save_table` would not have written."""
+        _fields(data, where, _ENTRY_FIELDS, _ENTRY_OPTIONAL)
+        assert isinstance(data, dict)
+        op = data["op"]
+        if op not in OPS:
+            raise TableError(f"{where}.op: {op!r} is not one of {', '.join(OPS)}")
+        kernels = OPS[op]
+        median_us = _kernel_map(data["median_us"], f"{where}.median_us", kernels, _number)
+        if "reference" not in median_us:
+            raise TableError(f"{where}.median_us: no 'reference' time")
+        ratios = _kernel_map(data["ratios"], f"{where}.ratios", kernels[1:], _ratio)
         return cls(
-            op=str(data["op"]),
-            shape=tuple(int(v) for v in data["shape"]),
-            dtype=str(data["dtype"]),
-            rows=int(data["rows"]),
-            threads=int(data["threads"]),
-            median_us={str(k): float(v) for k, v in data["median_us"].items()},
-            ratios={str(k): Ratio(**v) for k, v in data["ratios"].items()},
-            rounds=int(data["rounds"]),
-            native_build=str(data.get("native_build", "")),
-            veto=str(data.get("veto", "")),
+            op=op,
+            shape=_shape(op, data["shape"], f"{where}.shape"),
+            dtype=_dtype_name(data["dtype"], f"{where}.dtype"),
+            rows=_bucket(data["rows"], f"{where}.rows"),
+            threads=_count(data["threads"], f"{where}.threads"),
+            median_us=median_us,
+            ratios=ratios,
+            rounds=_count(data["rounds"], f"{where}.rounds"),
+            native_build=_text(data.get("native_build", ""), f"{where}.native_build"),
+            veto=_text(data.get("veto", ""), f"{where}.veto"),
         )
+
+
+class TableError(ValueError):
+    """A table's JSON is not what `save_table` writes; the message names the first field
+    that is wrong (its path in the file) and why."""
+
+
+class CalibrationWarning(UserWarning):
+    """A calibration table on disk was ignored (`load_table`); the message names the file
+    and its first problem."""
+
+
+_ENTRY_FIELDS = ("op", "shape", "dtype", "rows", "threads", "median_us", "ratios", "rounds")
+_ENTRY_OPTIONAL = ("native_build", "veto")
+_TABLE_FIELDS = ("schema", "key", "entries")
+_TABLE_OPTIONAL = ("machine",)
+_SHAPE_LENGTH = {"linear": (2, 2), "stacked": (3, 1 << 16), "experts": (4, 4)}
+"""Per op, the (fewest, most) dims of its shape: `(N, K)`; `(N_1, ..., N_s, K)` with at
+least two shards; `(E, 2I, H, topk)`."""
+
+
+def _fields(data: object, where: str, required: tuple[str, ...], optional=()) -> None:
+    """Raise `TableError` unless `data` is an object with every `required` key and no key
+    outside `required` and `optional`."""
+    if not isinstance(data, dict):
+        raise TableError(f"{where}: {type(data).__name__}, not an object")
+    for name in required:
+        if name not in data:
+            raise TableError(f"{where}: no {name!r}")
+    for name in data:
+        if name not in required and name not in optional:
+            raise TableError(f"{where}: unknown field {name!r}")
+
+
+def _number(value: object, where: str) -> float:
+    """`value` as a float, if it is a finite positive JSON number (not a bool, string, null,
+    NaN or infinity: every time and ratio `measure` writes is one); else `TableError`."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise TableError(f"{where}: {value!r} is not a finite positive number")
+    return float(value)
+
+
+def _count(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TableError(f"{where}: {value!r} is not a positive integer")
+    return value
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise TableError(f"{where}: {value!r} is not a string")
+    return value
+
+
+def _bucket(value: object, where: str) -> int:
+    """A row bucket: a positive power of two (`policy.row_bucket`'s values)."""
+    rows = _count(value, where)
+    if rows & (rows - 1):
+        raise TableError(f"{where}: {rows} is not a row bucket (a power of two)")
+    return rows
+
+
+def _dtype_name(value: object, where: str) -> str:
+    """The name of a floating torch dtype (`float32`, `bfloat16`, ...), as `measure` writes."""
+    dtype = getattr(torch, value, None) if isinstance(value, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TableError(f"{where}: {value!r} is not the name of a floating torch dtype")
+    return value
+
+
+def _shape(op: str, value: object, where: str) -> tuple[int, ...]:
+    fewest, most = _SHAPE_LENGTH[op]
+    if not isinstance(value, list) or not fewest <= len(value) <= most:
+        raise TableError(f"{where}: {value!r} is not a {op} shape")
+    return tuple(_count(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def _ratio(value: object, where: str) -> Ratio:
+    _fields(value, where, ("median", "q25", "q75"))
+    assert isinstance(value, dict)
+    ratio = Ratio(*(_number(value[k], f"{where}.{k}") for k in ("median", "q25", "q75")))
+    if not ratio.q25 <= ratio.median <= ratio.q75:
+        raise TableError(f"{where}: quartiles out of order")
+    return ratio
+
+
+def _kernel_map(value: object, where: str, kernels: tuple[str, ...], parse: Callable) -> dict:
+    """`{kernel: parse(item)}` for an object keyed by kernel names among `kernels`."""
+    if not isinstance(value, dict):
+        raise TableError(f"{where}: {type(value).__name__}, not an object")
+    out = {}
+    for name, item in value.items():
+        if name not in kernels:
+            raise TableError(f"{where}: {name!r} is not one of {', '.join(kernels)}")
+        out[name] = parse(item, f"{where}.{name}")
+    return out
 
 
 @dataclass
@@ -204,25 +338,50 @@ def table_path(key: str | None = None) -> Path:
     return native_build.cache_dir() / "calibration" / f"{key or machine_key()}.json"
 
 
+def parse_table(data: object, key: str, info: dict[str, str]) -> Table:
+    """The table that `data` (a saved table's JSON) holds for the machine `key` (`info`
+    its fields); `TableError` naming the first problem: a schema or key other than this
+    machine's, or any field `save_table` would not have written (`Entry.from_json`), so
+    every entry of a table returned is one `measure` could have made."""
+    _fields(data, "table", _TABLE_FIELDS, _TABLE_OPTIONAL)
+    assert isinstance(data, dict)
+    if data["schema"] != SCHEMA:
+        raise TableError(f"schema: {data['schema']!r}, this version reads {SCHEMA}")
+    if data["key"] != key:
+        raise TableError(f"key: {data['key']!r} is another machine's, not {key!r}")
+    if not isinstance(data["entries"], list):
+        raise TableError(f"entries: {type(data['entries']).__name__}, not a list")
+    table = Table(key, info)
+    for index, item in enumerate(data["entries"]):
+        entry = Entry.from_json(item, f"entries[{index}]")
+        if table.lookup(entry.op, entry.shape, entry.dtype, entry.rows, entry.threads):
+            raise TableError(f"entries[{index}]: a second entry for the same key")
+        table.add(entry)
+    return table
+
+
 def load_table(path: Path | None = None) -> Table:
-    """This machine's table from disk, or an empty one (no file, an unreadable or foreign
-    file: nothing measured, so the policy runs the references)."""
+    """This machine's table from disk, or an empty one: nothing measured, so the policy
+    runs the references. Empty, silently, where there is no file; empty, with one
+    `CalibrationWarning` naming the file and its first problem, where the file cannot be
+    read, is not JSON, or is not a table `save_table` writes for this machine
+    (`parse_table`). A bad file is ignored whole (the module docstring says why), so no
+    field of it ever reaches a kernel choice."""
     info = machine()
     key = machine_key(info)
     path = table_path(key) if path is None else path
-    table = Table(key, info)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return table
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("key") != key:
-        return table
-    try:
-        for item in data.get("entries", []):
-            table.add(Entry.from_json(item))
-    except (KeyError, TypeError, ValueError):
+        return parse_table(json.loads(path.read_text()), key, info)
+    except FileNotFoundError:
         return Table(key, info)
-    return table
+    except (OSError, ValueError, RecursionError) as problem:  # TableError is a ValueError
+        warnings.warn(
+            f"calibration table {path} ignored ({problem}); every product runs its "
+            "reference until `fusion.calibrate` writes a new one",
+            CalibrationWarning,
+            stacklevel=2,
+        )
+        return Table(key, info)
 
 
 def save_table(table: Table, path: Path | None = None) -> Path:

@@ -104,7 +104,11 @@ def _kernels(
 def _operator_args(variant: NormVariant) -> tuple[float, bool, bool, bool]:
     """`variant` as the norm operators' schemas spell it (`offset, upcast, weight_after_cast,
     cast_to_weight`: a `torch.library` schema takes tensors and scalars, not a dataclass).
-    The one place a variant is unpacked; `_variant_of` is the one place it is rebuilt."""
+    The one place a variant is unpacked; `_variant_of` is the one place it is rebuilt.
+    ValueError for a variant without fast paths (`NormVariant.fast`): the schemas carry no
+    root, so the operator would compute another rounding (`rms_norm` never calls it so)."""
+    if not variant.fast:
+        raise ValueError(f"norm operators compute the rsqrt spelling only, not {variant.root}")
     return (variant.offset, variant.upcast, variant.weight_after_cast, variant.cast_to_weight)
 
 
@@ -150,7 +154,10 @@ def rms_norm(
     variant: NormVariant = DEFAULT_VARIANT,
 ) -> Tensor:
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`): a new tensor, `x`
-    normalised in `variant`."""
+    normalised in `variant`; `torch_ref.rms_norm`'s plain ops, whatever the backend, for a
+    variant no kernel computes (`NormVariant.fast`: a root spelled other than `rsqrt`)."""
+    if not variant.fast:
+        return torch_ref.rms_norm(x, weight, eps, variant=variant)
     if eager_reference(backend, x):
         return _REFERENCE.rms_norm(x, weight, eps, variant=variant)
     if _use_operator():
@@ -196,7 +203,9 @@ def add_rms_norm(
     variant: NormVariant = DEFAULT_VARIANT,
 ) -> tuple[Tensor, Tensor]:
     """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))` in `variant`, two
-    new tensors."""
+    new tensors; `torch_ref`'s plain ops for a variant no kernel computes (as `rms_norm`)."""
+    if not variant.fast:
+        return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
     if eager_reference(backend, a):
         return _REFERENCE.add_rms_norm(a, b, weight, eps, variant=variant)
     if _use_operator():

@@ -43,17 +43,10 @@ from dataclasses import dataclass, field
 import torch
 
 from fusion.kernels import native_gemm
-from fusion.kernels.calibration import Entry, Table, load_table, machine
+from fusion.kernels.calibration import OPS, Entry, Table, load_table, machine
 
 MODES = ("measured", "reference", "eligible")
 MODE_ENV = "FUSION_KERNELS"
-
-OPS: dict[str, tuple[str, ...]] = {
-    "linear": ("reference", "native", "onednn-row"),
-    "stacked": ("reference", "stacked", "native", "onednn-row"),
-    "experts": ("reference", "native", "onednn"),
-}
-"""Per op, its kernels; the reference first."""
 
 ELIGIBLE: dict[str, tuple[str, ...]] = {
     "linear": ("native", "onednn-row"),

@@ -57,7 +57,9 @@ def rms_norm(
     and `W = weight.dtype` (the flags below are `variant`'s fields):
 
     - statistics and normalisation: `n = xc * rsqrt(mean(xc * xc, -1) + eps)` with
-      `xc = x.to(C)`, all in `C` (`eps` is added inside the root);
+      `xc = x.to(C)`, all in `C` (`eps` is added inside the root); spelled as `variant.root`
+      says (`xc / sqrt(...)`, `xc * reciprocal(sqrt(...))`), each op rounding as the
+      module's own did;
     - no weight: `n.to(D)`;
     - `weight_after_cast` (Llama, T5): `(weight + offset) * n.to(T)` with `T = D`, or
       `T = W` when `cast_to_weight` (T5 casts to the weight's dtype); the product is in
@@ -74,7 +76,13 @@ def rms_norm(
     dtype = x.dtype
     offset = variant.offset
     h = x.float() if variant.upcast else x
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    v = h.pow(2).mean(-1, keepdim=True) + eps
+    if variant.root == "div_sqrt":
+        h = h / torch.sqrt(v)
+    elif variant.root == "recip_sqrt":
+        h = h * torch.reciprocal(torch.sqrt(v))
+    else:
+        h = h * torch.rsqrt(v)
     if weight is None:
         return h.to(dtype)
     if variant.weight_after_cast:
@@ -302,10 +310,12 @@ def aten_norm(
     the weight-after-cast order is `scale * torch.rms_norm(x, None)` whenever the cast
     target is `x.dtype` (not `cast_to_weight`, or the weight has `x`'s dtype); `scale` is
     `weight + offset` in the weight's dtype, as `rms_norm` forms it. None (the plain ops)
-    off CPU, without the float32 statistics, for another dtype, or a weight that is not
-    one value per feature."""
+    off CPU, without the float32 statistics, for another dtype, a weight that is not
+    one value per feature, or a root spelled other than `rsqrt` (`NormVariant.fast`:
+    `torch.rms_norm` multiplies by `rsqrt`)."""
     if (
-        not ATEN_RMS_NORM_IS_COMPOSITE
+        not variant.fast
+        or not ATEN_RMS_NORM_IS_COMPOSITE
         or x.device.type != "cpu"
         or not variant.upcast
         or x.dtype not in _ATEN_DTYPES

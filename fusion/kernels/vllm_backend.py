@@ -104,6 +104,7 @@ class VllmKernels:
         if (
             op is None
             or weight is None
+            or not variant.fast
             or variant.offset
             or not variant.upcast
             or not variant.weight_after_cast

@@ -15,7 +15,7 @@ from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import outputs_match
 from tests.fusion.fusers.test_moe import SparseMoeV4, randomized
 from tests.fusion.merged_paths import stacked_products
-from tests.fusion.tiny_models import tiny_model
+from tests.fusion.tiny_models import tiny_model, token_ids
 
 
 def test_fuse_rejects_misuse() -> None:
@@ -273,3 +273,56 @@ def test_fusing_again_restacks_parameters_that_moved() -> None:
     with torch.no_grad(), stacked_products():
         out = module(torch.randn(2, 5, 32))
     assert merged.stacked_calls >= 1 and torch.isfinite(out).all()
+
+
+# --- torch.inference_mode ---
+
+
+def _loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    loss = model(ids).logits.float().square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_fusing_inside_inference_mode_then_training_is_fusing_outside(arch) -> None:
+    """What fusing makes (stacked weights, their views) is made with inference mode off, so
+    the model trains afterwards bit for bit as the same model fused outside the mode (which
+    `test_numerics`-style tests compare with the unfused one)."""
+    ids = token_ids(batch=2, seq=5)
+    outside = tiny_model(arch).train()
+    inside = copy.deepcopy(outside)
+    unfused = copy.deepcopy(outside)
+    report = fusion.fuse(outside)
+    with torch.inference_mode():
+        assert fusion.fuse(inside).counts() == report.counts()
+        assert torch.equal(inside(ids).logits, unfused(ids).logits)
+    assert not any(t.is_inference() for t in (*inside.parameters(), *inside.buffers()))
+    loss_in, grads_in = _loss_and_grads(inside, ids)
+    loss_out, grads_out = _loss_and_grads(outside, ids)
+    assert torch.equal(loss_in, loss_out) and grads_in.keys() == grads_out.keys()
+    assert all(torch.equal(grads_in[n], grads_out[n]) for n in grads_in)
+
+
+def test_a_model_built_inside_inference_mode_is_refused_untouched() -> None:
+    """Its Parameters are inference tensors (no version counter): refused whole, with the
+    reason, and it runs (and fails to train) exactly as its unfused twin."""
+    with torch.inference_mode():
+        model = tiny_model("llama")
+        twin = tiny_model("llama")
+    modules = [(name, type(m), m) for name, m in model.named_modules()]
+    tensors = {name: t for name, t in model.state_dict(keep_vars=True).items()}
+    for report in (fusion.plan(model), fusion.fuse(model)):
+        assert report.applied == []
+        [skipped] = report.skipped
+        assert skipped.qualname == "" and "inference tensor" in skipped.reason
+        assert "model.embed_tokens.weight" in skipped.reason
+    assert [(name, type(m), m) for name, m in model.named_modules()] == modules
+    assert all(t is tensors[n] for n, t in model.state_dict(keep_vars=True).items())
+    ids = token_ids(batch=1, seq=4)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, twin(ids).logits)
+    for m in (model, twin):
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved"):
+            m(ids).logits.sum().backward()

@@ -4,10 +4,12 @@ The computation is matched, never the class name. A norm's forward is traced wit
 dataflow is read as an expression over the input `x`, the weight `w` and constants, with every
 dtype explicit: implicit type promotion becomes a cast node, a cast to the dtype a value
 already has disappears, and two casts collapse when the first one is exact (bf16 -> fp32 ->
-D equals bf16 -> D). Spellings of one function become one node: `rsqrt(v)`, `pow(v, -0.5)`,
-`v ** -0.5`, `1 / sqrt(v)` and `x / sqrt(v)` all give `rsqrt`; `pow(x, 2)`, `square(x)` and
-`x * x` give `sq`; products and sums of one dtype are flattened and sorted (they differ only
-in rounding order). `F.rms_norm` (and so `nn.RMSNorm`) is expanded into the ops PyTorch runs.
+D equals bf16 -> D). Spellings become one node only where ATen runs the same op for them:
+`rsqrt(v)` and `pow(v, -0.5)` in float32/float64 give `rsqrt`; `pow(x, 2)`, `square(x)` and
+`x * x` give `sq`. `x / sqrt(v)` and `x * (1 / sqrt(v))` round differently from
+`x * rsqrt(v)`, so they stay themselves and are matched by the kernel variant that spells them
+the same way (`NormVariant.root`, computed by the reference's plain ops). Products and sums of
+one dtype are flattened and sorted (they differ only in rounding order). `F.rms_norm` (and so `nn.RMSNorm`) is expanded into the ops PyTorch runs.
 
 The reference kernel (`fusion.kernels.torch_ref.rms_norm`) is traced and read the same way
 for each candidate variant, and a variant is accepted only if both expressions are equal at

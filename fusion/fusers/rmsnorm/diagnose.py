@@ -48,7 +48,7 @@ def diagnose(expr: Any, marker: float | None) -> str | None:
         top = top.args[0]
     if top.op in ("rsqrt", "sqrt", "recip"):
         return "returns the inverse root itself, not the input scaled by it"
-    if top.op != "mul":
+    if top.op not in ("mul", "div"):
         op = top.value if top.op == "opaque" else top.op
         return f"computation after the normalised output ({op})"
     if any(a.op == "const" for a in top.args):

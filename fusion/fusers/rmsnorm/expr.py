@@ -2,10 +2,14 @@
 
 Implicit type promotion becomes a cast node, a cast to the dtype a value already has
 disappears, and two casts collapse when the first one is exact (bf16 -> fp32 -> D equals
-bf16 -> D). Spellings of one function become one node: `rsqrt(v)`, `pow(v, -0.5)`,
-`v ** -0.5`, `1 / sqrt(v)` and `x / sqrt(v)` all give `rsqrt`; `pow(x, 2)`, `square(x)` and
-`x * x` give `sq`; products and sums of one dtype are flattened and sorted (they differ only
-in rounding order).
+bf16 -> D). Spellings become one node only where ATen runs the same op for them, so the same
+bits: `rsqrt(v)` and `pow(v, -0.5)` / `v ** -0.5` in float32 or float64 give `rsqrt` (ATen's
+`pow` calls `rsqrt` there; in bfloat16 and float16 it rounds otherwise, so it stays `pow`);
+`1 / t`, `reciprocal(t)` and `pow(t, -1)` give `recip`; `pow(x, 2)`, `square(x)` and `x * x`
+give `sq`. `x / sqrt(v)` stays a `div` and `x * (1 / sqrt(v))` a product with
+`recip(sqrt(v))`: each rounds differently from `x * rsqrt(v)`, so each is its own
+expression, matched by the kernel variant that spells it (`NormVariant.root`). Products and
+sums of one dtype are flattened and sorted (they differ only in rounding order).
 """
 
 from __future__ import annotations
@@ -90,19 +94,26 @@ def _flat(op: str, operands: list[Expr], dtype: torch.dtype | None) -> Expr:
 
 
 def unary(op: str, e: Expr) -> Expr:
-    if op == "recip" and e.op == "sqrt":
-        return Expr("rsqrt", e.args, e.dtype)
-    if op == "recip" and e.op == "rsqrt":
-        return Expr("sqrt", e.args, e.dtype)
+    """`op(e)`. No identities between roots (`1 / sqrt(v)` is not `rsqrt(v)` bit for bit,
+    nor `1 / rsqrt(v)` `sqrt(v)`): each spelling keeps its own ops."""
     return Expr(op, (e,), e.dtype)
 
 
+_EXACT_RSQRT_POW = (torch.float32, torch.float64)
+"""Dtypes in which ATen's `pow(v, -0.5)` is its `rsqrt(v)` bit for bit (checked on CPU; in
+bfloat16 and float16 it rounds otherwise on some values)."""
+
+
 def power(e: Expr, exponent: float) -> Expr:
-    special = {2.0: "sq", -0.5: "rsqrt", 0.5: "sqrt", -1.0: "recip"}
+    """`e ** exponent`, as the op ATen runs for it: `square`, `sqrt`, `reciprocal` (and
+    `rsqrt` in `_EXACT_RSQRT_POW`) for the exponents its `pow` hands to them."""
+    special = {2.0: "sq", 0.5: "sqrt", -1.0: "recip"}
     if exponent == 1.0:
         return e
     if float(exponent) in special:
         return unary(special[float(exponent)], e)
+    if float(exponent) == -0.5 and e.dtype in _EXACT_RSQRT_POW:
+        return unary("rsqrt", e)
     return Expr("pow", (e, const(exponent)), e.dtype)
 
 
@@ -116,11 +127,8 @@ def binary(op: str, a: Any, b: Any) -> Any:
     a, b = cast(a, dtype) if dtype else a, cast(b, dtype) if dtype else b
     if op in ("mul", "add"):
         return _flat(op, [a, b], dtype)
-    if op == "div":
-        if a.op == "const" and a.value == 1.0 and b.op != "const":
-            return unary("recip", b)
-        if b.op != "const":
-            return _flat("mul", [a, unary("recip", b)], dtype)
+    if op == "div" and a.op == "const" and a.value == 1.0 and b.op != "const":
+        return unary("recip", b)  # `1 / t` is `t.reciprocal() * 1`: the same bits
     if op == "pow" and b.op == "const":
         return power(a, b.value)
     return Expr(op, (a, b), dtype)

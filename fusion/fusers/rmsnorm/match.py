@@ -8,7 +8,7 @@ instance at fuse time. Anything else an instance carries goes into its instance 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from fusion.fusers.rmsnorm.variants import (
     candidate_variants,
     kernel_expr,
 )
+from fusion.kernels.norm_variant import ROOTS, RSQRT
 from fusion.signature import MODULE_INTERNALS, plain_attributes
 from fusion.trace import forward_parameters
 
@@ -53,6 +54,36 @@ def instance_signature(module: nn.Module, eps_attr: str | None) -> tuple:
     params = tuple((n, p.ndim) for n, p in module.named_parameters(recurse=False))
     buffers = tuple(sorted(n for n, _ in module.named_buffers(recurse=False)))
     return (items, params, buffers)
+
+
+def root_spellings(exprs: Iterable[Any]) -> tuple[str, ...]:
+    """The `NormVariant.root` spellings whose ops appear in `exprs`, in `ROOTS` order:
+    `rsqrt` for an `rsqrt` node, `div_sqrt` for a `div` by a `sqrt`, `recip_sqrt` for a
+    `recip` of a `sqrt`; `(rsqrt,)` where none does (the refusal then says why). Only the
+    spellings present are tried, each a variant whose kernel expression must still equal
+    the module's at every point."""
+    found = set()
+    for e in walk(list(exprs)):
+        if e.op == "rsqrt":
+            found.add("rsqrt")
+        elif e.op == "div" and e.args[1].op == "sqrt":
+            found.add("div_sqrt")
+        elif e.op == "recip" and e.args[0].op == "sqrt":
+            found.add("recip_sqrt")
+    return tuple(root for root in ROOTS if root in found) or (RSQRT,)
+
+
+def _inexact_pow(exprs: dict[tuple, Any], points: list[tuple]) -> str | None:
+    """Why a norm whose inverse root is `pow(v, -0.5)` in a reduced dtype matches no
+    variant (`expr.power`: there ATen's `pow` rounds otherwise than `rsqrt`), or None."""
+    for point in points:
+        for e in walk(exprs[point]):
+            if e.op == "pow" and e.args[1] == const(-0.5):
+                return (
+                    f"pow(v, -0.5) in {str(e.dtype).removeprefix('torch.')} rounds "
+                    "differently from rsqrt(v), and no kernel computes it"
+                )
+    return None
 
 
 def _eps_candidates(module: nn.Module) -> list[str]:
@@ -143,7 +174,8 @@ def prove_variant(module: nn.Module) -> NormMatch:
         for e in walk(native_expr)
         if e.op == "const" and e.value != MARKER and math.isfinite(e.value)
     }
-    for variant in candidate_variants(weight is not None, offsets):
+    roots = root_spellings(exprs[point] for point in required)
+    for variant in candidate_variants(weight is not None, offsets, roots):
         if all(kernel_expr(variant, *point) == exprs[point] for point in required):
             verified = frozenset(
                 point
@@ -160,7 +192,8 @@ def prove_variant(module: nn.Module) -> NormMatch:
                 carried_buffers=_carried_buffers(module, used),
             )
     raise RewriteRefused(
-        diagnose(native_expr, MARKER)
+        _inexact_pow(exprs, required)
+        or diagnose(native_expr, MARKER)
         or f"computes no FusedRMSNorm variant: {str(native_expr).replace(repr(MARKER), 'eps')}"
     )
 

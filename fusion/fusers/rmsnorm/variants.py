@@ -11,7 +11,7 @@ from torch import nn
 
 from fusion.fusers.rmsnorm.tracing import NormTrace, evaluate, trace_at
 from fusion.kernels import torch_ref
-from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
+from fusion.kernels.norm_variant import DEFAULT_VARIANT, RSQRT, NormVariant
 
 GRID = (torch.float32, torch.bfloat16, torch.float16)
 """Dtypes every accepted variant must reproduce exactly, for the input and the weight."""
@@ -40,19 +40,22 @@ class Variant:
         return self.kernel.describe(self.has_weight)
 
 
-def candidate_variants(has_weight: bool, offsets: set[float]) -> list[Variant]:
-    """Candidate variants, simplest first: for each statistics dtype (float32 first) and
-    offset (none first), Llama's weight-after-cast order, Gemma's weight-before-cast, then
-    T5's cast to the weight's dtype."""
+def candidate_variants(
+    has_weight: bool, offsets: set[float], roots: tuple[str, ...] = (RSQRT,)
+) -> list[Variant]:
+    """Candidate variants, simplest first: for each root spelling (`roots`, in order),
+    statistics dtype (float32 first) and offset (none first), Llama's weight-after-cast
+    order, Gemma's weight-before-cast, then T5's cast to the weight's dtype."""
     result = []
-    for upcast in (True, False):
-        if not has_weight:
-            result.append(Variant(False, NormVariant(upcast=upcast)))
-            continue
-        for offset in sorted(offsets, key=lambda v: (v != 0.0, v)):
-            result.append(Variant(True, NormVariant(offset, upcast, True, False)))
-            result.append(Variant(True, NormVariant(offset, upcast, False, False)))
-            result.append(Variant(True, NormVariant(offset, upcast, True, True)))
+    for root in roots:
+        for upcast in (True, False):
+            if not has_weight:
+                result.append(Variant(False, NormVariant(upcast=upcast, root=root)))
+                continue
+            for offset in sorted(offsets, key=lambda v: (v != 0.0, v)):
+                for after, to_weight in ((True, False), (False, False), (True, True)):
+                    kernel = NormVariant(offset, upcast, after, to_weight, root=root)
+                    result.append(Variant(True, kernel))
     return result
 
 

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
+import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import fusion
 from fusion.kernels import calibration
-from fusion.kernels.calibration import Entry, Ratio, Table
+from fusion.kernels.calibration import SCHEMA, CalibrationWarning, Entry, Ratio, Table
+from fusion.kernels.policy import POLICY
+from tests.fusion.tiny_models import tiny_model, token_ids
 
 
 @pytest.fixture
@@ -65,9 +73,11 @@ def test_table_round_trip_and_foreign_files(cache) -> None:
     data = json.loads(path.read_text())
     data["key"] = "0" * 16
     path.write_text(json.dumps(data))
-    assert calibration.load_table().entries == {}  # measured on another machine
+    with pytest.warns(CalibrationWarning, match="another machine"):
+        assert calibration.load_table().entries == {}  # measured on another machine
     path.write_text("{not json")
-    assert calibration.load_table().entries == {}
+    with pytest.warns(CalibrationWarning, match=str(path)):
+        assert calibration.load_table().entries == {}
 
 
 def test_machine_key_follows_the_limiting_environment(monkeypatch) -> None:
@@ -142,3 +152,152 @@ def test_the_stream_outgrows_the_cache_it_measures_past(monkeypatch) -> None:
     # ...but never more than a quarter of the memory available now.
     monkeypatch.setattr(calibration, "_available_bytes", lambda: 1 << 30)
     assert calibration.stream_bytes() == 256 << 20
+
+
+def _saved(table: Table) -> dict:
+    return json.loads(json.dumps(table.to_json()))
+
+
+def _load_warnings(path, data) -> tuple[Table, list[str]]:
+    path.write_text(json.dumps(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = calibration.load_table()
+    return table, [str(w.message) for w in caught if w.category is CalibrationWarning]
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda d: d["entries"][0]["ratios"]["stacked"].update(median="1.5"), "median: '1.5'"),
+        (lambda d: d["entries"][0]["ratios"]["stacked"].update(q25=None), "q25: None"),
+        (lambda d: d["entries"][0]["median_us"].update(reference=float("nan")), "nan"),
+        (lambda d: d["entries"][0]["median_us"].update(stacked=-3.0), "-3.0"),
+        (lambda d: d["entries"][0]["ratios"].update(fastest={}), "'fastest' is not one of"),
+        (lambda d: d["entries"][0].update(op="conv"), "'conv' is not one of"),
+        (lambda d: d["entries"][0].update(dtype="float33"), "'float33' is not the name"),
+        (lambda d: d["entries"][0].update(dtype="int8"), "'int8' is not the name"),
+        (lambda d: d["entries"][0].update(rows=12), "12 is not a row bucket"),
+        (lambda d: d["entries"][0].update(threads=True), "True is not a positive integer"),
+        (lambda d: d["entries"][0].update(shape=[8, 16]), "is not a stacked shape"),
+        (lambda d: d["entries"][0].update(colour="blue"), "unknown field 'colour'"),
+        (lambda d: d["entries"][0].pop("rounds"), "no 'rounds'"),
+        (lambda d: d["entries"].append(d["entries"][0]), "a second entry"),
+        (lambda d: d.update(entries={}), "not a list"),
+        (lambda d: d.update(schema=SCHEMA + 1), "schema"),
+    ],
+)
+def test_a_bad_table_is_ignored_with_one_warning_naming_it(cache, edit, problem) -> None:
+    table = calibration.load_table()
+    table.add(_entry())
+    path = calibration.save_table(table)
+    data = _saved(table)
+    edit(data)
+    loaded, messages = _load_warnings(path, data)
+    assert loaded.entries == {}
+    assert len(messages) == 1 and str(path) in messages[0] and problem in messages[0], messages
+
+
+def test_a_valid_table_loads_without_a_warning(cache) -> None:
+    table = calibration.load_table()
+    table.add(_entry())
+    loaded, messages = _load_warnings(calibration.save_table(table), _saved(table))
+    assert messages == [] and list(loaded.entries.values()) == [_entry()]
+
+
+# --- random corruptions of a table a fused model reads: no forward ever raises ---
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.sampled_from(["float32", "bfloat16", "stacked", "native", "reference", "linear"]),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _paths(node, prefix=()) -> list[tuple]:
+    """Every (container path, key) in a JSON tree."""
+    found = []
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for key, value in items:
+        found.append((prefix, key))
+        if isinstance(value, (dict, list)):
+            found.extend(_paths(value, (*prefix, key)))
+    return found
+
+
+def _corrupt(data: dict, draw) -> dict:
+    data = copy.deepcopy(data)
+    prefix, key = draw(st.sampled_from(_paths(data)))
+    parent = functools.reduce(lambda node, k: node[k], prefix, data)
+    action = draw(st.sampled_from(["replace", "delete", "add"]))
+    if action == "delete":
+        del parent[key]
+    elif action == "add" and isinstance(parent, dict):
+        parent[draw(st.text(max_size=6))] = draw(_JSON)
+    else:
+        parent[key] = draw(_JSON)
+    return data
+
+
+@pytest.fixture(scope="module")
+def calibrated_qwen3():
+    """A fused tiny Qwen3 (stacked and linear products), the unfused logits, and a valid
+    table that measures every product it asks about as a clear win for every kernel."""
+    unfused = tiny_model("qwen3").eval()
+    fused = copy.deepcopy(unfused)
+    assert fusion.fuse(fused).applied
+    ids = token_ids(batch=1, seq=3)
+    POLICY.reset()
+    POLICY.set_table(Table("tests"))
+    with POLICY.recording_asks(), torch.no_grad():
+        fused(ids)
+    table = Table(calibration.machine_key())
+    for op, shape, dtype, rows, threads in sorted(POLICY.asked):
+        kernels = calibration.OPS[op][1:]
+        table.add(
+            Entry(
+                op=op,
+                shape=shape,
+                dtype=dtype,
+                rows=rows,
+                threads=threads,
+                median_us={"reference": 10.0, **dict.fromkeys(kernels, 5.0)},
+                ratios=dict.fromkeys(kernels, Ratio(2.0, 1.5, 2.5)),
+                rounds=9,
+            )
+        )
+    assert {e.op for e in table.entries.values()} >= {"stacked"}
+    with torch.no_grad():
+        expected = unfused(ids).logits
+    return fused, ids, expected, table
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_random_corruptions_never_make_a_forward_raise(cache, calibrated_qwen3, data) -> None:
+    fused, ids, expected, table = calibrated_qwen3
+    path = calibration.save_table(table)
+    corrupted = _corrupt(_saved(table), data.draw)
+    path.write_text(json.dumps(corrupted))
+    POLICY.reset()
+    POLICY.use("measured")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        logits = fused(ids).logits  # loads the table from disk: must not raise
+    messages = [w for w in caught if w.category is CalibrationWarning]
+    assert len(messages) <= 1
+    if messages:  # ignored whole: every product on its reference, as uncalibrated
+        assert POLICY.table.entries == {}
+        assert torch.equal(logits, expected)
+    POLICY.reset()

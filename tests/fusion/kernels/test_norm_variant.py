@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusion.kernels import ops
+from fusion.kernels import ops, torch_ref
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.modules import FusedRMSNorm
 
@@ -57,3 +57,44 @@ def test_fused_norm_pickled_with_separate_flags_unpickles_to_its_variant() -> No
     assert "offset" not in old.__dict__
     again = pickle.loads(pickle.dumps(old))
     assert again.variant == GEMMA and torch.equal(again(x), norm(x))
+
+
+DIV = NormVariant(root="div_sqrt")
+RECIP = NormVariant(root="recip_sqrt")
+
+
+def test_root_is_validated_and_described() -> None:
+    with pytest.raises(ValueError, match="root 'sqrt'"):
+        NormVariant(root="sqrt")
+    assert DEFAULT_VARIANT.fast and not DIV.fast and not RECIP.fast
+    assert DIV.describe().endswith(", x / sqrt(v)") and DIV != DEFAULT_VARIANT
+    assert RECIP.describe().endswith(", x * (1 / sqrt(v))")
+
+
+@pytest.mark.parametrize("variant", [DIV, RECIP])
+def test_every_shortcut_declines_a_non_rsqrt_root(variant: NormVariant) -> None:
+    """No `torch.rms_norm` call, no operator (its schema has no root), no backend kernel:
+    `ops.rms_norm` and `ops.add_rms_norm` are `torch_ref`'s plain ops in that spelling,
+    bit for bit, on every CPU backend."""
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=generator)  # x * (1 / s) is rarer off in float32
+    b = torch.randn(512, 64, generator=generator)
+    weight = 1 + 0.1 * torch.randn(64, generator=generator)
+    assert torch_ref.aten_norm(x, weight, variant) is None
+    assert torch_ref.aten_norm(x, weight, DEFAULT_VARIANT) is not None
+    with pytest.raises(ValueError, match="rsqrt spelling only"):
+        ops._operator_args(variant)
+    h = x.float()
+    v = h.pow(2).mean(-1, keepdim=True) + 1e-6
+    n = h / torch.sqrt(v) if variant.root == "div_sqrt" else h * (1 / torch.sqrt(v))
+    expected = weight * n
+    assert not torch.equal(expected, weight * (h * torch.rsqrt(v)))  # the spellings differ
+    for backend in ("auto", "torch", "native", "onednn"):
+        try:
+            ops.rms_norm(backend, x[:1], weight, 1e-6)
+        except ValueError:
+            continue  # not available on this machine
+        assert torch.equal(ops.rms_norm(backend, x, weight, 1e-6, variant=variant), expected)
+        total, norm = ops.add_rms_norm(backend, x - b, b, weight, 1e-6, variant=variant)
+        assert torch.equal(norm, torch_ref.rms_norm(total, weight, 1e-6, variant=variant))

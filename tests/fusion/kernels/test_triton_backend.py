@@ -214,6 +214,22 @@ def test_rms_norm_matches_reference(name, device, variant, weight_kind, shape, s
         assert torch.equal(x, x_before), "the kernel wrote to its input"
 
 
+@pytest.mark.parametrize(("name", "device"), BACKENDS)
+@pytest.mark.parametrize("root", ["div_sqrt", "recip_sqrt"])
+def test_a_non_rsqrt_root_is_the_reference_bit_for_bit(name, device, root) -> None:
+    """A backend's kernel multiplies by `rsqrt`: for another spelling of the root
+    (`NormVariant.fast` false) it declines, and the reference's own ops run."""
+    backend = _backend(name, device)
+    variant = NormVariant(root=root)
+    for dtype in _dtypes(device):
+        x = _inputs((6, 96), dtype, device, strided=False, seed=3)
+        w = _weight("same", 96, dtype, device, seed=4)
+        expected = torch_ref.rms_norm(x, w, 1e-6, variant=variant)
+        assert torch.equal(backend.rms_norm(x, w, 1e-6, variant=variant), expected)
+        total, norm = backend.add_rms_norm(x, x, w, 1e-6, variant=variant)
+        assert torch.equal(norm, torch_ref.rms_norm(total, w, 1e-6, variant=variant))
+
+
 ACT_SHAPES = [
     pytest.param((1, 2), False, id="1x2"),
     pytest.param((3, 5, 74), False, id="3x5x74"),
