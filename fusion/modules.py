@@ -422,11 +422,17 @@ DtypePair = tuple[torch.dtype, torch.dtype | None]
 
 
 def uses_float32_aten(variant: NormVariant) -> bool:
-    """Whether `torch.rms_norm` computes `variant` on float32 operands: ATen's composite
-    (`torch_ref.ATEN_RMS_NORM_IS_COMPOSITE`), statistics in float32 and no offset (the weight
+    """Whether `torch.rms_norm` computes `variant` on float32 operands: the `rsqrt` spelling
+    (`NormVariant.fast`), ATen's composite (`torch_ref.ATEN_RMS_NORM_IS_COMPOSITE`),
+    statistics in float32 and no offset (the weight
     order and cast target do not matter when everything is float32). Read once per fused
     norm, so the float32 fast path asks one attribute."""
-    return variant.upcast and not variant.offset and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
+    return (
+        variant.fast
+        and variant.upcast
+        and not variant.offset
+        and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
+    )
 
 
 def norm_eps(eps: float | None, dtype: torch.dtype) -> float:

@@ -228,30 +228,9 @@ ROOT_SPELLINGS = {
 }
 
 
-def _fused_shortcut_pending(name: str, dtype: torch.dtype):
-    """FusedRMSNorm's float32 `torch.rms_norm` shortcut (`_float32_aten`) does not ask
-    `NormVariant.fast` yet (the module is being rewritten elsewhere to call `ops.rms_norm`,
-    which declines): until then the float32 case of a non-rsqrt root computes rsqrt. Strict:
-    once the shortcut asks, these pass and the mark must go."""
-    _, root, upcast = ROOT_SPELLINGS[name]
-    # The shortcut takes float32 pairs of an upcast variant with a weight only.
-    pending = dtype == torch.float32 and root != "rsqrt" and upcast and "weightless" not in name
-    return pytest.param(
-        name,
-        dtype,
-        marks=[pytest.mark.xfail(strict=True, reason="FusedRMSNorm float32 shortcut")]
-        if pending
-        else [],
-    )
-
-
 @pytest.mark.parametrize(
     ("name", "dtype"),
-    [
-        _fused_shortcut_pending(name, dtype)
-        for name in sorted(ROOT_SPELLINGS)
-        for dtype in (torch.float32, torch.bfloat16)
-    ],
+    [(name, dtype) for name in sorted(ROOT_SPELLINGS) for dtype in (torch.float32, torch.bfloat16)],
 )
 def test_each_root_spelling_keeps_its_ops_bit_for_bit(name: str, dtype: torch.dtype) -> None:
     """`x / sqrt(v)`, `x * (1 / sqrt(v))` and `x * rsqrt(v)` round differently (1-2 ulp on
@@ -262,15 +241,17 @@ def test_each_root_spelling_keeps_its_ops_bit_for_bit(name: str, dtype: torch.dt
     norm = _synthetic(body, weight=not weightless).to(dtype)
     fused, report = fused_norm(norm)
     assert report.counts() == {"rmsnorm": 1}, reasons(report)
-    assert fused.variant.root == root and fused.variant.upcast == upcast
+    variant = norm_forward(fused).variant
+    assert variant.root == root and variant.upcast == upcast
     x = torch.randn(64, 4, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
     weight = None if weightless else norm.weight
     with torch.no_grad():
         expected = norm(x)
         for backend in ("auto", "torch"):
-            out = fusion.kernels.ops.rms_norm(backend, x, weight, 1e-6, variant=fused.variant)
+            out = fusion.kernels.ops.rms_norm(backend, x, weight, 1e-6, variant=variant)
             assert torch.equal(out, expected), backend
         assert torch.equal(fused(x), expected)
+    assert norm_forward(fused).guard_failures == 0  # the fused path computed it
 
 
 def test_root_spellings_are_told_apart() -> None:
