@@ -240,6 +240,12 @@ def _compiles(mode: str, architecture: str) -> bool:
     return mode == "all" or (mode == "full" and architecture in COMPILE_SELECTION)
 
 
+def run_operation(name: str, ctx: Context) -> OpVerdict:
+    """The verdict of the one operation `name` of `OPERATIONS` on `ctx` (what `check` runs
+    for each; never raises for a model-side problem)."""
+    return _run(_OPERATIONS[name], ctx)
+
+
 def _run(operation: Callable[[Context], str], ctx: Context) -> OpVerdict:
     try:
         return OpVerdict("pass", operation(ctx))
