@@ -741,9 +741,9 @@ def attribute_edits(unfused: nn.Module, fused: nn.Module) -> list[AttributeEdit]
     return edits[:EDIT_LIMIT]
 
 
-CHILD_DEPTH = 2
-"""How far below a changed module `attribute_edits` follows called children: a MoE block
-calls its experts, which call their activation."""
+CHILD_DEPTH = 3
+"""How far below a changed module `attribute_edits` follows called children: a rewritten
+decoder layer calls its MoE block, which calls its experts, which call their activation."""
 
 
 def _own_reads(cls: type, memo: dict[type, SelfReads]) -> list[str]:
@@ -841,6 +841,8 @@ def judge_edit(
     finally:
         if restore is not None:
             restore()
+    if not bool(torch.isfinite(want).all()):  # nothing to compare: NaN never agrees
+        return EditOutcome(edit, "rejected", f"{what}: the unfused logits are not finite")
     try:
         restore = _assign(fused_owner, edit.name, edit.new)
         try:

@@ -392,3 +392,16 @@ def test_self_reads_follow_helpers_children_and_getattr():
     reads = lifecycle.self_reads(_Reader)
     assert reads.paths == {("a",), ("inner",), ("inner", "b"), ("c",), ("d",), ("helper",)}
     assert reads.called == {"helper", "inner"}
+
+
+def _attention_fuse(model: nn.Module) -> None:
+    """Installs each attention's own class forward on the instance (a rewrite computing the
+    original): its `head_dim` edit makes the unfused model raise."""
+    for layer in model.model.layers:
+        layer.self_attn.forward = types.MethodType(type(layer.self_attn).forward, layer.self_attn)
+
+
+def test_an_edit_the_unfused_model_rejects_is_not_judged(llama, llama_inputs):
+    verdict = _edit_attributes(llama, llama_inputs, _attention_fuse)
+    assert verdict.verdict == "pass", verdict
+    assert verdict.detail.endswith("; 1 rejected by the unfused model"), verdict.detail
