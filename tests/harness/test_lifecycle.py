@@ -3,6 +3,8 @@ for when a fuse is made wrong on purpose (fault injection through `check_model`'
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import types
 
 import pytest
@@ -283,3 +285,123 @@ def test_the_route_is_checked(llama, llama_inputs, monkeypatch):
     merged_paths.stale_route(monkeypatch, 1.01)
     result = _run(llama, llama_inputs, fusion.fuse)
     assert _verdicts(result)["route"] == "fail", result.lifecycle["route"]
+
+
+# --------------------------------------------------------------------------------------------
+# edit-attributes
+
+
+class _NormForward:
+    """An instance-level forward installed on an RMSNorm by a test fuse (marked as fusion
+    marks its own): `frozen` computes with the `variance_epsilon` read at fuse time (the
+    defect: a value copied at fuse time), otherwise it reads it at each call, as the class
+    forward does."""
+
+    fusion_installed = True
+
+    def __init__(self, norm: nn.Module, frozen: bool) -> None:
+        self.norm = norm
+        self.eps = norm.variance_epsilon if frozen else None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        eps = self.norm.variance_epsilon if self.eps is None else self.eps
+        variance = hidden.float().pow(2).mean(-1, keepdim=True)
+        return self.norm.weight * (hidden.float() * torch.rsqrt(variance + eps)).to(hidden.dtype)
+
+
+def _norm_fuse(frozen: bool):
+    def fuse(model: nn.Module) -> None:
+        for module in model.modules():
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.forward = _NormForward(module, frozen)
+
+    return fuse
+
+
+def _linear_head_fuse(model: nn.Module) -> None:
+    """Changes only `lm_head`, whose forward reads no plain attribute (weight and bias)."""
+    model.lm_head.forward = types.MethodType(nn.Linear.forward, model.lm_head)
+
+
+def _edit_attributes(model, inputs, fuse) -> lifecycle.OpVerdict:
+    """`edit-attributes` alone on `model` fused by `fuse` (the other operations cost seconds)."""
+    unfused = copy.deepcopy(model)
+    fuse(model)
+    ctx = lifecycle.Context("llama", unfused, model, inputs, torch.float32, None, None, fuse)
+    logits = lifecycle._logits(unfused, ctx), lifecycle._logits(model, ctx)
+    ctx = dataclasses.replace(ctx, unfused_logits=logits[0], fused_logits=logits[1])
+    return lifecycle.run_operation("edit-attributes", ctx)
+
+
+def test_a_value_frozen_at_fuse_time_fails_edit_attributes(llama, llama_inputs):
+    verdict = _edit_attributes(llama, llama_inputs, _norm_fuse(frozen=True))
+    assert verdict.verdict == "fail", verdict
+    assert verdict.detail.startswith(
+        "logits after model.layers.0.input_layernorm.variance_epsilon 1e-06 -> 0.100001: "
+        "max difference"
+    ), verdict.detail
+    assert "3 of 3 edits disagree" in verdict.detail
+
+
+def test_values_read_live_pass_edit_attributes(llama, llama_inputs):
+    verdict = _edit_attributes(llama, llama_inputs, _norm_fuse(frozen=False))
+    assert verdict == lifecycle.OpVerdict("pass", "3 attribute edits agree (3 moved the logits)")
+    # put back in the twins, not the models the check was given
+    assert all(
+        m.variance_epsilon == 1e-6 for m in llama.modules() if hasattr(m, "variance_epsilon")
+    )
+
+
+@pytest.mark.parametrize("fuse", [lambda model: None, _linear_head_fuse], ids=["nothing", "head"])
+def test_nothing_editable_is_not_applicable(llama, llama_inputs, fuse):
+    verdict = _edit_attributes(llama, llama_inputs, fuse)
+    assert verdict.verdict == "n/a", verdict
+    assert "no module fusion changed reads a plain attribute" in verdict.detail
+
+
+def test_one_edit_per_role_and_each_kind_of_value(llama):
+    fused = copy.deepcopy(llama)
+    for module in fused.modules():  # every module changed
+        module.forward = types.MethodType(type(module).forward, module)
+    edits = {e.describe(): e.reader for e in lifecycle.attribute_edits(llama, fused)}
+    # layer 1's norms are the same role as layer 0's: edited once; its layer_idx differs
+    assert edits["model.layers.0.input_layernorm.variance_epsilon 1e-06 -> 0.100001"] == (
+        "model.layers.0.input_layernorm"
+    )
+    assert not any(e.startswith("model.layers.1.input_layernorm") for e in edits)
+    assert "model.layers.1.self_attn.layer_idx 1 -> 2" in edits
+    assert "model.layers.0.self_attn.scaling 0.25 -> 0.375" in edits
+    assert not any(".training " in e for e in edits)
+    assert [lifecycle.edited_value(v) for v in (True, 2, 1, 0.5, 1e-6, "none", "relu")] == [
+        False, 1, 2, 0.75, 0.100001, "tanh", None,
+    ]  # fmt: skip
+
+
+class _Reader(nn.Module):
+    """Reads `self.a`, `self.inner.b`, `getattr(self, "c")`, `self.d` in a helper, calls
+    `self.inner`."""
+
+    def forward(self, x):
+        return self.helper(self.inner(x) * self.a + self.inner.b + getattr(self, "c", 0))
+
+    def helper(self, x):
+        return x * self.d
+
+
+def test_self_reads_follow_helpers_children_and_getattr():
+    reads = lifecycle.self_reads(_Reader)
+    assert reads.paths == {("a",), ("inner",), ("inner", "b"), ("c",), ("d",), ("helper",)}
+    assert reads.called == {"helper", "inner"}
+
+
+def _attention_fuse(model: nn.Module) -> None:
+    """Installs each attention's own class forward on the instance (a rewrite computing the
+    original): its `head_dim` edit makes the unfused model raise."""
+    for layer in model.model.layers:
+        layer.self_attn.forward = types.MethodType(type(layer.self_attn).forward, layer.self_attn)
+
+
+def test_an_edit_the_unfused_model_rejects_is_not_judged(llama, llama_inputs):
+    verdict = _edit_attributes(llama, llama_inputs, _attention_fuse)
+    assert verdict.verdict == "pass", verdict
+    assert verdict.detail.endswith("; 1 rejected by the unfused model"), verdict.detail
