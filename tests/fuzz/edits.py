@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils import parametrize, prune
 
 from harness.lifecycle import Doubled
@@ -209,15 +210,18 @@ def self_reads(cls: type) -> tuple[str, ...]:
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or not function.args.args:
         return ()
     this = function.args.args[0].arg
-    names: dict[str, None] = {}
-    for node in ast.walk(function):
-        if (
-            isinstance(node, ast.Attribute)
+    loads = sorted(
+        (
+            node
+            for node in ast.walk(function)
+            if isinstance(node, ast.Attribute)
             and isinstance(node.ctx, ast.Load)
             and isinstance(node.value, ast.Name)
             and node.value.id == this
-        ):
-            names[node.attr] = None
+        ),
+        key=lambda node: (node.lineno, node.col_offset),
+    )
+    names = dict.fromkeys(node.attr for node in loads)
     return tuple(names)
 
 
@@ -247,6 +251,8 @@ def attribute_sites(model: nn.Module) -> list[tuple[str, str, list[Any]]]:
         for name in self_reads(type(module)):
             if name in module._modules or name in module._parameters or name in module._buffers:
                 continue
+            if name == "p" and isinstance(module, _DropoutNd):
+                continue  # a nonzero rate makes both forwards random: nothing to compare
             value = getattr(module, name, None)
             if isinstance(value, (int, float, bool, str)):
                 values = alternatives(name, value)
@@ -333,19 +339,30 @@ def _instance_forward(model: nn.Module, spec: EditSpec) -> Edit | None:
     return Edit("instance-forward", f"{qualname}.forward = Halving(...)", per_model=patch)
 
 
+def helper_sites(model: nn.Module) -> list[tuple[str, str, bool]]:
+    """(qualified name, name, a class method) for every callable that is not a child a
+    module's original forward reads as `self.<name>`: a method of its class (patchable on the
+    class or the instance) or a function stored on the instance (an activation's `act`)."""
+    sites = []
+    for qualname, module in model.named_modules():
+        for name in self_reads(type(module)):
+            if name == "forward" or name in module._modules:
+                continue
+            if name in module.__dict__:
+                value = module.__dict__[name]
+                if callable(value) and not isinstance(value, (nn.Module, torch.Tensor, type)):
+                    sites.append((qualname, name, False))
+            elif inspect.isfunction(inspect.getattr_static(type(module), name, None)):
+                sites.append((qualname, name, True))
+    return sites
+
+
 def _helper_method(model: nn.Module, spec: EditSpec) -> Edit | None:
-    sites = [
-        (qualname, name)
-        for qualname, module in model.named_modules()
-        for name in self_reads(type(module))
-        if name != "forward"
-        and name not in module.__dict__
-        and inspect.isfunction(inspect.getattr_static(type(module), name, None))
-    ]
+    sites = helper_sites(model)
     if not sites:
         return None
-    qualname, name = sites[spec.site % len(sites)]
-    if spec.choice % 2 == 0:
+    qualname, name, on_class = sites[spec.site % len(sites)]
+    if on_class and spec.choice % 2 == 0:
         cls = type(model.get_submodule(qualname))
 
         def patch_class(held: Patches) -> None:

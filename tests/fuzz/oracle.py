@@ -736,7 +736,10 @@ def check_edit(generated: GeneratedModule, spec: EditSpec, seed: int, directory:
                         _tail(exc),
                     )
                     return Outcome("fused", report, failure)
-            failure, why = _pair_failure(module, seed, original, fused, label)
+            # A model built inside inference mode is run as one is: without autograd (its
+            # inference-tensor parameters cannot be saved for backward, fused or not).
+            with torch.set_grad_enabled(not edit.build_in_inference_mode):
+                failure, why = _pair_failure(module, seed, original, fused, label)
             if failure is None and why:
                 return Outcome("discarded", report, crash=why)
             if failure is None and pristine is not None:
