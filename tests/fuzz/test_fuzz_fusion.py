@@ -19,6 +19,10 @@ family a fix was made for stays reached.
 Add one for every new finding: the shrunk source from its repro bundle, with the header
 lines `# fuzz finding: <name> (shape <shape>)`, `# hazards: ...`, `# features: ...`.
 
+`test_post_fuse_edit_is_safe` (issue 43) draws one edit a user makes after fusing
+(tests/fuzz/edits.py) and applies it to the fused module and to an unfused copy; the pair
+is judged the same way. Each edit kind is a tally family of its own (`edit-<kind>`).
+
 A second test checks the generator itself on a fixed, derandomized batch: it must produce
 modules the engine actually fuses (at least MIN_SAFE_FUSED of the hazard-free ones, for
 every shape), hazardous ones too, and programs that run.
