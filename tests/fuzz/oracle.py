@@ -41,6 +41,7 @@ import linecache
 import math
 import sys
 import traceback
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -58,6 +59,7 @@ from fusion.checkpoint import unfused_named
 from fusion.report import FusionReport
 from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
 from tests.fusion.merged_paths import measured_references, stacked_products
+from tests.fuzz.edits import Edit, EditSpec, patches, resolve
 from tests.fuzz.strategies import SHAPES, GeneratedModule
 
 TOLERANCE = 1e-5
@@ -72,6 +74,7 @@ FAILURE_KINDS = (
     "gradient-parity",  # an input or parameter gradient differs beyond GRAD_TOLERANCE
     "ambient-state",  # under autocast or a torch-function mode, an output differs
     "premise-change",  # with a guarded child replaced after fusing, an output differs
+    "edit-error",  # a post-fuse edit the unfused model takes raised on the fused model
 )
 
 GRAD_TOLERANCE = 1e-4
@@ -148,6 +151,9 @@ class Outcome:
     report: FusionReport | None = None
     failure: Failure | None = None
     crash: str = ""
+    """Why the unfused forward raised (crashed), or why a post-fuse edit example was not
+    judged (`n/a`: no site for its kind; `discarded`: the unfused model refuses the edit,
+    or both models raise after it)."""
 
     @property
     def fusers(self) -> tuple[str, ...]:
@@ -604,6 +610,149 @@ def _premise_failure(
     return None
 
 
+def _labelled(failure: Failure | None, label: str) -> Failure | None:
+    """`failure` with `label` in front of its message."""
+    if failure is None:
+        return None
+    return dataclasses.replace(failure, message=f"{label}: {failure.message}")
+
+
+def _pair_failure(
+    module: ModuleType, seed: int, unfused: nn.Module, fused: nn.Module, label: str
+) -> tuple[Failure | None, str]:
+    """(failure, why not judged) of one forward of each model, with autograd on, on fresh
+    inputs: outputs and mutated inputs must agree to TOLERANCE. Where the unfused forward
+    raises, the fused one must raise too: then (None, why); a fused forward that returns
+    is a `module-parity` failure (it computes something the original does not)."""
+    args, kwargs = make_inputs(module, seed)
+    args_fused, kwargs_fused = copy.deepcopy((args, kwargs))
+    try:
+        expected = unfused(*args, **kwargs)
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        try:
+            fused(*args_fused, **kwargs_fused)
+        except Exception:
+            return None, f"{label}: both forwards raise ({raised})"
+        return Failure(
+            "module-parity", f"{label}: the unfused forward raises ({raised}), the fused returns"
+        ), ""
+    try:
+        actual = fused(*args_fused, **kwargs_fused)
+    except Exception as exc:
+        return Failure(
+            "fused-forward-error", f"{label}: {type(exc).__name__}: {exc}", _tail(exc)
+        ), ""
+    for kind, want, got, what in (
+        ("module-parity", expected, actual, "output"),
+        ("input-state", (args, kwargs), (args_fused, kwargs_fused), "inputs"),
+    ):
+        error, where = compare(state(want), state(got), what)
+        if error > TOLERANCE:
+            return Failure(
+                kind,
+                f"{label}: {where} differs (relative error {error:.3g})",
+                observed=error,
+                tolerance=TOLERANCE,
+            ), ""
+    return None, ""
+
+
+def _apply_edit(edit: Edit, held: Any, original: nn.Module, fused: nn.Module) -> Any:
+    """Apply `edit` to both models: (unfused, fused) to run from then on; a string (why
+    discarded) when the unfused model refuses it; a `Failure` (`edit-error`) when only the
+    fused model does."""
+    try:
+        if edit.shared is not None:
+            edit.shared(held)
+        if edit.per_model is not None:
+            original = edit.per_model(original)
+    except Exception as exc:
+        return f"the unfused model refuses the edit ({type(exc).__name__}: {exc})"
+    if edit.per_model is not None:
+        try:
+            fused = edit.per_model(fused)
+        except Exception as exc:
+            return Failure(
+                "edit-error",
+                f"{edit.description}: the fused model refuses it ({type(exc).__name__}: {exc})",
+                _tail(exc),
+            )
+    return original, fused
+
+
+def check_edit(generated: GeneratedModule, spec: EditSpec, seed: int, directory: Path) -> Outcome:
+    """The post-fuse edit family (issue 43): build, fuse a deep copy, run a first forward,
+    then apply the edit `spec` resolves to (tests/fuzz/edits.py) to both models and judge
+    them as `check` judges a fused model (outputs, mutated inputs, gradients, the stacked
+    product, the route, ambient state). `inference-mode` builds and/or fuses inside
+    `torch.inference_mode()` instead, and is judged outside it. Refused modules are not
+    edited (the fused copy is the module as it was)."""
+    with loaded(generated, directory) as module:
+        edit = resolve(spec, None, module) if spec.kind == "inference-mode" else None
+        build_inside = edit is not None and edit.build_in_inference_mode
+        with torch.inference_mode(build_inside):
+            original = build(module, seed)
+            fused = copy.deepcopy(original)
+        edit = edit or resolve(spec, original, module)
+        if edit is None:
+            return Outcome("n/a", crash=f"no {spec.kind} site in this module")
+        try:
+            with torch.inference_mode(edit.fuse_in_inference_mode):
+                report = fusion.fuse(fused)
+        except Exception as exc:
+            failure = Failure("fuse-error", f"{type(exc).__name__}: {exc}", _tail(exc))
+            return Outcome("fused", _plan(original), _labelled(failure, edit.description))
+        if not report.applied:
+            return Outcome("refused", report)
+        if edit.shared is not None or edit.per_model is not None:
+            failure, why = _pair_failure(module, seed, original, fused, "before the edit")
+            if failure is not None:
+                return Outcome("fused", report, failure)
+            if why:
+                return Outcome("crashed", report, crash=why)
+        with patches() as held, warnings.catch_warnings():
+            # backward through quantize_dynamic's linears (both models) warns on every call
+            warnings.filterwarnings("ignore", message="quantized::linear_dynamic")
+            applied = _apply_edit(edit, held, original, fused)
+            if isinstance(applied, str):
+                return Outcome("discarded", report, crash=applied)
+            if isinstance(applied, Failure):
+                return Outcome("fused", report, applied)
+            original, fused = applied
+            label = f"after {edit.description}"
+            try:
+                pristine = copy.deepcopy((original, fused))
+            except Exception as exc:
+                pristine = None
+                try:
+                    copy.deepcopy(original)
+                except Exception:
+                    pass  # the unfused model cannot be copied either: no copies to judge
+                else:
+                    failure = Failure(
+                        "edit-error",
+                        f"{label}: deepcopy of the fused model raises ({type(exc).__name__}: {exc})",
+                        _tail(exc),
+                    )
+                    return Outcome("fused", report, failure)
+            # A model built inside inference mode is run as one is: without autograd (its
+            # inference-tensor parameters cannot be saved for backward, fused or not).
+            with torch.set_grad_enabled(not edit.build_in_inference_mode):
+                failure, why = _pair_failure(module, seed, original, fused, label)
+            if failure is None and why:
+                return Outcome("discarded", report, crash=why)
+            if failure is None and pristine is not None:
+                failure = _gradient_failure(module, seed, *pristine)
+                failure = failure or _stacked_failure(module, seed, *pristine)
+                failure = failure or _stacked_failure(
+                    module, seed, *pristine, path=measured_references, label="on the route"
+                )
+                failure = failure or _ambient_failure(module, seed, *pristine)
+                failure = _labelled(failure, label)
+            return Outcome("fused", report, failure)
+
+
 # -- the tally ------------------------------------------------------------------------------------
 
 
@@ -660,6 +809,21 @@ class Tally:
         if self.checkpoint is not None and self.examples() % self.every == 0:
             self.save(self.checkpoint)
 
+    def record_edit(self, shape: str, kind: str, outcome: Outcome) -> None:
+        """One post-fuse edit example: counted in its edit kind's family (`edit-<kind>`) and
+        in the `edit:<shape>` row, never in the generated module's own families, whose
+        counts stay those of `test_fuse_is_safe`."""
+        for row in (
+            self.families.setdefault(f"edit-{kind}", Counter()),
+            self.counts.setdefault(f"edit:{shape}", Counter()),
+        ):
+            row[outcome.status] += 1
+            row["examples"] += 1
+            if outcome.failure is not None:
+                row["failures"] += 1
+        if self.checkpoint is not None and self.examples() % self.every == 0:
+            self.save(self.checkpoint)
+
     def merge(self, other: dict[str, Any]) -> None:
         """Add a `to_json()` dict (e.g. from an xdist worker)."""
         for shape, row in other.get("counts", {}).items():
@@ -698,11 +862,16 @@ class Tally:
                 f"{self.safe_fused_ratio(shape):>10.0%}  {fusers}"
             )
         if self.families:
-            out.append(f"{'family':<14}{'examples':>9}{'fused':>7}{'refused':>8}{'failed':>7}")
+            out.append(
+                f"{'family':<14}{'examples':>9}{'fused':>7}{'refused':>8}{'failed':>7}{'n/a':>6}"
+            )
             for family, row in sorted(self.families.items()):
+                # n/a: crashed (the unfused forward raised), or for an edit kind, no site or
+                # discarded (the unfused model refuses the edit, or both raise after it)
+                other = row["examples"] - row["fused"] - row["refused"]
                 out.append(
                     f"{family:<14}{row['examples']:>9}{row['fused']:>7}{row['refused']:>8}"
-                    f"{row['failures']:>7}"
+                    f"{row['failures']:>7}{other:>6}"
                 )
         return out
 

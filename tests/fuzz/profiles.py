@@ -24,8 +24,9 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 REPO = Path(__file__).resolve().parents[2]
 DATABASE_DIR = REPO / ".hypothesis" / "fuzz"
 CI_EXAMPLES = 50
-"""Per property and generated shape: test_fuse_is_safe's five shapes (250 examples) and
-test_gate_strategy's gate programs (50). CI's smoke of the generators; the search itself is
+"""Per property and generated shape: test_fuse_is_safe's five shapes (250 examples),
+test_post_fuse_edit_is_safe's (250, one post-fuse edit each) and test_gate_strategy's gate
+programs (50). CI's smoke of the generators; the search itself is
 the `fuzz` profile (`tox -e fuzz`, 10 000 per shape). Measured on a 2-core AMD EPYC (AVX2)
 shared with other work, one process (`-p no:xdist`): test_fuse_is_safe 35-96 s for the five
 shapes, test_gate_programs_are_refused_or_exact 28-63 s (load average 2.5 to 5); 150 examples

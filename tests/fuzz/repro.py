@@ -54,6 +54,7 @@ HARNESS_KIND = {
     "gradient-parity": "module-parity",
     "ambient-state": "module-parity",
     "premise-change": "module-parity",
+    "edit-error": "fused-forward-error",
 }
 """The harness bundle kind closest to each oracle failure kind (the exact one is kept in
 `generated.kind`)."""

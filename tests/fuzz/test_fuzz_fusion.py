@@ -19,6 +19,10 @@ family a fix was made for stays reached.
 Add one for every new finding: the shrunk source from its repro bundle, with the header
 lines `# fuzz finding: <name> (shape <shape>)`, `# hazards: ...`, `# features: ...`.
 
+`test_post_fuse_edit_is_safe` (issue 43) draws one edit a user makes after fusing
+(tests/fuzz/edits.py) and applies it to the fused module and to an unfused copy; the pair
+is judged the same way. Each edit kind is a tally family of its own (`edit-<kind>`).
+
 A second test checks the generator itself on a fixed, derandomized batch: it must produce
 modules the engine actually fuses (at least MIN_SAFE_FUSED of the hazard-free ones, for
 every shape), hazardous ones too, and programs that run.
@@ -32,7 +36,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-from tests.fuzz.oracle import SESSION_TALLY, Tally, check
+from tests.fuzz.edits import edit_specs
+from tests.fuzz.oracle import SESSION_TALLY, Tally, check, check_edit
 from tests.fuzz.profiles import FUZZ_SETTINGS
 from tests.fuzz.repro import write_bundle
 from tests.fuzz.strategies import SHAPES, GeneratedModule, generated_modules
@@ -69,6 +74,38 @@ def test_fuse_is_safe(
         f"  module: {module.describe()}\n"
         f"  applied: {', '.join(outcome.fusers) or 'nothing'}\n"
         f"  repro bundle: {bundle} (python {bundle / 'repro.py'})\n{failure.detail}"
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_post_fuse_edit_is_safe(
+    shape: str, data: st.DataObject, generated_dir: Path, repro_dir: Path
+) -> None:
+    """Issue 43: after fusing (and a first forward), one edit a user makes (tests/fuzz/
+    edits.py: an attribute the original forward reads, a method patch, a helper's code, a
+    shadowed child, quantize_dynamic, a shallow copy, a new bias, a parametrized or pruned
+    weight, inference-mode construction) applied to the fused model and to an unfused copy
+    leaves them computing the same function. `FUZZ_EDIT_KINDS` narrows the kinds drawn.
+    Hazard-free modules only: they fuse most often (hazards are `test_fuse_is_safe`'s), and
+    a refused module is not edited."""
+    module = data.draw(generated_modules(shape, safe=True), label="module")
+    seed = data.draw(SEEDS, label="seed")
+    spec = data.draw(edit_specs(), label="edit")
+    outcome = check_edit(module, spec, seed, generated_dir)
+    SESSION_TALLY.record_edit(shape, spec.kind, outcome)
+    failure = outcome.failure
+    if failure is None:
+        return
+    bundle = write_bundle(repro_dir, f"fuzz-edit--{shape}--{spec.kind}", module, seed, outcome)
+    note(module.source)
+    raise AssertionError(
+        f"{failure.kind}: {failure.message}\n"
+        f"  edit: {spec}\n"
+        f"  module: {module.describe()}\n"
+        f"  applied: {', '.join(outcome.fusers) or 'nothing'}\n"
+        f"  repro bundle: {bundle} (module and seed; the edit is in the message)\n{failure.detail}"
     )
 
 

@@ -1,0 +1,196 @@
+"""The post-fuse edit family (tests/fuzz/edits.py, `oracle.check_edit`): its sites are what
+the original forwards read, its patches are undone, and the oracle notices a fused model
+that froze what an edit changes (each fault injected through a stand-in `fusion.fuse`)."""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fusion.report import Applied, FusionReport
+from tests.fuzz import oracle
+from tests.fuzz.edits import (
+    EDIT_KINDS,
+    EditSpec,
+    Halving,
+    alternatives,
+    attribute_sites,
+    helper_sites,
+    patches,
+    resolve,
+    self_reads,
+)
+from tests.fuzz.oracle import Tally, check_edit
+from tests.fuzz.strategies import GeneratedModule
+
+SOURCE = """\
+import torch
+from torch import nn
+
+
+def double(t):
+    return t * 2.0
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.act = nn.GELU()
+        self.scale = 0.5
+        self.enabled = True
+
+    def helper(self, t):
+        return t + 1.0
+
+    def forward(self, x):
+        y = self.act(self.proj(x)) * self.scale
+        if self.enabled:
+            y = self.helper(y)
+        return double(y)
+
+
+class GeneratedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Scaled()
+
+    def forward(self, *args, **kwargs):
+        return self.block(*args, **kwargs)
+
+
+def build():
+    return GeneratedModel()
+
+
+def make_inputs(generator):
+    return (torch.randn(2, 3, 8, generator=generator),), {}
+"""
+
+MODULE = GeneratedModule("glu_mlp", "GeneratedModel", SOURCE, (), ("handwritten",))
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Iterator[types.ModuleType]:
+    """SOURCE imported from a file (the sites are read from its source text)."""
+    with oracle.loaded(MODULE, tmp_path) as module:
+        yield module
+
+
+def _frozen_forward(block: nn.Module, scale: float, enabled: bool):
+    """What a fusion that copied `scale`, `enabled`, the helper and the children at fuse
+    time would run (the snapshot issue 43 is about)."""
+    proj, act, helper = block.proj, block.act, type(block).helper
+
+    def forward(x):
+        y = nn.GELU.forward(act, nn.Linear.forward(proj, x)) * scale
+        return (helper(block, y) if enabled else y) * 2.0
+
+    return forward
+
+
+def _snapshot_fuse(model: nn.Module) -> FusionReport:
+    block = model.block
+    block.forward = _frozen_forward(block, block.scale, block.enabled)
+    return FusionReport(applied=[Applied("block", "snapshot", "Scaled", "frozen")])
+
+
+def _honest_fuse(model: nn.Module) -> FusionReport:
+    return FusionReport(applied=[Applied("block", "honest", "Scaled", "nothing frozen")])
+
+
+def test_sites_are_what_the_original_forward_reads(source: types.ModuleType) -> None:
+    model = source.build()
+    assert self_reads(type(model.block)) == ("act", "proj", "scale", "enabled", "helper")
+    assert self_reads(nn.GELU) == ("approximate",)
+    sites = {(q, n): values for q, n, values in attribute_sites(model)}
+    assert sites[("block", "scale")] == [1.0, 0.25, 0.75, 5.0]
+    assert sites[("block", "enabled")] == [False]
+    assert sites[("block.act", "approximate")] == ["tanh"]
+    assert ("block", "proj") not in sites  # a child, not a scalar
+    assert ("block", "helper", True) in helper_sites(model)
+    assert alternatives("n", 2) == [1, 3]
+    assert alternatives("name", "unknown string") == []
+
+
+def test_every_kind_resolves_or_says_no_site(source: types.ModuleType) -> None:
+    module = source
+    model = module.build()
+    for kind in EDIT_KINDS:
+        edit = resolve(EditSpec(kind, 0, 0), model, module)
+        assert edit is not None, kind  # this module offers every kind a site
+        assert edit.kind == kind and edit.description
+    with pytest.raises(ValueError, match="unknown edit kind"):
+        resolve(EditSpec("no-such-kind", 0, 0), model, module)
+
+
+def test_patches_are_undone_and_halving_follows_deepcopy(source: types.ModuleType) -> None:
+    module = source
+    forward, code = nn.Linear.forward, module.double.__code__
+    with patches() as held:
+        held.set(nn.Linear, "forward", lambda self, x: x)
+        held.set(module.Scaled, "extra", 1)
+        held.set(module.double, "__code__", (lambda t: t).__code__)
+        assert module.double(3) == 3
+    assert nn.Linear.forward is forward and module.double.__code__ is code
+    assert "extra" not in vars(module.Scaled)
+
+    model = module.build()
+    model.block.forward = Halving(model.block.forward)
+    twin = copy.deepcopy(model)
+    assert twin.block.forward.inner.__self__ is twin.block  # not the original's forward
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(twin(x), model(x))
+
+
+@pytest.mark.parametrize(
+    ("kind", "caught"),
+    [
+        ("attribute", True),  # a frozen scale or flag
+        ("helper-method", True),  # the helper resolved at fuse time
+        ("class-forward", True),  # the GELU class forward called directly
+        ("shadow-setattr", False),  # the snapshot still reads block.proj: shadow missed too
+        ("copy-copy", True),  # the copy's forward reads the original's values
+    ],
+)
+def test_a_snapshot_fusion_fails_the_edit_family(
+    kind: str, caught: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every site of the kind is tried: a snapshot fusion fails at least one of them."""
+    monkeypatch.setattr(oracle.fusion, "fuse", _snapshot_fuse)
+    failures = [
+        check_edit(MODULE, EditSpec(kind, site, choice), 0, tmp_path).failure
+        for site in range(4)
+        for choice in range(2)
+    ]
+    found = [f for f in failures if f is not None]
+    if caught:
+        assert found, kind
+        assert all(f.kind in ("module-parity", "gradient-parity") for f in found), found
+        assert all(f.message.startswith("after ") for f in found), found
+    else:
+        assert all(f is None or f.kind != "edit-error" for f in failures)
+
+
+@pytest.mark.parametrize("kind", EDIT_KINDS)
+def test_an_honest_fusion_passes_every_edit(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A "fusion" that changes nothing passes every edit kind: the oracle's verdicts come
+    from the fused model, not from the edits themselves."""
+    monkeypatch.setattr(oracle.fusion, "fuse", _honest_fuse)
+    tally = Tally()
+    for choice in range(3):
+        outcome = check_edit(MODULE, EditSpec(kind, choice, choice), 0, tmp_path)
+        assert outcome.failure is None, (kind, outcome.failure)
+        tally.record_edit("glu_mlp", kind, outcome)
+    row = tally.families[f"edit-{kind}"]
+    assert row["examples"] == 3 and row["failures"] == 0, row
+    assert tally.counts["edit:glu_mlp"]["examples"] == 3
+    assert any(line.startswith(f"edit-{kind}") for line in tally.lines())
