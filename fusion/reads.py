@@ -177,7 +177,12 @@ def _check(owner: Any, name: str) -> tuple[Any, str, str, Any, Any]:
                 entries = state.get(table, {})
                 if entries.get(name) is not None:
                     return (owner, name, kind, entries[name] if kind == "child" else None, None)
-    kind, *rest = guard_key(getattr(owner, name, _ABSENT))
+    value = getattr(owner, name, _ABSENT)
+    kind, *rest = guard_key(value)
+    if kind == "method" and name in getattr(owner, "__dict__", {}):
+        # A bound method stored on the instance (`self.act = self._gelu_python`): one fixed
+        # object, not a fresh binding of the class's function per read.
+        kind, rest = "object", [value]
     a, b = [*rest, None, None][:2]
     return (owner, name, kind, a, b)
 
@@ -216,7 +221,9 @@ def recording(*roots: nn.Module) -> Iterator[list[Read]]:
     # Every class's lookup as it is before any is patched: a class whose base is patched
     # too still records each read once.
     lookups = {cls: cls.__getattribute__ for cls in classes}
-    own = {cls: cls.__dict__["__getattribute__"] for cls in classes if "__getattribute__" in vars(cls)}
+    own = {
+        cls: cls.__dict__["__getattribute__"] for cls in classes if "__getattribute__" in vars(cls)
+    }
 
     def recorder(lookup: Any) -> Any:
         def __getattribute__(self: Any, name: str) -> Any:
