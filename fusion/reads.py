@@ -312,6 +312,7 @@ def guarded_reads(
     *,
     within: tuple[nn.Module, ...] | None = None,
     called: tuple[nn.Module, ...] = (),
+    call_path: bool = True,
     live_tensors: bool = False,
 ) -> tuple[tuple[str, str], ...]:
     """The relevant reads as `(module path in root, attribute name)`, sorted, each checked
@@ -321,7 +322,9 @@ def guarded_reads(
     other modules of the tree are another guard's (a child the fused code calls itself).
     `called`: modules whose call the fused code stands in for: their `forward` and call path
     are guarded by method resolution, and an instance-level `forward` on one refuses (the
-    proof read its class's). `live_tensors`: the fused code reads the parameters and
+    proof read its class's); `call_path=False` leaves the call path (and hooks) to a guard
+    that already checks it per call (`fusion.guards.ChildGuard` on the slot holding the
+    module). `live_tensors`: the fused code reads the parameters and
     buffers it was proven with by name at each call, so their presence is guarded, not a
     value (else a tensor read refuses: its contents are frozen into the proof)."""
     tree = {id(module): path for path, module in root.named_modules()}
@@ -356,7 +359,7 @@ def guarded_reads(
             raise RewriteRefused(
                 f"{shown} has an instance-level forward; the proof read its class's"
             )
-        found.update((path, name) for name in ("forward", *CALL_PATH))
+        found.update((path, name) for name in ("forward", *(CALL_PATH if call_path else ())))
     return tuple(sorted(found))
 
 

@@ -79,13 +79,15 @@ def proven_activation(act: nn.Module) -> tuple[str, tuple[Read, ...]]:
     """(`activation_kind(act)`, what identifying it read on `act`'s tree): its settings
     (`approximate`), the function a Transformers wrapper calls (`act`, by identity, or a
     `functools.partial`'s contents), whatever tracing a class of another kind read, and
-    `act`'s `forward` and call path (the kind stands for what calling `act` computes, read
-    off its class). Guarding these (`ReadsGuard`) is what makes the fused `ActAndMul`
+    `act`'s `forward` (the kind stands for what calling `act` computes, read off its
+    class). Guarding these (`ReadsGuard`) is what makes the fused `ActAndMul`
     compute `act` after fusing too; RewriteRefused as `activation_kind`, or for a read no
     per-call guard can see, or an instance-level `forward` on `act`."""
     with recording(act) as recorded:
         kind = activation_kind(act)
-    return kind, resolved(act, guarded_reads(act, recorded, called=(act,)))
+    # The call path and an instance-level forward are `ChildGuard`'s: `fuse` guards the
+    # activation's slot with one, which checks both per call.
+    return kind, resolved(act, guarded_reads(act, recorded, called=(act,), call_path=False))
 
 
 def functional_kind(node: object) -> str | None:

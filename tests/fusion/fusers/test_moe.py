@@ -885,3 +885,24 @@ def test_a_router_with_an_instance_forward_at_fuse_time_is_refused() -> None:
     ids = token_ids()
     with torch.no_grad():
         assert relative_error(reference(ids).logits, model(ids).logits) <= 1e-5
+
+
+def test_an_instance_whose_router_reads_differ_is_matched_on_its_own() -> None:
+    """Two blocks of one signature: the second's router is of a subclass whose forward the
+    class-level match never read (a router's own class is not in the signature). Its routing
+    keys differ, so it is matched again for itself, never given the first block's program."""
+    model = tiny_model("qwen3_moe", seed=3)
+    router = model.model.layers[1].mlp.gate
+    base = type(router)
+
+    def halved(self, x):
+        logits, weights, ids = base.forward(self, x)
+        return logits, weights * 0.5, ids
+
+    router.__class__ = type("HalvedRouter", (base,), {"forward": halved})
+    reference = copy.deepcopy(model)
+    fusion.fuse(model)
+    assert isinstance(model.model.layers[0].mlp, FusedMoE)
+    ids = token_ids()
+    with torch.no_grad():
+        assert relative_error(reference(ids).logits, model(ids).logits) <= 1e-5
