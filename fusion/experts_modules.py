@@ -54,7 +54,6 @@ from __future__ import annotations
 import functools
 import json
 import operator
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -64,6 +63,7 @@ from torch import Tensor, nn
 
 from fusion.callpath import has_hooks
 from fusion.kernels import ops, torch_ref
+from fusion.reads import AttributeGuard
 
 PARAMETER_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 """The parameters of a Transformers experts module, in the names `FusedExperts` keeps."""
@@ -82,108 +82,6 @@ INTERFACE_ATTRIBUTES = (
 
 _MODULE_BOOKKEEPING = frozenset(vars(nn.Module()))
 """`nn.Module`'s own per-instance state: never forwarded to the original."""
-
-
-class Missing:
-    """The value of an attribute that does not exist (a guard key; equal to any other)."""
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Missing)
-
-    def __hash__(self) -> int:
-        return 0
-
-
-def is_plain(value: Any) -> bool:
-    """Is `value` an immutable plain value (compared by value in a guard)?"""
-    if isinstance(value, (tuple, frozenset)):
-        return all(is_plain(v) for v in value)
-    return value is None or isinstance(
-        value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-    )
-
-
-def guard_key(value: Any) -> tuple:
-    """What a guard compares of an attribute's value: `("value", type, value)` for plain
-    values, `("method", function, instance)` for bound methods (a new object per read),
-    `("missing",)`, else `("object", value)` (compared by identity: `AttributeGuard`)."""
-    if isinstance(value, Missing):
-        return ("missing",)
-    if isinstance(value, types.MethodType):
-        return ("method", value.__func__, value.__self__)
-    if is_plain(value):
-        return ("value", type(value), value)
-    return ("object", value)
-
-
-_ABSENT = Missing()
-"""What `getattr` answers for an attribute that does not exist (compared by identity)."""
-
-
-@dataclass(frozen=True)
-class AttributeGuard:
-    """Attributes read by what the fused path replays, with their values at fuse time.
-
-    `checks`: one `(owner, name, kind, a, b)` per read (owners are the original's modules:
-    a deep copy or a pickle of the fused module carries them along), `kind` and `(a, b)`
-    from `guard_key`: `value` (type, value), `object` (the object, None), `method`
-    (function, instance) or `missing` (None, None); `child` (the module, None) for a child
-    module the read resolved to, read from `_modules` (what `nn.Module.__getattr__` reads,
-    without its frame)."""
-
-    checks: tuple[tuple[Any, str, str, Any, Any], ...]
-
-    @property
-    def reads(self) -> tuple[tuple[Any, str], ...]:
-        return tuple((owner, name) for owner, name, *_ in self.checks)
-
-    @classmethod
-    def record(cls, reads: tuple[tuple[Any, str], ...]) -> AttributeGuard:
-        """A guard on `reads` holding for their current values."""
-        checks = []
-        for owner, name in reads:
-            value = getattr(owner, name, _ABSENT)
-            modules = owner.__dict__.get("_modules") if isinstance(owner, nn.Module) else None
-            if modules is not None and name in modules and modules[name] is value:
-                checks.append((owner, name, "child", value, None))
-                continue
-            kind, *rest = guard_key(value)
-            a, b = [*rest, None, None][:2]
-            checks.append((owner, name, kind, a, b))
-        return cls(tuple(checks))
-
-    def holds(self) -> bool:
-        """True when every read attribute has its fuse-time value: plain values by type and
-        value, anything else by identity (never `==` on an arbitrary object, which a tensor
-        answers elementwise). Cost: one attribute read and one comparison per read."""
-        for owner, name, kind, a, b in self.checks:
-            if kind == "child":
-                if owner._modules.get(name) is not a or name in owner.__dict__:
-                    return False
-                continue
-            if kind == "method" and b is owner:
-                # The owner's own method: still the class's function, not shadowed on the
-                # instance. Read through the class because Dynamo answers `__func__` of a
-                # bound method it traces with another object (the guard failed in every
-                # compiled call, and counting it recompiled the graph).
-                if name in owner.__dict__ or getattr(type(owner), name, None) is not a:
-                    return False
-                continue
-            value = getattr(owner, name, _ABSENT)
-            if kind == "value":
-                if type(value) is not a or value != b:
-                    return False
-            elif kind == "object":
-                if value is not a:
-                    return False
-            elif kind == "method":
-                if getattr(value, "__func__", None) is not a:
-                    return False
-                if getattr(value, "__self__", None) is not b:
-                    return False
-            elif value is not _ABSENT:
-                return False
-        return True
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.callpath import has_hooks
-from fusion.experts_modules import INTERFACE_ATTRIBUTES, AttributeGuard
+from fusion.experts_modules import INTERFACE_ATTRIBUTES
 from fusion.kernels import ops
 from fusion.params import apply_state, common_state
+from fusion.reads import AttributeGuard
 
 DtypeRule = torch.dtype | str | None
 """A dtype a routing step casts to: a fixed dtype, `"input"` (the block input's dtype),
@@ -290,6 +291,15 @@ class FusedMoE(nn.Module):
     Without `eager` (Transformers 4 experts, which were repacked into new tensors) training
     mode raises instead of silently computing another function.
 
+    Routing premises (`routing_guard`, `guard_routing`): every attribute the routing proof
+    read (`fusion.fusers.moe.block.routing_reads`: the router's `top_k`, `norm_topk_prob`,
+    scaling factor and group sizes by value, its class's `forward` and call path and its
+    instance dict by method resolution, the children the block calls by identity, the
+    presence of its weight and buffers) and the original block's own `forward`. When one
+    changed since fusing, the call runs `eager`'s forward (with this module's current
+    children put in its slots first), exactly what the unfused block computes now, counted
+    in `guard_failures` (`last_failure` names the read).
+
     Experts implementation: Transformers 5 experts modules dispatch on
     `config._experts_implementation` (`model.set_experts_implementation(...)`). The value at
     fuse time is recorded (`fused_with`); when the model's choice differs from it later, the
@@ -358,6 +368,28 @@ class FusedMoE(nn.Module):
             else None
         )
         self.guard_failures = 0
+        self.last_failure: str | None = None
+
+    routing_guard: AttributeGuard = AttributeGuard(())
+    """The routing proof's reads (`guard_routing`); none for a block fused by an earlier
+    version (its class default)."""
+
+    def guard_routing(self, reads: tuple[tuple[object, str], ...]) -> None:
+        """Guard `reads` (`(owner, name)` on objects this module or `eager` holds) at their
+        current values: a call after one changed runs the original forward."""
+        self.routing_guard = AttributeGuard.record(reads)
+
+    def run_original(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The original block's forward on this module's current children (a child replaced
+        here since fusing is the one it calls), in this module's training mode."""
+        eager = self.eager
+        assert eager is not None
+        slots = eager._modules
+        for name, child in self._modules.items():
+            if name in slots and slots[name] is not child:
+                slots[name] = child
+        eager.training = self.training
+        return eager.forward(hidden_states)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, routing weights [T, K], expert ids [T, K]) for 2-D `x`.
@@ -403,8 +435,15 @@ class FusedMoE(nn.Module):
                     "FusedMoE replaced a block whose forward changes in training mode and "
                     "whose experts were repacked; it reproduces the block in eval mode only"
                 )
-            self.eager.training = True
-            return self.eager(hidden_states)
+            return self.run_original(hidden_states)
+        if self.routing_guard.checks:
+            changed = self.routing_guard.failure()
+            if changed is not None:
+                # A read of the routing proof changed (`top_k`, a flag, the router's
+                # forward): the original computes what the unfused block does now.
+                self.guard_failures += 1
+                self.last_failure = f"{changed} changed since fusing"
+                return self.run_original(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits, weights, ids = self.route(x)

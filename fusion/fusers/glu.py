@@ -26,6 +26,7 @@ from fusion.fusers.stacked import check_stackable, install_merged
 from fusion.graph import is_fn, is_linear, submodule
 from fusion.guards import attribute_guard
 from fusion.modules import AS_COMPUTED, ActAndMul, MergedLinear
+from fusion.reads import AttributeGuard, Read, ReadsGuard, guarded_reads, recording, resolved
 
 
 def activation_kind(act: nn.Module) -> str:
@@ -72,6 +73,21 @@ def activation_kind(act: nn.Module) -> str:
             )
         return traced
     raise RewriteRefused(f"activation {kind.__name__} is not one ActAndMul reproduces exactly")
+
+
+def proven_activation(act: nn.Module) -> tuple[str, tuple[Read, ...]]:
+    """(`activation_kind(act)`, what identifying it read on `act`'s tree): its settings
+    (`approximate`), the function a Transformers wrapper calls (`act`, by identity, or a
+    `functools.partial`'s contents), whatever tracing a class of another kind read, and
+    `act`'s `forward` (the kind stands for what calling `act` computes, read off its
+    class). Guarding these (`ReadsGuard`) is what makes the fused `ActAndMul`
+    compute `act` after fusing too; RewriteRefused as `activation_kind`, or for a read no
+    per-call guard can see, or an instance-level `forward` on `act`."""
+    with recording(act) as recorded:
+        kind = activation_kind(act)
+    # The call path and an instance-level forward are `ChildGuard`'s: `fuse` guards the
+    # activation's slot with one, which checks both per call.
+    return kind, resolved(act, guarded_reads(act, recorded, called=(act,), call_path=False))
 
 
 def functional_kind(node: object) -> str | None:
@@ -285,13 +301,17 @@ class GLUFuser(Fuser):
             raise RewriteRefused(f"gate width {gate.out_features} != up width {up.out_features}")
         self.activation(module)
 
-    def activation(self, module: nn.Module) -> str:
-        """The `ActAndMul` kind for this instance: the functional call's, or its child's."""
-        return self.kind or activation_kind(getattr(module, self.act))
+    def activation(self, module: nn.Module) -> tuple[str, tuple[Read, ...]]:
+        """The `ActAndMul` kind for this instance, the functional call's or its child's, and
+        what identifying the child's read (`proven_activation`; none for a function the
+        forward calls by name: `GlobalsGuard` watches the name)."""
+        if self.kind:
+            return self.kind, ()
+        return proven_activation(getattr(module, self.act))
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
         self.validate(module)
-        kind = self.activation(module)
+        kind, reads = self.activation(module)
         linears = check_stackable(module, (self.gate, self.up), "gate_up_proj")
         install_merged(module, "gate_up_proj", MergedLinear.from_linears(linears, backend))
         module.act_and_mul = ActAndMul(kind, backend)
@@ -300,6 +320,8 @@ class GLUFuser(Fuser):
             names.append(self.act)
         guards = [attribute_guard(module, n, called=True) for n in ("gate_up_proj", "act_and_mul")]
         guards += [attribute_guard(module, n) for n in names]
+        if reads:  # the activation's kind as `act_and_mul` holds it: its settings, forward
+            guards.append(ReadsGuard("activation", AttributeGuard.record(reads)))
         bound.bind(module, self.forward_fn, tuple(guards))
         return module
 

@@ -86,7 +86,8 @@ class Check:
 
 def guard_checks(model: nn.Module) -> list[Check]:
     """Every per-call guard check of a fused model, in module order: rewritten forwards
-    (`BoundForward.failure`), fused MoE blocks (`FusedMoE._experts_hold`) and fused experts
+    (`BoundForward.failure`), fused MoE blocks (`FusedMoE.routing_guard` and `_experts_hold`;
+    `guards` counts the reads both compare) and fused experts
     (`FusedExperts.guards_hold`)."""
     found = []
     for name, module in model.named_modules():
@@ -105,7 +106,14 @@ def guard_checks(model: nn.Module) -> list[Check]:
             )
         elif isinstance(module, FusedMoE):
             found.append(
-                Check(name, module, lambda m=module: m._experts_hold(getattr(m, m.experts_name)))
+                Check(
+                    name,
+                    module,
+                    lambda m=module: (
+                        m.routing_guard.holds() and m._experts_hold(getattr(m, m.experts_name))
+                    ),
+                    len(module.routing_guard.checks) + len(module.experts_guard.checks),
+                )
             )
         elif isinstance(module, FusedExperts):
             found.append(Check(name, module, module.guards_hold))

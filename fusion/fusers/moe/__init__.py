@@ -38,8 +38,9 @@ indices and weights bit for bit and the block's output to rounding, or it refuse
 Layout: `router` reads the routing program, `experts` checks the experts child,
 `provenance` proves what an experts class computes, `block` matches the block, `build`
 builds the `FusedMoE`, `selfcheck` runs the numeric check, `experts_only` matches experts
-fused alone, `gate` reads and proves their gating program, `reads` records what it reads
-(for `FusedExperts`'s guards), and `fuser` holds `MoEFuser`.
+fused alone, `gate` reads and proves their gating program (`fusion.reads` records what it
+reads, for `FusedExperts`'s guards, and what the router match reads, for `FusedMoE`'s), and
+`fuser` holds `MoEFuser`.
 """
 
 from __future__ import annotations

@@ -14,10 +14,12 @@ from torch import fx, nn
 
 from fusion.errors import RewriteRefused
 from fusion.fusers.moe.experts import packed_experts_activation
-from fusion.fusers.moe.router import router_program
+from fusion.fusers.moe.router import Routing, router_program
 from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
 from fusion.moe_modules import RouteSpec
+from fusion.reads import guarded_reads, portable_keys, recording
 from fusion.source import reads_training, returns_tuple
+from fusion.trace import trace
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class MoEMatch:
     shared_name: str | None = None
     shared_gate_name: str | None = None
     training_sensitive: bool = False
+    reads: tuple[tuple[str, str], ...] = ()
+    """`(module path in the block, attribute name)` of every attribute the routing proof read
+    on the block and the router (`routing_reads`), guarded by the fused block per call."""
+    read_keys: tuple = ()
+    """Their values on the matched instance (`fusion.reads.portable_keys`): another
+    instance takes this match only with equal keys."""
 
 
 def _other_state(module: nn.Module, accounted: set[str]) -> None:
@@ -116,7 +124,7 @@ def match_packed(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMa
     router_module = module.get_submodule(router_name)
     if isinstance(router_module, nn.Linear):
         raise RewriteRefused("the router is a bare linear returning logits, not routing")
-    routing = router_program(router_module)
+    routing, reads = routing_reads(module, router_module)
     root = strip_reshapes(out, module)
     shared_name = shared_gate_name = None
     if root is not experts_node:
@@ -143,7 +151,30 @@ def match_packed(graph: fx.Graph, module: nn.Module, experts_name: str) -> MoEMa
         shared_name=shared_name,
         shared_gate_name=shared_gate_name,
         training_sensitive=reads_training(type(module)) or reads_training(type(router_module)),
+        reads=reads,
+        read_keys=portable_keys(module, reads),
     )
+
+
+def routing_reads(
+    block: nn.Module, router: nn.Module
+) -> tuple[Routing, tuple[tuple[str, str], ...]]:
+    """The router's program and what proving it read on the block and the router, as
+    `(path in the block, name)`: the block's own trace (which children it calls, each
+    attribute of its own its forward reads) and the router's (`self.top_k`,
+    `self.norm_topk_prob`, `self.routed_scaling_factor`, ... frozen into the program's
+    steps), recorded as they are read (`fusion.reads.recording`), with the router's
+    `forward` and call path (the fused block stands in for calling it). Parameters and
+    buffers are guarded by presence only: `FusedMoE.route` reads them by name per call.
+    RewriteRefused for a read no per-call guard can see, or an instance-level forward on
+    the router (the program is its class's)."""
+    with recording(block) as recorded:
+        trace(block)
+        routing = router_program(router)
+    reads = guarded_reads(
+        block, recorded, within=(block, router), called=(router,), live_tensors=True
+    )
+    return routing, reads
 
 
 def looks_routed(graph: fx.Graph, module: nn.Module) -> bool:

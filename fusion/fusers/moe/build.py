@@ -6,6 +6,24 @@ from torch import nn
 
 from fusion.fusers.moe.block import MoEMatch
 from fusion.moe_modules import FusedMoE
+from fusion.reads import Read
+
+
+def routing_owners(module: nn.Module, fused: FusedMoE, found: MoEMatch) -> tuple[Read, ...]:
+    """`found.reads` on the objects the fused model holds: a read of a child on the block
+    watches the fused block's child of that name (the one it routes with); any other read
+    on the block watches the original block (kept as `eager`: what the fallback runs, its
+    class's forward and what that forward reads); reads inside the router watch the router,
+    which both blocks share."""
+    owners = []
+    for path, name in found.reads:
+        if path:
+            owners.append((fused.get_submodule(path), name))
+        elif name in module._modules:
+            owners.append((fused, name))
+        else:
+            owners.append((module, name))
+    return tuple(owners)
 
 
 def build_fused(module: nn.Module, found: MoEMatch, backend: str) -> FusedMoE:
@@ -30,12 +48,15 @@ def build_fused(module: nn.Module, found: MoEMatch, backend: str) -> FusedMoE:
         else None,
         training_sensitive=found.training_sensitive,
         returns_logits=False,
-        # The original can run in training mode: the fused block shares everything it holds
-        # (its children), and no state of its own, which block matching (`_other_state`)
-        # already refused for every match.
-        eager=module if found.training_sensitive else None,
+        # The original runs in training mode (when sensitive) and whenever a routing read
+        # changed: the fused block shares everything it holds (its children), and no state
+        # of its own, which block matching (`_other_state`) already refused for every match.
+        eager=module,
         backend=backend,
     )
+    # The block's own `forward` is what the fused block stands for (a patch of its class
+    # shows here), besides what the routing proof read.
+    fused.guard_routing((*routing_owners(module, fused, found), (module, "forward")))
     fused.train(module.training)
     # The block's children in the block's own order, so `named_parameters()`, `modules()`
     # and the state dict list them as the unfused model does.

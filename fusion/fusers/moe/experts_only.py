@@ -41,7 +41,7 @@ from fusion.errors import RewriteRefused
 from fusion.experts_modules import Dispatch, FusedExperts, GateProgram
 from fusion.fusers.moe.gate import proven_gate
 from fusion.fusers.moe.provenance import experts_dispatch
-from fusion.fusers.moe.reads import portable_keys
+from fusion.reads import portable_keys
 from fusion.source import method_source, self_refs
 
 _REQUIRED_FLAGS = {"has_gate": True, "has_post_expert_norm": False, "_is_expert_parallel": False}

@@ -30,6 +30,7 @@ from fusion.fusers.moe.experts_only import (
     match_experts_only,
 )
 from fusion.fusers.moe.selfcheck import check_numerically
+from fusion.reads import portable_keys
 from fusion.signature import plain_attributes
 from fusion.trace import trace
 
@@ -207,6 +208,17 @@ class MoEFuser(Fuser):
         problem = _block_instance_problem(module)
         if problem is None:
             found = self._match_for(module)
+            if (
+                isinstance(found, MoEMatch)
+                and portable_keys(module, found.reads) != found.read_keys
+            ):
+                # Derived on another instance of this signature, whose routing proof read
+                # something this one answers otherwise (a router of another class, an
+                # instance-level forward): derived again for this instance alone.
+                again = match_block(trace(module), module)
+                if again is None:
+                    raise RewriteRefused("not an MoE block")
+                found = again
         elif located[1] != "packed":
             raise RewriteRefused(problem)
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -265,3 +267,89 @@ def test_activation_changing_global_state_refused(act: type[nn.Module]) -> None:
     finally:
         torch.set_autocast_enabled("cpu", False)
         torch.set_grad_enabled(True)
+
+
+# -- the activation's kind, guarded: an edit after fusing runs the original forward ---------
+
+
+def _set(name: str, value: object):
+    def edit(acts: list[nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+        for act in acts:
+            setattr(act, name, value)
+
+    return edit
+
+
+def _python_gelu(acts: list[nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    for act in acts:
+        act.act = act._gelu_python  # a bound method stored on the instance
+
+
+def _partial_keyword(acts: list[nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    for act in acts:
+        act.act.keywords["approximate"] = "none"  # a functools.partial's contents, in place
+
+
+def _class_forward(acts: list[nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    cls = type(acts[0])
+    base = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, x: base(self, x) * 0.5)
+
+
+ACTIVATION_EDITS = [
+    ("gelu", lambda: nn.GELU(), _set("approximate", "tanh")),
+    ("gelu-tanh", lambda: nn.GELU(approximate="tanh"), _set("approximate", "none")),
+    ("hf-gelu", lambda: ACT2FN["gelu"], _python_gelu),
+    ("hf-gelu-tanh", lambda: ACT2FN["gelu_pytorch_tanh"], _set("act", F.gelu)),
+    ("hf-gelu-tanh-keywords", lambda: ACT2FN["gelu_pytorch_tanh"], _partial_keyword),
+    ("silu-class", lambda: nn.SiLU(), _class_forward),
+    ("hf-silu-class", lambda: ACT2FN["silu"], _class_forward),
+    ("gelu-class", lambda: nn.GELU(), _class_forward),
+]
+
+
+@pytest.mark.parametrize(
+    ("act", "edit"), [(a, e) for _, a, e in ACTIVATION_EDITS], ids=[n for n, *_ in ACTIVATION_EDITS]
+)
+def test_activation_edited_after_fusing_runs_the_original_forward(act, edit, monkeypatch) -> None:
+    """What identifying the activation read (`approximate`, the function a Transformers
+    wrapper calls, its class's forward) is guarded: after an edit the rewritten forward falls
+    back to the original, which computes what the unfused MLP now does, bit for bit. (On main:
+    the kind frozen into `act_and_mul` at fuse time was used.)"""
+    module = hazards.MLP(act=act())
+    fused, report = fuse_copy(module)
+    assert report.counts() == {"glu": 1}, str(report)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = module(x)
+        edit([module.act_fn, fused.act_fn], monkeypatch)
+        expected, actual = module(x), fused(x)
+    assert not torch.equal(before, expected)  # the edit changes the function
+    assert torch.equal(expected, actual)
+    assert fused.forward.guard_failures == 1
+    assert fused.forward.last_failure.startswith("activation: ")
+
+
+def test_activation_guard_follows_a_copy() -> None:
+    """A deep copy's guard watches the copy's activation: editing the copy falls back there
+    and leaves the original fused."""
+    module = hazards.MLP(act=nn.GELU())
+    fused, _ = fuse_copy(module)
+    copied = copy.deepcopy(fused)
+    copied.act_fn.approximate = "tanh"
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        copied(x)
+        fused(x)
+    assert copied.forward.guard_failures == 1
+    assert fused.forward.guard_failures == 0
+
+
+def test_activation_with_an_instance_forward_is_refused() -> None:
+    act = nn.SiLU()
+    act.forward = lambda x: F.silu(x) * 2
+    module = hazards.MLP(act=act)
+    fused, report = fuse_copy(module)
+    assert "glu" not in report.counts()
+    assert "instance-level forward" in reasons(report)
+    assert outputs_match(module, fused, 2, 5, 32)

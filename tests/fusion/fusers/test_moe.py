@@ -741,3 +741,168 @@ def test_experts_edited_after_fusing_are_called_by_the_fused_block(edit) -> None
     assert relative_error(before, expected) > 1e-4  # the edit changes the function
     assert relative_error(expected, actual) <= 1e-5
     assert fused.model.layers[0].mlp.guard_failures == 1
+
+
+# -- routing premises: what the router's proof read, guarded per call ----------------------
+
+
+def _routers(model: nn.Module) -> list[nn.Module]:
+    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+
+
+def _set_on_routers(name: str, value: object):
+    def edit(model: nn.Module) -> None:
+        for router in _routers(model):
+            setattr(router, name, value(getattr(router, name)) if callable(value) else value)
+
+    edit.__name__ = f"router.{name}"
+    return edit
+
+
+def _halving_forward(model: nn.Module) -> None:
+    """An instance-level forward on each router: the routing weights halved."""
+    for router in _routers(model):
+        base = type(router).forward
+
+        def forward(x, router=router, base=base):
+            logits, weights, ids = base(router, x)
+            return logits, weights * 0.5, ids
+
+        router.forward = forward
+
+
+ROUTER_EDITS = [
+    _set_on_routers("top_k", 1),
+    _set_on_routers("norm_topk_prob", lambda flag: not flag),
+    _halving_forward,
+]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "edit", [*ROUTER_EDITS, "class forward", "scaling"], ids=lambda e: getattr(e, "__name__", e)
+)
+def test_router_edited_after_fusing_runs_the_original_block(model_type, edit, monkeypatch):
+    """Every attribute the routing proof read is guarded (recorded as it was read, not
+    listed): `top_k`, `norm_topk_prob`, DeepSeek's `routed_scaling_factor` by value, the
+    router's forward by method resolution (an instance forward, a class patch). After such
+    an edit the fused block runs the original block, which computes what the unfused one
+    now does, bit for bit. (On main before the guards: logits 0.008-0.09 apart.)"""
+    unfused = tiny_model(model_type, seed=3)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    blocks = [m for m in fused.modules() if isinstance(m, FusedMoE)]
+    assert blocks
+    if edit == "class forward":
+        cls = type(_routers(unfused)[0])
+        base = cls.forward
+
+        def halved(self, x):
+            logits, weights, ids = base(self, x)
+            return logits, weights * 0.5, ids
+
+        def edit(model: nn.Module) -> None:
+            monkeypatch.setattr(cls, "forward", halved)
+
+    elif edit == "scaling":
+        if model_type != "deepseek_v3":
+            pytest.skip("only DeepSeek's router scales its weights")
+        edit = _set_on_routers("routed_scaling_factor", 1.0)
+    ids = token_ids()
+    with torch.no_grad():
+        before = unfused(ids).logits
+        assert torch.equal(before, fused(ids).logits)
+        edit(unfused)
+        edit(fused)
+        expected, actual = unfused(ids).logits, fused(ids).logits
+    assert relative_error(before, expected) > 1e-4  # the edit changes the function
+    assert torch.equal(expected, actual)
+    assert all(block.guard_failures == 1 for block in blocks)
+    assert "changed since fusing" in str(blocks[0].last_failure)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_router_replaced_after_fusing_is_the_one_the_original_block_calls(model_type) -> None:
+    """A router put in the fused block's slot (here one with another top-k) fails the guard on
+    the block's child read; the original block then runs with the fused block's children."""
+    unfused = tiny_model(model_type, seed=3)
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    ids = token_ids()
+
+    def replace(model: nn.Module) -> None:
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                router = copy.deepcopy(layer.mlp.gate)
+                router.top_k = 1
+                layer.mlp.gate = router
+
+    with torch.no_grad():
+        replace(unfused)
+        replace(fused)
+        assert torch.equal(unfused(ids).logits, fused(ids).logits)
+
+
+def test_routing_premises_are_what_the_proof_read() -> None:
+    """The reads guarded are derived from the traces, not listed: DeepSeek's router reads its
+    group sizes and correction bias (by presence: read by name per call), Qwen3's does not."""
+    qwen = tiny_model("qwen3_moe", seed=3)
+    deepseek = tiny_model("deepseek_v3", seed=3)
+    fusion.fuse(qwen)
+    fusion.fuse(deepseek)
+    qwen_block = next(m for m in qwen.modules() if isinstance(m, FusedMoE))
+    deepseek_block = next(m for m in deepseek.modules() if isinstance(m, FusedMoE))
+
+    def names(block: FusedMoE) -> set[tuple[str, str, str]]:
+        return {(type(o).__name__, n, kind) for o, n, kind, *_ in block.routing_guard.checks}
+
+    qwen_reads, deepseek_reads = names(qwen_block), names(deepseek_block)
+    router = "Qwen3MoeTopKRouter"
+    assert {(router, "top_k", "value"), (router, "norm_topk_prob", "value")} <= qwen_reads
+    assert {(router, "forward", "method"), (router, "weight", "parameter")} <= qwen_reads
+    assert ("FusedMoE", "gate", "child") in qwen_reads
+    assert ("Qwen3MoeSparseMoeBlock", "forward", "method") in qwen_reads
+    assert not any(name == "num_group" for _, name, _ in qwen_reads)
+    router = "DeepseekV3TopkRouter"
+    assert {(router, n, "value") for n in ("num_group", "topk_group", "routed_scaling_factor")} <= (
+        deepseek_reads
+    )
+    assert (router, "e_score_correction_bias", "buffer") in deepseek_reads
+
+
+def test_a_router_with_an_instance_forward_at_fuse_time_is_refused() -> None:
+    """The routing program is read from the router's class forward: an instance-level forward
+    there (which the unfused block calls) refuses the whole-block fusion, saying so; the
+    experts are fused alone."""
+    model = tiny_model("qwen3_moe", seed=3)
+    _halving_forward(model)
+    reference = copy.deepcopy(model)
+    report = fusion.fuse(model)
+    assert not any(isinstance(m, FusedMoE) for m in model.modules())
+    assert any(isinstance(m, FusedExperts) for m in model.modules())
+    described = " | ".join(a.description for a in report.applied if a.fuser == "moe")
+    assert "gate has an instance-level forward" in described
+    ids = token_ids()
+    with torch.no_grad():
+        assert relative_error(reference(ids).logits, model(ids).logits) <= 1e-5
+
+
+def test_an_instance_whose_router_reads_differ_is_matched_on_its_own() -> None:
+    """Two blocks of one signature: the second's router is of a subclass whose forward the
+    class-level match never read (a router's own class is not in the signature). Its routing
+    keys differ, so it is matched again for itself, never given the first block's program."""
+    model = tiny_model("qwen3_moe", seed=3)
+    router = model.model.layers[1].mlp.gate
+    base = type(router)
+
+    def halved(self, x):
+        logits, weights, ids = base.forward(self, x)
+        return logits, weights * 0.5, ids
+
+    router.__class__ = type("HalvedRouter", (base,), {"forward": halved})
+    reference = copy.deepcopy(model)
+    fusion.fuse(model)
+    assert isinstance(model.model.layers[0].mlp, FusedMoE)
+    ids = token_ids()
+    with torch.no_grad():
+        assert relative_error(reference(ids).logits, model(ids).logits) <= 1e-5
