@@ -12,7 +12,7 @@ premises the RMSNorm fuser's proof relied on before computing the proven variant
   current original instead;
 - every other attribute the original forward read while the proof's dtype points ran
   (recorded as it was read, `fusion.fusers.rmsnorm.fuser`, not listed by hand) still has its
-  fuse-time value (`fusion.experts_modules.AttributeGuard`: plain values by value, methods by
+  fuse-time value (`fusion.reads.AttributeGuard`: plain values by value, methods by
   function, objects by identity), and the global names the forward reads still bind what
   they bound (`fusion.guards.GlobalsGuard`);
 - eps is a number (or None where the proof saw it reach `F.rms_norm`), the weight a 1-D tensor
@@ -39,11 +39,11 @@ from torch import nn
 
 from fusion import source
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import AttributeGuard
 from fusion.guards import GlobalsGuard
 from fusion.kernels.contract import mode_reason, plain_dense
 from fusion.kernels.norm_variant import NormVariant
 from fusion.modules import DtypePair, norm_kernel, norm_pair_kernel, uses_float32_aten
+from fusion.reads import AttributeGuard
 
 _MISSING = object()
 

@@ -16,13 +16,12 @@ from torch import fx, nn
 
 from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import AttributeGuard
 from fusion.fusers.base import Fuser, per_signature
-from fusion.fusers.moe.reads import guarded_reads, recording
 from fusion.fusers.rmsnorm.interpret import op_name
 from fusion.fusers.rmsnorm.match import NormMatch, instance_signature, prove_variant
 from fusion.fusers.rmsnorm.variants import GRID
 from fusion.norm_forward import NormForward
+from fusion.reads import AttributeGuard, guarded_reads, recording
 
 _NORM_NAME = re.compile(r"RMSNorm$")
 """Classes whose name says RMSNorm: if they do not match, the reason must be reported."""
