@@ -132,8 +132,9 @@ class NormForward:
             return f"{cls.__name__}.forward was replaced"
         if self.weight_name is not None and getattr(cls, self.weight_name, None) is not None:
             return f"{cls.__name__}.{self.weight_name} is a class attribute"
-        if not self.reads.holds():
-            return "an attribute the norm's forward read changed"
+        changed = self.reads.failure() if self.reads.checks else None
+        if changed is not None:
+            return f"{changed}, which the norm's forward read, changed"
         # While Dynamo traces, the globals are left to its own guards (as `BoundForward`).
         reason = None if torch.compiler.is_compiling() else self.globals_guard.failure()
         if reason is not None:

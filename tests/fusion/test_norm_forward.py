@@ -127,7 +127,7 @@ def test_a_flag_read_by_a_helper_is_recorded_and_guarded() -> None:
     for holder in (unfused, fused):
         holder[0].shifted = True
     _same(unfused, fused, _x())
-    assert forward.last_failure == "an attribute the norm's forward read changed"
+    assert forward.last_failure == "_FlaggedNorm.shifted, which the norm's forward read, changed"
 
 
 def test_a_helper_patched_on_the_class_is_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
