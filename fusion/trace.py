@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import io
 import linecache
 import logging
 import operator
+import tokenize
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -443,6 +445,17 @@ class Traced:
     stopped: str | None
 
 
+def _without_comment(line: str) -> str:
+    """`line` stripped of its comment and surrounding white space (the line as written
+    when it does not tokenize alone, e.g. the first line of a bracketed call)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return line.strip()
+    comment = next((t for t in tokens if t.type == tokenize.COMMENT), None)
+    return (line[: comment.start[1]] if comment else line).strip()
+
+
 def _stop_reason(exc: BaseException, forward: Callable[..., Any], cls: type) -> str:
     """ "the trace stops at `<source line>` in <Class>.forward: <what>": the forward's own
     line the exception left (the innermost frame running its code), or "in <Class>.forward"
@@ -453,7 +466,7 @@ def _stop_reason(exc: BaseException, forward: Callable[..., Any], cls: type) -> 
     tb: types.TracebackType | None = exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code is code:
-            line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            line = _without_comment(linecache.getline(code.co_filename, tb.tb_lineno))
         tb = tb.tb_next
     where = f"`{line}` in " if line else "the start of "
     return f"the trace stops at {where}{cls.__name__}.forward: {what}"

@@ -183,9 +183,11 @@ def kernel_function(called: nn.Module, owner: nn.Module) -> Callable[..., Any]:
     function = _contents(cells["func"]) if "func" in cells else None
     if not inspect.isfunction(function):
         raise RewriteRefused(f"calls a kernels layer ({name}) whose function is not found")
+    # The key `use_kernelized_func` files the instance's copy under (its own expression).
+    key = getattr(called, "__name__", None) or getattr(called, "kernel_layer_name", None)
     label = function.__name__
     copies = owner.__dict__.get("_kernel_funcs", {})
-    copy = copies.get(label) if isinstance(copies, dict) else None
+    copy = copies.get(key) if isinstance(copies, dict) else None
     for instance in (called, copy):
         if instance is not None and "forward" in instance.__dict__:
             raise RewriteRefused(
