@@ -77,14 +77,17 @@ def cache_key(module: nn.Module) -> CacheKey:
     )
 
 
-def unreached_children(module: nn.Module, graph: fx.Graph | None) -> tuple[str, ...]:
-    """The names of `module`'s direct children that `graph` never calls (neither them nor a
-    module inside them), in registration order: every child when there is no graph."""
-    called = set()
-    for node in graph.nodes if graph is not None else ():
-        if node.op == "call_module":
-            called.add(str(node.target).split(".", 1)[0])
-    return tuple(name for name, _ in module.named_children() if name not in called)
+def unreached_projections(module: nn.Module, graph: fx.Graph | None) -> tuple[str, ...]:
+    """The names of `module`'s direct `nn.Linear` children that `graph` never calls, in
+    registration order: every one when there is no graph."""
+    called = (
+        {str(node.target) for node in graph.nodes if node.op == "call_module"} if graph else set()
+    )
+    return tuple(
+        name
+        for name, child in module.named_children()
+        if isinstance(child, nn.Linear) and name not in called
+    )
 
 
 def candidates(module: nn.Module, fusers: tuple[type[Fuser], ...]) -> tuple[Candidate, ...]:
@@ -92,12 +95,14 @@ def candidates(module: nn.Module, fusers: tuple[type[Fuser], ...]) -> tuple[Cand
     order; traced at most once per cache key.
 
     A candidate fuser (its class prefilter says the pattern could be there) that finds no
-    pattern in a trace that stopped before calling some of the module's children is refused
-    with where and why the trace stopped (`fusion.trace.Traced.stopped`) and the children
-    it never reached (`unreached_children`): the fusers match the dataflow between children,
-    so on such a graph "no pattern" is not a verdict, and a trace that starts stopping early
-    (a new upstream release) must show in the report as a reason, never as a silently
-    smaller plan. A trace that stopped after reaching every child is no such finding."""
+    pattern in a trace that stopped before calling some of the module's projections (its
+    `nn.Linear` children) is refused with where and why the trace stopped
+    (`fusion.trace.Traced.stopped`) and the projections it never reached
+    (`unreached_projections`): the projection fusers match the dataflow between them, so on
+    such a graph "no pattern" is not a verdict, and a trace that starts stopping early (a
+    new upstream release) must show in the report as a reason, never as a silently smaller
+    plan. A trace that stopped after reaching every projection is no such finding (the
+    norm and MoE fusers prove what they take by analyses of their own)."""
     key = (cache_key(module), fusers)
     if key in CACHE.entries:
         return CACHE.entries[key]
@@ -106,7 +111,7 @@ def candidates(module: nn.Module, fusers: tuple[type[Fuser], ...]) -> tuple[Cand
     if interested:
         result_of_trace = traced(module)
         graph = result_of_trace.graph
-        unreached = unreached_children(module, graph) if result_of_trace.stopped else ()
+        unreached = unreached_projections(module, graph) if result_of_trace.stopped else ()
         for cls in interested:
             try:
                 fuser = cls.match(graph, module)

@@ -462,11 +462,15 @@ def _stop_reason(exc: BaseException, forward: Callable[..., Any], cls: type) -> 
     when it never ran (a refused decorator)."""
     what = str(exc) if isinstance(exc, RewriteRefused) else f"{type(exc).__name__}: {exc}"
     code = getattr(forward, "__code__", None)
+    # fx may trace a copy of the forward's code (with `*args`/`**kwargs` patched), so its
+    # frames are known by where the code was written, not by identity.
+    written = None if code is None else (code.co_filename, code.co_firstlineno, code.co_name)
     line = None
     tb: types.TracebackType | None = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code is code:
-            line = _without_comment(linecache.getline(code.co_filename, tb.tb_lineno))
+        frame = tb.tb_frame.f_code
+        if (frame.co_filename, frame.co_firstlineno, frame.co_name) == written:
+            line = _without_comment(linecache.getline(frame.co_filename, tb.tb_lineno))
         tb = tb.tb_next
     where = f"`{line}` in " if line else "the start of "
     return f"the trace stops at {where}{cls.__name__}.forward: {what}"

@@ -135,9 +135,13 @@ def _contents(cell: types.CellType) -> Any:
 
 
 def _describe(fn: Any) -> str:
-    module = getattr(fn, "__module__", None) or "?"
-    name = getattr(fn, "__qualname__", None) or repr(fn)
-    return f"{module}.{name}"
+    """Where the wrapper's own code was written (`functools.wraps` copies the wrapped
+    function's names onto it, so those would name the class's forward instead)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return repr(fn)
+    module = getattr(fn, "__globals__", {}).get("__name__", "?")
+    return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
 
 
 def unwrap_forward(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -8,7 +8,7 @@ from torch import nn
 
 import fusion
 from fusion import registry
-from fusion.matches import unreached_children
+from fusion.matches import unreached_projections
 from fusion.trace import trace
 
 SHIFT = nn.Identity()
@@ -46,7 +46,7 @@ class StopsAfterEveryChild(nn.Module):
 def test_a_stopped_trace_is_a_refusal_naming_where_and_what_was_never_reached() -> None:
     registry.clear_cache()
     module = StopsAfterProjections()
-    assert unreached_children(module, trace(module)) == ("o_proj",)
+    assert unreached_projections(module, trace(module)) == ("o_proj",)
     found = {c.fuser_name: c for c in registry.candidates(module)}
     qkv = found["qkv"]
     assert qkv.fuser is None
@@ -61,9 +61,10 @@ def test_a_stopped_trace_is_a_refusal_naming_where_and_what_was_never_reached() 
 def test_a_trace_that_reached_every_child_adds_no_refusal() -> None:
     registry.clear_cache()
     module = StopsAfterEveryChild()
-    assert unreached_children(module, trace(module)) == ()
+    assert unreached_projections(module, trace(module)) == ()
     assert not any(c.reason and "the trace stops" in c.reason for c in registry.candidates(module))
 
 
-def test_no_graph_reaches_no_child() -> None:
-    assert unreached_children(StopsAfterEveryChild(), None) == ("a", "b")
+def test_no_graph_reaches_no_projection() -> None:
+    assert unreached_projections(StopsAfterEveryChild(), None) == ("a", "b")
+    assert unreached_projections(nn.Sequential(nn.LayerNorm(4)), None) == ()
