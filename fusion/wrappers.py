@@ -71,6 +71,15 @@ KNOWN_WRAPPERS = (
         "and the cache arguments cleared (which the trace treats as None anyway)",
     ),
     KnownWrapper(
+        "transformers.integrations.accelerate",
+        "force_accelerate_hooks",
+        ("decorator", "wrapped"),
+        "forward_func",
+        "calls the wrapped forward with the same arguments, around it firing the accelerate "
+        "hooks of named children, which only a dispatched model has (fusion refuses those "
+        "before tracing: fusion.placement)",
+    ),
+    KnownWrapper(
         "kernels._internals.layer.layer",
         "use_kernelized_func",
         ("decorator", "new_forward"),

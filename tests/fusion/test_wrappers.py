@@ -132,6 +132,20 @@ def test_a_complete_trace_says_nothing_stopped_and_a_partial_one_says_where() ->
     assert result.stopped.startswith("the trace stops at `if h.sum() > 0:` in Stops.forward: ")
 
 
+def test_force_accelerate_hooks_is_known() -> None:
+    from transformers.integrations.accelerate import force_accelerate_hooks
+
+    class Hooked(Pair):
+        @force_accelerate_hooks("a")
+        @deprecate_kwarg("cache_params", "5.40.0", new_name="cache")
+        def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    assert known_wrapper(Hooked.forward).factory == "force_accelerate_hooks"
+    result = traced(Hooked())
+    assert result.stopped is None and G.output_value(result.graph) is not None
+
+
 def test_every_known_wrapper_names_a_loaded_factory() -> None:
     # Guards against a rename upstream: each known wrapper's code must still be found, or
     # the tracer would silently refuse every forward carrying it.
