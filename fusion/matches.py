@@ -79,7 +79,10 @@ def cache_key(module: nn.Module) -> CacheKey:
 
 def unreached_projections(module: nn.Module, graph: fx.Graph | None) -> tuple[str, ...]:
     """The names of `module`'s direct `nn.Linear` children that `graph` never calls, in
-    registration order: every one when there is no graph."""
+    registration order: every one when there is no graph; none for a container (a
+    `ModuleList` of experts has no forward of its own to reach them)."""
+    if type(module).forward is nn.Module.forward:
+        return ()
     called = (
         {str(node.target) for node in graph.nodes if node.op == "call_module"} if graph else set()
     )

@@ -68,3 +68,5 @@ def test_a_trace_that_reached_every_child_adds_no_refusal() -> None:
 def test_no_graph_reaches_no_projection() -> None:
     assert unreached_projections(StopsAfterEveryChild(), None) == ("a", "b")
     assert unreached_projections(nn.Sequential(nn.LayerNorm(4)), None) == ()
+    experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))  # no forward: not a finding
+    assert unreached_projections(experts, None) == ()
