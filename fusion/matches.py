@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import fx, nn
 
 from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
-from fusion.trace import trace
+from fusion.trace import traced
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +77,44 @@ def cache_key(module: nn.Module) -> CacheKey:
     )
 
 
+def unreached_projections(module: nn.Module, graph: fx.Graph | None) -> tuple[str, ...]:
+    """The names of `module`'s direct `nn.Linear` children that `graph` never calls, in
+    registration order: every one when there is no graph; none for a container (a
+    `ModuleList` of experts has no forward of its own to reach them)."""
+    if type(module).forward is nn.Module.forward:
+        return ()
+    called = (
+        {str(node.target) for node in graph.nodes if node.op == "call_module"} if graph else set()
+    )
+    return tuple(
+        name
+        for name, child in module.named_children()
+        if isinstance(child, nn.Linear) and name not in called
+    )
+
+
 def candidates(module: nn.Module, fusers: tuple[type[Fuser], ...]) -> tuple[Candidate, ...]:
     """Every fuser that matched `module`'s class (or refused it with a reason), in priority
-    order; traced at most once per cache key."""
+    order; traced at most once per cache key.
+
+    A candidate fuser (its class prefilter says the pattern could be there) that finds no
+    pattern in a trace that stopped before calling some of the module's projections (its
+    `nn.Linear` children) is refused with where and why the trace stopped
+    (`fusion.trace.Traced.stopped`) and the projections it never reached
+    (`unreached_projections`): the projection fusers match the dataflow between them, so on
+    such a graph "no pattern" is not a verdict, and a trace that starts stopping early (a
+    new upstream release) must show in the report as a reason, never as a silently smaller
+    plan. A trace that stopped after reaching every projection is no such finding (the
+    norm and MoE fusers prove what they take by analyses of their own)."""
     key = (cache_key(module), fusers)
     if key in CACHE.entries:
         return CACHE.entries[key]
     interested = [cls for cls in fusers if cls.candidate(module)]
     result: list[Candidate] = []
     if interested:
-        graph = trace(module)
+        result_of_trace = traced(module)
+        graph = result_of_trace.graph
+        unreached = unreached_projections(module, graph) if result_of_trace.stopped else ()
         for cls in interested:
             try:
                 fuser = cls.match(graph, module)
@@ -108,5 +136,8 @@ def candidates(module: nn.Module, fusers: tuple[type[Fuser], ...]) -> tuple[Cand
                 continue
             if fuser is not None:
                 result.append(Candidate(cls.name, fuser, None, cls.redefines_forward))
+            elif unreached and result_of_trace.stopped is not None:
+                reason = f"{result_of_trace.stopped} (never reached: {', '.join(unreached)})"
+                result.append(Candidate(cls.name, None, reason, cls.redefines_forward))
     CACHE.entries[key] = tuple(result)
     return CACHE.entries[key]

@@ -16,15 +16,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import io
+import linecache
 import logging
 import operator
+import tokenize
+import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 from unittest import mock
 
 import torch
 from torch import fx, nn
+
+from fusion.errors import RewriteRefused
+from fusion.wrappers import kernel_function, unwrap_forward
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +75,12 @@ def reference_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 def forward_parameters(module: nn.Module) -> dict[str, inspect.Parameter]:
-    """The parameters of `type(module).forward` after unwrapping decorators, or {}."""
+    """The parameters of `type(module).forward` under its proven decorators
+    (`fusion.wrappers.unwrap_forward`), or {} when a decorator is not proven or there is no
+    signature."""
     try:
-        return dict(inspect.signature(inspect.unwrap(type(module).forward)).parameters)
-    except (TypeError, ValueError):
+        return dict(inspect.signature(unwrap_forward(type(module).forward)).parameters)
+    except (TypeError, ValueError, RewriteRefused):
         return {}
 
 
@@ -179,8 +189,18 @@ class LeafTracer(fx.Tracer):
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         # Trace the undecorated forward: wrappers such as Transformers' `deprecate_kwarg`
-        # take `(*args, **kwargs)`, which fx cannot map back to the real parameters.
-        return super().create_args_for_root(inspect.unwrap(root_fn), is_module, concrete_args)
+        # take `(*args, **kwargs)`, which fx cannot map back to the real parameters. Only
+        # wrappers proven to pass the call through are seen through (RewriteRefused else).
+        return super().create_args_for_root(unwrap_forward(root_fn), is_module, concrete_args)
+
+    def call_module(self, m, forward, args, kwargs):
+        # A module object that is not a submodule, called from the forward (Transformers
+        # 5.25's kernels function layers, e.g. `apply_rotary_pos_emb`): fx could give it no
+        # name. Its computation is traced through when it is proven to be a plain function
+        # (`fusion.wrappers.kernel_function`); otherwise RewriteRefused ends the trace.
+        if not any(m is child for child in self.root.modules()):
+            return kernel_function(m, self.root)(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **rest_kwargs):
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **rest_kwargs)
@@ -416,18 +436,69 @@ def preserved_globals() -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
+@dataclass(frozen=True)
+class Traced:
+    """What `traced` recorded: the graph (complete, partial, or None) and, when the trace
+    ended before the forward's return, why and where (None when it reached the output)."""
+
+    graph: fx.Graph | None
+    stopped: str | None
+
+
+def _without_comment(line: str) -> str:
+    """`line` stripped of its comment and surrounding white space (the line as written
+    when it does not tokenize alone, e.g. the first line of a bracketed call)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return line.strip()
+    comment = next((t for t in tokens if t.type == tokenize.COMMENT), None)
+    return (line[: comment.start[1]] if comment else line).strip()
+
+
+def _stop_reason(exc: BaseException, forward: Callable[..., Any], cls: type) -> str:
+    """ "the trace stops at `<source line>` in <Class>.forward: <what>": the forward's own
+    line the exception left (the innermost frame running its code), or "in <Class>.forward"
+    when it never ran (a refused decorator)."""
+    what = str(exc) if isinstance(exc, RewriteRefused) else f"{type(exc).__name__}: {exc}"
+    code = getattr(forward, "__code__", None)
+    # fx may trace a copy of the forward's code (with `*args`/`**kwargs` patched), so its
+    # frames are known by where the code was written, not by identity.
+    written = None if code is None else (code.co_filename, code.co_firstlineno, code.co_name)
+    line = None
+    tb: types.TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame.f_code
+        if (frame.co_filename, frame.co_firstlineno, frame.co_name) == written:
+            line = _without_comment(linecache.getline(frame.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    where = f"`{line}` in " if line else "the start of "
+    return f"the trace stops at {where}{cls.__name__}.forward: {what}"
+
+
 def trace(
     module: nn.Module, *, decide_branches: bool = False, none_defaults: bool = False
 ) -> fx.Graph | None:
-    """The fx graph of `module.forward`: complete, partial, or None if nothing was recorded.
+    """The fx graph of `module.forward`: complete, partial, or None if nothing was recorded
+    (`traced(...).graph`; see there)."""
+    return traced(module, decide_branches=decide_branches, none_defaults=none_defaults).graph
+
+
+def traced(
+    module: nn.Module, *, decide_branches: bool = False, none_defaults: bool = False
+) -> Traced:
+    """The fx graph of `module.forward` (complete, partial, or None if nothing was recorded)
+    and, if the trace ended early, the reason (`Traced.stopped`).
 
     Never raises, and leaves `module` and the global torch state (`preserved_globals`) as
-    it was. The KV-cache argument (any spelling in
-    `CACHE_ARGUMENTS`) is made a concrete `None`, as serving engines never pass it to the
-    module; `**kwargs` iterate as empty; attention interfaces are opaque leaves. On any
-    failure the reason is logged at debug level and the partial graph is returned: matching
-    on it is safe because every fuser still checks the source it rewrites, and refuses what
-    the graph does not show.
+    it was. The forward traced is the class's function under its decorators, each proven to
+    pass the call through (`fusion.wrappers.unwrap_forward`); any other decorator ends the
+    trace before it starts (graph None, the decorator named). The KV-cache argument (any
+    spelling in `CACHE_ARGUMENTS`) is made a concrete `None`, as serving engines never pass
+    it to the module; `**kwargs` iterate as empty; attention interfaces are opaque leaves.
+    On any failure the reason is logged at debug level and the partial graph is returned:
+    matching on it is safe because every fuser still checks the source it rewrites, and
+    refuses what the graph does not show.
 
     With `decide_branches` the trace goes on through branches on traced values, taking one
     side (`LeafTracer.to_bool`): the graph is then one path of several, valid only for a
@@ -437,6 +508,11 @@ def trace(
     too (`if conv_mask is not None:` then skips the branch a caller that passes nothing
     skips), for the same fusers only.
     """
+    try:
+        forward = unwrap_forward(type(module).forward)
+    except RewriteRefused as exc:
+        logger.debug("no trace of %s: %s", type(module).__name__, exc)
+        return Traced(None, _stop_reason(exc, type(module).forward, type(module)))
     parameters = forward_parameters(module)
     concrete = {name: None for name in CACHE_ARGUMENTS if name in parameters}
     if none_defaults:
@@ -454,14 +530,13 @@ def trace(
         input_name=positional[0] if positional else None,
         decide_branches=decide_branches,
     )
-    forward = inspect.unwrap(type(module).forward)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_preserved_state(module))
             stack.enter_context(preserved_globals())
             for patch in _attention_patches(getattr(forward, "__globals__", {})):
                 stack.enter_context(patch)
-            return tracer.trace(module, concrete_args=concrete or None)
+            return Traced(tracer.trace(module, concrete_args=concrete or None), None)
     except Exception as exc:
         logger.debug("partial trace of %s: %s: %s", type(module).__name__, type(exc).__name__, exc)
-        return getattr(tracer, "graph", None)
+        return Traced(getattr(tracer, "graph", None), _stop_reason(exc, forward, type(module)))

@@ -119,6 +119,10 @@ def test_bfloat16_experts_against_float64(arch: str) -> None:
 
 def test_refusing_block_keeps_both_reasons_when_experts_are_not_an_interface() -> None:
     report = fusion.plan(build("longcat_flash"))
+    if any(r.fuser == "moe" for r in report.applied):
+        # One line's structure: from Transformers 5.25 LongcatFlash's experts are an
+        # experts-interface class and the block is fused (corpus/expected/5.25.json).
+        pytest.skip("longcat_flash's experts are an experts-interface module on this line")
     reason = next(r.reason for r in report.skipped if r.fuser == "moe")
     assert "not a Transformers experts-interface module; the block as a whole:" in reason
 
