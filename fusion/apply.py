@@ -24,6 +24,7 @@ from torch import nn
 from fusion import bound, placement, registry
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
+from fusion.linear_forward import linear_forward
 from fusion.modules import MergedLinear
 from fusion.report import Applied, FusionReport, Skipped
 
@@ -32,7 +33,7 @@ from fusion.report import Applied, FusionReport, Skipped
 class _Snapshot:
     """What a fuser may change on a module, to restore exactly: the module's own attribute
     dict (one level of its dicts copied), and for every module below it its class (a
-    `decode_linear`-style class swap) and every Parameter's memory address (a merge makes
+    fuser that swapped one) and every Parameter's memory address (a merge makes
     each Parameter a view of a stacked weight). Addresses, not the tensors: holding an
     alias of each Parameter's memory would itself make the memory shared, which a merge
     refuses (`MergedLinear.restack` moves only memory nothing else uses)."""
@@ -223,11 +224,14 @@ def _already_fused(module: nn.Module) -> str | None:
     """The skip reason for a module that is a product of fusion, or None for any other.
 
     A fused module class says so by name; a module with an instance-level forward and fused
-    children is one a fuser rewrote. Short on purpose: fusers would only refuse these with
-    long reasons (their traces see fused code, not the structure they match).
+    children is one a fuser rewrote, and a linear whose forward is a `LinearForward` one
+    `decode_linear` took. Short on purpose: fusers would only refuse these with long reasons
+    (their traces see fused code, not the structure they match).
     """
     if _is_fused_module(module):
         return f"already fused ({type(module).__name__})"
+    if linear_forward(module) is not None:
+        return "already fused (its forward was installed by decode_linear)"
     if "forward" in module.__dict__ and any(_is_fused_module(c) for c in module.children()):
         return "already fused (its forward was rewritten to call fused modules)"
     return None

@@ -229,7 +229,10 @@ def test_a_failed_fuse_restores_classes_and_parameter_memory(monkeypatch) -> Non
     swapped below it, nor Parameters a merge had made views of a stacked weight): a fuser
     that merges, swaps a child's class, then raises leaves the module exactly as it was,
     each Parameter again the sole user of memory of its own."""
-    from fusion.modules import MergedLinear, RowLinear
+    from fusion.modules import MergedLinear
+
+    class Swapped(nn.Linear):
+        pass
 
     module = hazards.Attention()
     reference = copy.deepcopy(module)
@@ -239,7 +242,7 @@ def test_a_failed_fuse_restores_classes_and_parameter_memory(monkeypatch) -> Non
     def fuse_then_fail(self, target, backend):
         real(self, target, backend)
         assert isinstance(target.qkv_proj, MergedLinear) and target.qkv_proj.views_hold()
-        target.q_proj.__class__ = RowLinear
+        target.q_proj.__class__ = Swapped
         raise RuntimeError("injected failure after the merge")
 
     monkeypatch.setattr(QKVFuser, "fuse", fuse_then_fail)
