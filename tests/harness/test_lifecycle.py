@@ -253,6 +253,46 @@ def test_guards_that_miss_a_replaced_child_fail_lora_and_the_round_trip(
     verdicts = _verdicts(result)
     assert verdicts["lora-after-fuse"] == "fail", result.lifecycle["lora-after-fuse"]
     assert verdicts["guard-round-trip"] == "fail", result.lifecycle["guard-round-trip"]
+    # quantized q/k/v never called: the merged product keeps computing in float
+    detail = result.lifecycle["quantize-dynamic"]["detail"]
+    assert verdicts["quantize-dynamic"] == "fail" and "quantized logits" in detail, detail
+
+
+class _SwappedLinear(nn.Linear):
+    """What `decode_linear` once made of a plain linear: a subclass computing `nn.Linear`'s
+    function, which type-keyed tools no longer see as an `nn.Linear`."""
+
+
+def _class_swapping_fuse(model):
+    report = fusion.fuse(model)
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name.endswith((".o_proj", ".down_proj", "lm_head")):
+            module.__class__ = _SwappedLinear
+    return report
+
+
+def test_class_swapped_linears_fail_quantize_dynamic(llama, llama_inputs):
+    """Regression (issue 43): linears class-swapped by fusion stay float under
+    `quantize_dynamic(model, {nn.Linear})`, where the unfused model's are quantized."""
+    passing = _run(llama, llama_inputs, fusion.fuse).lifecycle["quantize-dynamic"]
+    assert passing["verdict"] == "pass" and "modules quantized as unfused" in passing["detail"]
+    result = _run(llama, llama_inputs, _class_swapping_fuse)
+    verdict = result.lifecycle["quantize-dynamic"]
+    assert verdict["verdict"] == "fail", verdict
+    assert "not quantized" in verdict["detail"] and "_SwappedLinear" in verdict["detail"]
+    assert result.status == "fail"
+
+
+def test_a_model_that_cannot_be_quantized_is_n_a(llama, llama_inputs, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no quantized engine here")
+
+    monkeypatch.setattr(torch.ao.quantization, "quantize_dynamic", refuse)
+    verdict = _run(llama, llama_inputs, fusion.fuse).lifecycle["quantize-dynamic"]
+    assert verdict == {
+        "verdict": "n/a",
+        "detail": "unfused model: quantize_dynamic raises: RuntimeError: no quantized engine here",
+    }
 
 
 def test_peft_that_cannot_load_adapters_into_the_unfused_model_is_n_a(
