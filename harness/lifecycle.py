@@ -105,6 +105,7 @@ from torch import nn
 
 import fusion
 from fusion.bound import BoundForward
+from fusion.callpath import installed_forward
 from fusion.checkpoint import unfused_named
 from fusion.guards import ChildGuard
 from fusion.kernels.calibration import Entry, Table
@@ -553,9 +554,13 @@ def _fused_state(model: nn.Module) -> tuple[int, int, int]:
     forwards = [
         m.__dict__["forward"]
         for m in model.modules()
-        # an instance forward that is the class's own (a pickled bound method restores as
-        # that) is no rewrite
-        if getattr(m.__dict__.get("forward"), "__func__", None) not in (None, type(m).forward)
+        # one fusion installed (a `LinearForward` too), or a bound function other than the
+        # class's own (a pickled bound method restores as that, which is no rewrite)
+        if "forward" in m.__dict__
+        and (
+            installed_forward(m)
+            or getattr(m.__dict__["forward"], "__func__", None) not in (None, type(m).forward)
+        )
     ]
     guarded = sum(isinstance(f, BoundForward) and f.failure() is None for f in forwards)
     stacked = sum(isinstance(m, MergedLinear) and m.views_hold() for m in model.modules())

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fusion
+from fusion import linear_forward
 from fusion.bound import BoundForward
 from fusion.modules import MergedLinear
 from harness import lifecycle, plans
@@ -105,6 +106,28 @@ def _method_fuse(model):
 def test_a_forward_lost_by_pickling_fails_torch_save(llama, llama_inputs):
     result = _run(llama, llama_inputs, _method_fuse)
     assert _verdicts(result)["torch-save"] == "fail", result.lifecycle
+
+
+def _lm_head_forward_fuse(model):
+    """Fusion plus `decode_linear`'s forward on the LM head (tiny models' linears are under
+    its size rule)."""
+    report = fusion.fuse(model)
+    linear_forward.install(model.lm_head, "auto")
+    return report
+
+
+def test_a_linear_forward_lost_by_pickling_fails_torch_save(llama, llama_inputs, monkeypatch):
+    """A `LinearForward` counts as fused state: a copy that lost it (pickled as the module's
+    `forward` looked up before its state is restored: the class's own) is not the fused
+    model, though it computes like it."""
+    passing = _run(llama, llama_inputs, _lm_head_forward_fuse)
+    assert _verdicts(passing)["torch-save"] == "pass", passing.lifecycle["torch-save"]
+    monkeypatch.setattr(
+        linear_forward.LinearForward, "__reduce__", lambda self: (getattr, (self.module, "forward"))
+    )
+    result = _run(llama, llama_inputs, _lm_head_forward_fuse)
+    verdicts = _verdicts(result)
+    assert verdicts["torch-save"] == "fail" and verdicts["deepcopy"] == "pass", result.lifecycle
 
 
 def _stacked_while_training(self, x):
