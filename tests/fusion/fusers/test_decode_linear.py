@@ -56,6 +56,7 @@ def test_fusing_again_reports_already_fused() -> None:
     assert "already fused" in reasons["0"] and "already fused" in reasons["2"], reasons
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 def test_quantize_dynamic_quantizes_every_linear_as_unfused() -> None:
     """Regression (issue 43: a class swap hid the projections from type-keyed tools):
     `quantize_dynamic(model, {nn.Linear})` after fusing quantizes the same modules as on
@@ -267,3 +268,29 @@ def test_plan_reports_without_changing_the_class() -> None:
         ("2", "decode_linear"),
     ]
     assert all(type(m) is nn.Linear for m in (model[0], model[2], model[3]))
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_parametrization_and_pruning_after_fusing_compute_as_unfused() -> None:
+    """A parametrization (a class swap to `ParametrizedLinear`: the forward falls back) and
+    pruning (a forward pre-hook writing `weight`: read live) added after fusing give the
+    unfused model's outputs with the same edit."""
+    from torch.nn.utils import parametrize, prune
+
+    POLICY.use("eligible")
+    unfused = _model()
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    forward = fused[0].forward
+    x = torch.randn(1, 48)
+    for model in (unfused, fused):
+        parametrize.register_parametrization(model[0], "weight", _Doubled())
+        prune.l1_unstructured(model[2], "weight", amount=0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), unfused(x), rtol=1e-5, atol=1e-6)
+    assert forward.guard_failures >= 1 and "Parametrized" in forward.last_failure
+    assert fused[2].forward.guard_failures == 0  # pruned: still the fast path, live weight
