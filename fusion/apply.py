@@ -32,6 +32,7 @@ from fusion import bound, placement, registry
 from fusion.callpath import installed_forward
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
+from fusion.linear_forward import linear_forward
 from fusion.modules import MergedLinear
 from fusion.norm_forward import NormForward
 from fusion.report import Applied, FusionReport, Skipped
@@ -41,7 +42,7 @@ from fusion.report import Applied, FusionReport, Skipped
 class _Snapshot:
     """What a fuser may change on a module, to restore exactly: the module's own attribute
     dict (one level of its dicts copied), and for every module below it its class (a
-    `decode_linear`-style class swap) and every Parameter's memory address (a merge makes
+    fuser that swapped one) and every Parameter's memory address (a merge makes
     each Parameter a view of a stacked weight). Addresses, not the tensors: holding an
     alias of each Parameter's memory would itself make the memory shared, which a merge
     refuses (`MergedLinear.restack` moves only memory nothing else uses)."""
@@ -272,9 +273,9 @@ def _already_fused(module: nn.Module) -> str | None:
 
     A fused module class says so by name; a module whose instance-level forward fusion
     installed (`fusion.callpath.installed_forward`: a rewritten forward, a kept norm's fused
-    forward) is one a fuser took, and so is one with an instance-level forward and fused
-    children. Short on purpose: fusers would only refuse these with long reasons (their
-    traces see fused code, not the structure they match).
+    forward, a `LinearForward` of `decode_linear`) is one a fuser took, and so is one with an
+    instance-level forward and fused children. Short on purpose: fusers would only refuse
+    these with long reasons (their traces see fused code, not the structure they match).
     """
     if _is_fused_module(module):
         return f"already fused ({type(module).__name__})"
@@ -282,6 +283,8 @@ def _already_fused(module: nn.Module) -> str | None:
         return None
     if type(module.__dict__["forward"]) is NormForward:
         return "already fused (its forward is a fused norm's)"
+    if linear_forward(module) is not None:
+        return "already fused (its forward was installed by decode_linear)"
     if installed_forward(module) or any(_is_fused_module(c) for c in module.children()):
         return "already fused (its forward was rewritten to call fused modules)"
     return None

@@ -30,20 +30,15 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from fusion.callpath import CALL_PATH, HOOK_ATTRS, global_hooks, installed_forward
-from fusion.modules import RowLinear
-
-EQUIVALENT_CLASSES: frozenset[type] = frozenset({nn.Linear, RowLinear})
-"""Classes a guarded child may be swapped between without changing what calling it computes:
-`decode_linear` makes a plain linear a `RowLinear`, `F.linear`'s function (the shards of a
-merged projection may be converted after the merge)."""
 
 
 @dataclass(frozen=True, eq=False)
 class ChildGuard:
-    """`module.<name>` is still `child`, of its class at fuse time (or one equivalent), and
+    """`module.<name>` is still `child`, of its class at fuse time, and
     unless `called`, reached through plain `nn.Module.__call__`: no hook on it or global, no
     call path or forward of its own (the rewrite no longer calls it, or reads it as its
-    forward alone). `called`: a module fusion installed that the rewrite calls through
+    forward alone; a forward fusion installed, `callpath.installed_forward`, computes the
+    class forward's function and counts as none). `called`: a module fusion installed that the rewrite calls through
     `__call__` itself (a `MergedLinear`), so hooks on it run as they would; only identity
     and class matter."""
 
@@ -63,14 +58,15 @@ class ChildGuard:
         if current is not self.child:
             return f"{self.name} was replaced"
         kind = type(current)
-        if kind is not self.cls and not {kind, self.cls} <= EQUIVALENT_CLASSES:
+        if kind is not self.cls:
             return f"{self.name} became a {kind.__name__}"
         if self.called:
             return None
         # `callpath.has_hooks` / `own_call_path`, inlined: this runs on every call. Global
         # hooks are checked once per forward by `first_failure`.
         state = current.__dict__
-        if not installed_forward(current):
+        if "forward" in state and not installed_forward(current):
+            # one fusion installed computes the class forward's function (callpath)
             return f"{self.name} has an instance-level forward"
         for attr in HOOK_ATTRS:
             if state.get(attr):
@@ -223,10 +219,10 @@ def distinct(guards: Iterable[Guard]) -> tuple[Guard, ...]:
 def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
     """A function of the guarded module answering True only where `first_failure(module,
     guards)` answers None, in one Python frame: the child guards' common case (the same
-    object, of the very class, with no hook, instance forward or call path of its own, no
-    global hook) spelled out over precomputed tuples, the other guards asked as they are.
+    object, of the very class, with no hook, call path or instance forward of its own other
+    than one fusion installed, no global hook) spelled out over precomputed tuples, the other guards asked as they are.
     False means "ask `first_failure`", which names the reason or finds that the premise
-    holds after all (a child swapped to an equivalent class).
+    holds after all.
 
     Why: a rewritten forward checks its guards on every call, after weight streams have
     emptied the caches, where each Python frame costs several times its warm price (a fused

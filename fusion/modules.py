@@ -263,7 +263,7 @@ class MergedLinear(nn.Module):
         every call the policy gives no kernel). While Dynamo traces (the merged module
         always computes apart then), a shard's product without a gradient may be the
         `fusion::linear_product` operator, which makes the policy's choice for its shape when
-        the compiled code runs, as an unmerged `RowLinear` would."""
+        the compiled code runs, as an unmerged projection's `LinearForward` would."""
         if not torch.compiler.is_compiling():
             # eager: exactly the unfused calls (the policy's stacked choice was asked first)
             return tuple(F.linear(x, weight, bias) for weight, bias in current)
@@ -375,25 +375,6 @@ def _laid_out(piece: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "contiguous":
         return piece.contiguous()
     return piece
-
-
-class RowLinear(nn.Linear):
-    """An `nn.Linear` whose products take the kernel the policy chooses for its shape
-    (`ops.product('linear', ...)`: the native kernel or oneDNN's one-row product where
-    measured faster on this machine, or pinned by `kernel_backend`); every other call is
-    `F.linear`. Installed by the `decode_linear` fuser on a plain linear (a class change:
-    same parameters, same place, plus the `kernel_backend` attribute); see
-    `fusion.fusers.decode_linear`."""
-
-    kernel_backend = "auto"
-    """The `fusion.fuse(backend=...)` it was fused with (an instance attribute then)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
-        if not torch.compiler.is_compiling() and POLICY.idle("linear", self.kernel_backend):
-            return F.linear(x, weight, bias)  # nothing to choose: `nn.Linear`'s cost
-        decoded = ops.product("linear", tuple(weight.shape), self.kernel_backend, x, weight, bias)
-        return F.linear(x, weight, bias) if decoded is None else decoded
 
 
 class ActAndMul(nn.Module):

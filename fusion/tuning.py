@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from fusion.kernels import calibration, policy
-from fusion.modules import MergedLinear, RowLinear
+from fusion.linear_forward import linear_forward
+from fusion.modules import MergedLinear
 from fusion.report import KernelChoice
 
 
@@ -220,20 +221,21 @@ def _explained(
 
 
 def kernel_choices(model: nn.Module) -> list[KernelChoice]:
-    """For each distinct product of a fused model (merged projections, `RowLinear`s), the
-    kernel the policy runs at `DECODE_ROWS` and `PREFILL_ROWS` rows on this machine, now,
-    and why (`policy.KernelPolicy.explain`, and where a merged product's measured reference
-    routes the forward calling it to its original, `fusion.routes`). Routed experts choose per call (their row
-    counts depend on the routing): not listed."""
+    """For each distinct product of a fused model (merged projections, linears with a
+    `LinearForward`), the kernel the policy runs at `DECODE_ROWS` and `PREFILL_ROWS` rows
+    on this machine, now, and why (`policy.KernelPolicy.explain`, and where a merged
+    product's measured reference routes the forward calling it to its original,
+    `fusion.routes`). Routed experts choose per call (their row counts depend on the
+    routing): not listed."""
     seen: dict[tuple, KernelChoice] = {}
     for name, module in model.named_modules():
         if isinstance(module, MergedLinear):
             op, shape, backend = "stacked", module.kernel_shape, module.backend
             weight = module.stacked_weight
             dtype = module.shards[0].weight.dtype if weight is None else weight.dtype
-        elif isinstance(module, RowLinear):
-            op, shape, backend = "linear", tuple(module.weight.shape), module.kernel_backend
-            dtype = module.weight.dtype
+        elif linear_forward(module) is not None:
+            op, shape = "linear", tuple(module.weight.shape)
+            backend, dtype = module.__dict__["forward"].backend, module.weight.dtype
         else:
             continue
         dtype_name = str(dtype).removeprefix("torch.")

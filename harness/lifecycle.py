@@ -61,6 +61,14 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   that call merged projections run their classes' originals on the fused state
   (`fusion.routes`): the logits must agree with the unfused model's, and a route must have
   been taken. `n/a` without such a forward, or outside the `measured` policy mode.
+- `quantize-dynamic`: `torch.ao.quantization.quantize_dynamic(model, {nn.Linear},
+  dtype=torch.qint8)` of copies of both models (the fused one after its first forward): the
+  quantized modules must be the unfused model's, name for name and type for type (a type-keyed
+  tool must see exactly the unfused types: a fused linear of another class stays float), and
+  the logits must agree within the allowance, plus a quarter of how far quantisation moved
+  the unfused logits where the two float models are not bit-identical (a float rounding
+  difference may move an activation across a quantisation step). `n/a` with the unfused
+  model's error where it cannot be quantized or run quantized.
 - `lora-after-fuse`: PEFT LoRA adapters (`inject_adapter_in_model`, rank 4, random A and
   B) on up to two names of merged projections (`q_proj`, `v_proj`, ...) in both models,
   with the same adapter weights: the adapters' names must be the same, the logits must
@@ -107,6 +115,7 @@ from torch import nn
 import fusion
 from fusion import source
 from fusion.bound import BoundForward
+from fusion.callpath import installed_forward
 from fusion.checkpoint import unfused_named
 from fusion.errors import RewriteRefused
 from fusion.guards import ChildGuard
@@ -136,6 +145,7 @@ OPERATIONS = (
     "parameters",
     "guard-round-trip",
     "route",
+    "quantize-dynamic",
     "lora-after-fuse",
     "train-global-hook",
     "compile",
@@ -897,9 +907,13 @@ def _fused_state(model: nn.Module) -> tuple[int, int, int]:
     forwards = [
         m.__dict__["forward"]
         for m in model.modules()
-        # an instance forward that is the class's own (a pickled bound method restores as
-        # that) is no rewrite
-        if getattr(m.__dict__.get("forward"), "__func__", None) not in (None, type(m).forward)
+        # one fusion installed (a `LinearForward` too), or a bound function other than the
+        # class's own (a pickled bound method restores as that, which is no rewrite)
+        if "forward" in m.__dict__
+        and (
+            installed_forward(m)
+            or getattr(m.__dict__["forward"], "__func__", None) not in (None, type(m).forward)
+        )
     ]
     guarded = sum(isinstance(f, BoundForward) and f.failure() is None for f in forwards)
     stacked = sum(isinstance(m, MergedLinear) and m.views_hold() for m in model.modules())
@@ -1263,6 +1277,71 @@ def _route(ctx: Context) -> str:
     return f"{taken} of the rewritten forwards' calls ran the original; logits agree"
 
 
+_QUANTIZATION_SHARE = 0.25
+"""The share of the unfused model's own quantisation error (its quantized logits against its
+float ones) that `quantize-dynamic` adds to the allowance where the float models differ:
+there a rounding difference may move a dynamically quantized activation across a step."""
+
+
+def quantized_modules(model: nn.Module) -> dict[str, str]:
+    """{qualified name: class name} of every quantized module of `model` (a class of
+    `torch.ao.nn`, what `quantize_dynamic` installs in place of the types it maps)."""
+    return {
+        name: type(module).__qualname__
+        for name, module in model.named_modules()
+        if type(module).__module__.startswith("torch.ao.nn.")
+    }
+
+
+def _quantized(model: nn.Module) -> nn.Module:
+    with warnings.catch_warnings():
+        # torch.ao.quantization's deprecation notices, once per call
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def _quantized_logits(model: nn.Module, ctx: Context) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _logits(model, ctx)
+
+
+def _quantize_dynamic(ctx: Context) -> str:
+    """A type-keyed transform after fusing: the fused model's quantized modules must be the
+    unfused model's (same names, same classes), and its quantized logits the unfused one's
+    (the rewritten forwards whose children were replaced run their originals)."""
+    unfused, fused = _twins(ctx)
+    unfused = _unfused("quantize_dynamic", lambda: _quantized(unfused))
+    want = _unfused("a forward of the quantized model", lambda: _quantized_logits(unfused, ctx))
+    fused = _quantized(fused)
+    want_kinds, got_kinds = quantized_modules(unfused), quantized_modules(fused)
+    if got_kinds != want_kinds:
+        missing = sorted(set(want_kinds) - set(got_kinds))
+        extra = sorted(set(got_kinds) - set(want_kinds))
+        changed = sorted(
+            n for n in set(want_kinds) & set(got_kinds) if want_kinds[n] != got_kinds[n]
+        )
+        shown = missing[:1] or extra[:1] or changed[:1]
+        still = {n: type(m).__name__ for n, m in ctx.fused.named_modules()}
+        raise _Failed(
+            f"quantize_dynamic quantized {len(got_kinds)} modules of the fused model, "
+            f"{len(want_kinds)} of the unfused ({len(missing)} not quantized, {len(extra)} "
+            f"only fused, {len(changed)} of another class; first: {shown[0]}, a "
+            f"{still.get(shown[0], '?')} in the fused model)"
+        )
+    if not want_kinds:
+        raise _NotApplicable("quantize_dynamic quantizes no module of the unfused model")
+    got = _quantized_logits(fused, ctx)
+    moved = float((want.double() - ctx.unfused_logits.double()).abs().max())
+    identical = torch.equal(ctx.fused_logits, ctx.unfused_logits)
+    allowance = ctx.allowance + (0.0 if identical else _QUANTIZATION_SHARE * moved)
+    diff = _compare("quantized logits", got, want, allowance)
+    return (
+        f"{len(want_kinds)} modules quantized as unfused; logits within {diff:.3g} "
+        f"(quantisation moved the unfused logits by {moved:.3g})"
+    )
+
+
 def _lora_targets(model: nn.Module) -> list[str]:
     """Two shard names (or one) of the model's first merged projection (attention comes
     before the MLP): what a user names in `LoraConfig(target_modules=...)` (`q_proj` and
@@ -1366,6 +1445,7 @@ _OPERATIONS: dict[str, Callable[[Context], str]] = {
     "parameters": _parameters,
     "guard-round-trip": _guard_round_trip,
     "route": _route,
+    "quantize-dynamic": _quantize_dynamic,
     "lora-after-fuse": _lora_after_fuse,
     "train-global-hook": _train_global_hook,
     "compile": _compile,

@@ -1,10 +1,14 @@
 """`decode_linear`: a plain `nn.Linear` computes its decode-sized products with our kernels.
 
-Not a merge: the module keeps its parameters, hooks, name and place; only its class becomes
-`fusion.modules.RowLinear` (an `nn.Linear` subclass), whose forward is `F.linear` except for
-float32 products on a CPU with a weight of 1M+ elements, at 1 to 256 rows where the native
-kernel is on (`native_gemm`: it streams the live weight once, MKL packs it on every call)
-and otherwise at one row on AVX-512 where oneDNN's one-row product is. That is the decode
+Not a merge, and no change of type: the module keeps its class (exactly `nn.Linear`), its
+parameters, hooks, name and place; only its `forward` becomes an instance attribute, a
+`fusion.linear_forward.LinearForward`, which is `F.linear` except for products on a CPU with
+a weight of 1M+ elements, at 1 to 256 rows where the native kernel is on (`native_gemm`: it
+streams the live weight once, MKL packs it on every call) and otherwise at one row on
+AVX-512 where oneDNN's one-row product is, each where the policy measured it faster. So
+type-keyed tools (`quantize_dynamic(model, {nn.Linear})`, `isinstance`, a patch of
+`nn.Linear.forward`) see the unfused model; the forward checks its premises on every call
+and otherwise runs the class's forward. That is the decode
 step (and short prompts) of a CPU model: the projections fusion cannot merge (`o_proj`,
 `down_proj`) and the LM head, up to a third of a decoder's weights, read at every generated
 token.
@@ -13,8 +17,9 @@ Why it is safe: the function is `F.linear`'s (the tests bound both kernels' erro
 against float64); nothing is cached (each call reads the weight as it is now); the
 parameters are the same objects, so the state dict, optimisers, tied weights and checkpoint
 keys are untouched. Refused (fail closed) for anything that is not exactly `nn.Linear`
-(quantised or wrapped linears compute something else), a module with hooks or its own call
-path, an instance-level forward, or weights that are not plain 2-D parameters. Linears below
+(quantised or wrapped linears compute something else) or while `nn.Linear.forward` or
+`F.linear` is not torch's own (`linear_forward.premise_failure`), a module with hooks or its
+own call path, an instance-level forward, or weights that are not plain 2-D parameters. Linears below
 the size threshold are not candidates at all (they would never take the path), so small
 models' reports do not change.
 """
@@ -30,12 +35,12 @@ from fusion.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.kernels import native_gemm, onednn_backend
-from fusion.modules import RowLinear
+from fusion.linear_forward import install, premise_failure
 
 
 @dataclass
 class DecodeLinearFuser(Fuser):
-    """Give a plain linear the decode-sized CPU kernels (`RowLinear`)."""
+    """Give a plain linear the decode-sized CPU kernels behind its forward (`LinearForward`)."""
 
     name: ClassVar[str] = "decode_linear"
     redefines_forward: ClassVar[bool] = True
@@ -56,8 +61,9 @@ class DecodeLinearFuser(Fuser):
         return cls(source_class=type(module).__name__)
 
     def validate(self, module: nn.Module) -> None:
-        if type(module) is not nn.Linear:
-            raise RewriteRefused(f"{type(module).__name__} is not exactly nn.Linear")
+        premise = premise_failure(module)
+        if premise is not None:
+            raise RewriteRefused(premise)
         hooks = has_hooks(module)
         if hooks:
             raise RewriteRefused(f"linear has {hooks}")
@@ -73,9 +79,8 @@ class DecodeLinearFuser(Fuser):
             raise RewriteRefused("weight is not 2-D")
 
     def fuse(self, module: nn.Module, backend: str) -> nn.Module:
-        module.__class__ = RowLinear
-        module.kernel_backend = backend
+        install(module, backend)
         return module
 
     def describe(self) -> str:
-        return "one-row products by oneDNN at decode (RowLinear)"
+        return "decode-sized products by the measured kernel, behind its forward (same class)"

@@ -307,7 +307,7 @@ def _linear_product_op(
 ) -> Tensor:
     """`F.linear(x, weight, bias)` by the kernel the policy chooses when the compiled code
     runs (`_chosen_product`; settings read then), else by `F.linear`: what eager
-    `RowLinear` and `MergedLinear` run, made one node of a compiled graph (Inductor cannot
+    `LinearForward` and `MergedLinear` run, made one node of a compiled graph (Inductor cannot
     lower the kernels itself). Inference only: callers route here only when no gradient is
     recorded (`native_gemm.traced`, `onednn_backend.row_linear_traced`)."""
     out = _chosen_product(op, tuple(shape), backend, x, weight, bias)

@@ -3,8 +3,9 @@
 A fused module asks `POLICY.choose(op, shape, dtype, rows, backend)` where it could run
 more than one kernel for the same function, and gets a kernel name back:
 
-- `linear` (`RowLinear`: one weight `[N, K]`, shape `(N, K)`): `reference` (`F.linear`),
-  `native` (`native_gemm`), `onednn-row` (`onednn_backend.row_linear`, one row);
+- `linear` (a plain linear's `fusion.linear_forward.LinearForward`: one weight `[N, K]`,
+  shape `(N, K)`): `reference` (`F.linear`), `native` (`native_gemm`), `onednn-row`
+  (`onednn_backend.row_linear`, one row);
 - `stacked` (`MergedLinear`: shards `[N_i, K]` stacked, shape `(N_1, ..., N_s, K)`):
   `reference` (each shard's own `F.linear`: the unfused calls), `stacked` (one `F.linear`
   on the stacked weight), `native` and `onednn-row` on the stacked weight;

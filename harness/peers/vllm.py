@@ -103,8 +103,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "definition",
-        "decode_linear swaps a large plain linear for our row-major decode kernel; vLLM swaps "
-        "every linear for its own linear classes, outside the fusers",
+        "decode_linear gives a large plain linear our row-major decode kernel behind its "
+        "forward; vLLM swaps every linear for its own linear classes, outside the fusers",
         family="decode_linear",
         kind="ours-only",
     ),

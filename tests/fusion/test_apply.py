@@ -110,13 +110,13 @@ def test_replacing_fuser_installs_in_parent_and_rolls_back(monkeypatch: pytest.M
 
 def test_one_class_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    original_trace = matches.trace
+    original_trace = matches.traced
 
     def counting_trace(module):
         calls.append(type(module).__name__)
         return original_trace(module)
 
-    monkeypatch.setattr(matches, "trace", counting_trace)
+    monkeypatch.setattr(matches, "traced", counting_trace)
     registry.clear_cache()
     fusion.plan(tiny_model("llama", num_hidden_layers=4))
     registry.clear_cache()
@@ -235,7 +235,10 @@ def test_a_failed_fuse_restores_classes_and_parameter_memory(monkeypatch) -> Non
     swapped below it, nor Parameters a merge had made views of a stacked weight): a fuser
     that merges, swaps a child's class, then raises leaves the module exactly as it was,
     each Parameter again the sole user of memory of its own."""
-    from fusion.modules import MergedLinear, RowLinear
+    from fusion.modules import MergedLinear
+
+    class Swapped(nn.Linear):
+        pass
 
     module = hazards.Attention()
     reference = copy.deepcopy(module)
@@ -245,7 +248,7 @@ def test_a_failed_fuse_restores_classes_and_parameter_memory(monkeypatch) -> Non
     def fuse_then_fail(self, target, backend):
         real(self, target, backend)
         assert isinstance(target.qkv_proj, MergedLinear) and target.qkv_proj.views_hold()
-        target.q_proj.__class__ = RowLinear
+        target.q_proj.__class__ = Swapped
         raise RuntimeError("injected failure after the merge")
 
     monkeypatch.setattr(QKVFuser, "fuse", fuse_then_fail)

@@ -27,7 +27,7 @@ from fusion.guards import (
     first_failure,
     holding_check,
 )
-from fusion.modules import RowLinear
+from fusion.linear_forward import LinearForward
 from fusion.norm_forward import NormForward
 from tests.fusion.merged_paths import stacked_products
 from tests.fusion.tiny_models import tiny_model, token_ids
@@ -148,12 +148,23 @@ def test_a_replaced_activation_child_is_seen() -> None:
     assert model.model.layers[0].mlp.forward.guard_failures == 1
 
 
-def test_a_class_swap_to_row_linear_keeps_the_guard() -> None:
+class _Linear(nn.Linear):
+    """A subclass computing `nn.Linear`'s function: still another class (fails closed)."""
+
+
+def test_a_forward_fusion_installed_keeps_the_guard_and_a_class_swap_fails_it() -> None:
+    """A child with a forward fusion installed (`decode_linear`'s `LinearForward`: the
+    class forward's function) still holds its guard, in the one-frame check too; a user's
+    instance forward and any class swap fail it."""
     _, fused = _pair()
-    _attn(fused).q_proj.__class__ = RowLinear  # decode_linear's function: F.linear
-    assert _attn(fused).forward.failure() is None
-    _attn(fused).q_proj.__class__ = nn.Bilinear  # anything else fails
-    assert "became a Bilinear" in _attn(fused).forward.failure()
+    q_proj = _attn(fused).q_proj
+    q_proj.forward = LinearForward(q_proj)
+    assert _attn(fused).forward.failure() is None and _attn(fused).forward._holds(_attn(fused))
+    q_proj.forward = lambda x: x  # a user's
+    assert "instance-level forward" in _attn(fused).forward.failure()
+    del q_proj.forward
+    q_proj.__class__ = _Linear
+    assert "became a _Linear" in _attn(fused).forward.failure()
 
 
 def test_guards_follow_deepcopy_and_pickle() -> None:
@@ -262,8 +273,8 @@ def test_each_child_premise_fails_its_guard(monkeypatch, change: str) -> None:
 
 def test_the_one_frame_check_sees_global_hooks_and_other_guards() -> None:
     """`holding_check` answers False under a global module hook (any kind) and when a
-    method or attribute guard fails, and defers an equivalent class swap to the guards
-    (False there, while `first_failure` finds the premise holding)."""
+    method or attribute guard fails, and answers True for a child with a forward fusion
+    installed (False for a user's instance forward)."""
     parent = nn.Module()
     parent.lin = nn.Linear(4, 4)
     parent.scale = 2.0
@@ -285,8 +296,10 @@ def test_the_one_frame_check_sees_global_hooks_and_other_guards() -> None:
     parent.scale = 3.0
     assert not holds(parent) and "rebound" in first_failure(parent, guards)
     parent.scale = 2.0
-    parent.lin.__class__ = RowLinear  # decode_linear's swap: equivalent
-    assert not holds(parent) and first_failure(parent, guards) is None
+    parent.lin.forward = LinearForward(parent.lin)  # one fusion installed: holds
+    assert holds(parent) and first_failure(parent, guards) is None
+    parent.lin.forward = lambda x: x  # a user's: fails
+    assert not holds(parent) and "forward" in first_failure(parent, guards)
 
 
 def test_distinct_drops_only_repeated_premises() -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import fusion
+from fusion import linear_forward
 from fusion.bound import BoundForward
 from fusion.modules import MergedLinear
 from harness import lifecycle, plans
@@ -107,6 +108,28 @@ def _method_fuse(model):
 def test_a_forward_lost_by_pickling_fails_torch_save(llama, llama_inputs):
     result = _run(llama, llama_inputs, _method_fuse)
     assert _verdicts(result)["torch-save"] == "fail", result.lifecycle
+
+
+def _lm_head_forward_fuse(model):
+    """Fusion plus `decode_linear`'s forward on the LM head (tiny models' linears are under
+    its size rule)."""
+    report = fusion.fuse(model)
+    linear_forward.install(model.lm_head, "auto")
+    return report
+
+
+def test_a_linear_forward_lost_by_pickling_fails_torch_save(llama, llama_inputs, monkeypatch):
+    """A `LinearForward` counts as fused state: a copy that lost it (pickled as the module's
+    `forward` looked up before its state is restored: the class's own) is not the fused
+    model, though it computes like it."""
+    passing = _run(llama, llama_inputs, _lm_head_forward_fuse)
+    assert _verdicts(passing)["torch-save"] == "pass", passing.lifecycle["torch-save"]
+    monkeypatch.setattr(
+        linear_forward.LinearForward, "__reduce__", lambda self: (getattr, (self.module, "forward"))
+    )
+    result = _run(llama, llama_inputs, _lm_head_forward_fuse)
+    verdicts = _verdicts(result)
+    assert verdicts["torch-save"] == "fail" and verdicts["deepcopy"] == "pass", result.lifecycle
 
 
 def _stacked_while_training(self, x):
@@ -255,6 +278,46 @@ def test_guards_that_miss_a_replaced_child_fail_lora_and_the_round_trip(
     verdicts = _verdicts(result)
     assert verdicts["lora-after-fuse"] == "fail", result.lifecycle["lora-after-fuse"]
     assert verdicts["guard-round-trip"] == "fail", result.lifecycle["guard-round-trip"]
+    # quantized q/k/v never called: the merged product keeps computing in float
+    detail = result.lifecycle["quantize-dynamic"]["detail"]
+    assert verdicts["quantize-dynamic"] == "fail" and "quantized logits" in detail, detail
+
+
+class _SwappedLinear(nn.Linear):
+    """What `decode_linear` once made of a plain linear: a subclass computing `nn.Linear`'s
+    function, which type-keyed tools no longer see as an `nn.Linear`."""
+
+
+def _class_swapping_fuse(model):
+    report = fusion.fuse(model)
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name.endswith((".o_proj", ".down_proj", "lm_head")):
+            module.__class__ = _SwappedLinear
+    return report
+
+
+def test_class_swapped_linears_fail_quantize_dynamic(llama, llama_inputs):
+    """Regression (issue 43): linears class-swapped by fusion stay float under
+    `quantize_dynamic(model, {nn.Linear})`, where the unfused model's are quantized."""
+    passing = _run(llama, llama_inputs, fusion.fuse).lifecycle["quantize-dynamic"]
+    assert passing["verdict"] == "pass" and "modules quantized as unfused" in passing["detail"]
+    result = _run(llama, llama_inputs, _class_swapping_fuse)
+    verdict = result.lifecycle["quantize-dynamic"]
+    assert verdict["verdict"] == "fail", verdict
+    assert "not quantized" in verdict["detail"] and "_SwappedLinear" in verdict["detail"]
+    assert result.status == "fail"
+
+
+def test_a_model_that_cannot_be_quantized_is_n_a(llama, llama_inputs, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no quantized engine here")
+
+    monkeypatch.setattr(torch.ao.quantization, "quantize_dynamic", refuse)
+    verdict = _run(llama, llama_inputs, fusion.fuse).lifecycle["quantize-dynamic"]
+    assert verdict == {
+        "verdict": "n/a",
+        "detail": "unfused model: quantize_dynamic raises: RuntimeError: no quantized engine here",
+    }
 
 
 def test_peft_that_cannot_load_adapters_into_the_unfused_model_is_n_a(

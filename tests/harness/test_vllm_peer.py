@@ -150,7 +150,7 @@ def test_our_details_are_parsed_from_the_descriptions(family, description, detai
         ("attention", "peer-only", "LlamaAttention", "", "AttentionFuser", "definition"),
         ("packed_qkv", "peer-only", "GPTBigCodeAttention", "", "PackedQKVFuser", "definition"),
         ("residual_norm", "ours-only", "LlamaDecoderLayer", "residual add", "", "definition"),
-        ("decode_linear", "ours-only", "Linear", "-> RowLinear", "", "definition"),
+        ("decode_linear", "ours-only", "Linear", "decode-sized products", "", "definition"),
         (
             "moe",
             "ours-only",

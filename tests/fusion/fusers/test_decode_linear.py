@@ -1,5 +1,6 @@
-"""The decode_linear fuser: plain linears take oneDNN's one-row product at decode, keeping
-their parameters, names and place; anything not exactly a plain linear is refused."""
+"""The decode_linear fuser: plain linears take oneDNN's one-row product at decode behind
+their forward, keeping their class, parameters, names and place; anything not exactly a
+plain linear is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import fusion
 from fusion import numerics
 from fusion.kernels import native_gemm, onednn_backend
 from fusion.kernels.policy import POLICY
-from fusion.modules import RowLinear
+from fusion.linear_forward import LinearForward, linear_forward
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +32,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 4)).eval()
 
 
-def test_large_plain_linears_become_row_linears_in_place() -> None:
+def test_large_plain_linears_keep_their_class_and_get_the_forward() -> None:
     model = _model()
     params = {name: p for name, p in model.named_parameters()}
     report = fusion.fuse(model)
@@ -40,9 +41,71 @@ def test_large_plain_linears_become_row_linears_in_place() -> None:
         ("2", "decode_linear"),
     ]
     assert not any(s.qualname == "3" for s in report.skipped)  # below the threshold: silent
-    assert type(model[0]) is RowLinear and type(model[3]) is nn.Linear
+    assert all(type(m) is nn.Linear for m in (model[0], model[2], model[3]))
+    assert isinstance(model[0].forward, LinearForward) and linear_forward(model[3]) is None
     assert all(p is params[name] for name, p in model.named_parameters())
-    assert isinstance(model[0], nn.Linear)
+
+
+def test_fusing_again_reports_already_fused() -> None:
+    model = _model()
+    fusion.fuse(model)
+    forward = model[0].forward
+    report = fusion.fuse(model)
+    assert not report.applied and model[0].forward is forward
+    reasons = {s.qualname: s.reason for s in report.skipped}
+    assert "already fused" in reasons["0"] and "already fused" in reasons["2"], reasons
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_quantize_dynamic_quantizes_every_linear_as_unfused() -> None:
+    """Regression (issue 43: a class swap hid the projections from type-keyed tools):
+    `quantize_dynamic(model, {nn.Linear})` after fusing quantizes the same modules as on
+    the unfused model, with the same values, and the installed forwards leave with the
+    float modules it replaced."""
+    model = _model()
+    fused = copy.deepcopy(model)
+    fusion.fuse(fused)
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        fused(x)
+    quantized = [
+        torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8)
+        for m in (model, fused)
+    ]
+    kinds = [[type(m) for m in q] for q in quantized]
+    assert kinds[0] == kinds[1] and kinds[0][0] is not nn.Linear
+    assert not any("forward" in m.__dict__ for m in quantized[1].modules())
+    with torch.no_grad():
+        assert torch.equal(quantized[0](x), quantized[1](x))
+
+
+def test_a_class_or_forward_patch_after_fusing_is_obeyed(monkeypatch) -> None:
+    """A patch of `nn.Linear.forward`, of `F.linear`, or a class change of the module after
+    fusing reaches the call as on the unfused model (the forward falls back, counted)."""
+    POLICY.use("eligible")
+    model = _model()
+    fusion.fuse(model)
+    x = torch.randn(1, 48)
+    forward = model[0].forward
+    real = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: real(self, x) * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x), 2 * F.linear(x, model[0].weight, model[0].bias))
+    assert forward.guard_failures == 1 and "nn.Linear.forward" in forward.last_failure
+    monkeypatch.undo()
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: torch.zeros(()))
+    with torch.no_grad():
+        assert torch.equal(model[0](x), torch.zeros(()))
+    assert "functional.linear" in forward.last_failure
+    monkeypatch.undo()
+    model[0].__class__ = _Subclass
+    with torch.no_grad():
+        assert torch.equal(model[0](x), torch.ones(1, 64))
+    assert forward.guard_failures == 3 and "_Subclass" in forward.last_failure
+    model[0].__class__ = nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+    assert forward.guard_failures == 3
 
 
 def test_same_function_one_row_and_many() -> None:
@@ -88,7 +151,8 @@ def test_row_path_taken_and_weight_writes_seen(monkeypatch) -> None:
 
 
 class _Subclass(nn.Linear):
-    pass
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones(*x.shape[:-1], self.out_features)
 
 
 def test_refusals_name_the_reason() -> None:
@@ -110,7 +174,7 @@ def test_tied_weights_and_checkpoints_are_untouched(tmp_path) -> None:
     model = tiny_model("llama", seed=3, tie_word_embeddings=True)
     before = model.state_dict()
     fusion.fuse(model)
-    assert type(model.lm_head) is RowLinear
+    assert type(model.lm_head) is nn.Linear and linear_forward(model.lm_head) is not None
     assert model.lm_head.weight is model.model.embed_tokens.weight
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
@@ -120,7 +184,7 @@ def test_tied_weights_and_checkpoints_are_untouched(tmp_path) -> None:
 
 
 def test_tensor_parallel_plans_are_kept() -> None:
-    """A class change leaves the model's modules and parameters as they were, so its
+    """An installed forward leaves the model's modules and parameters as they were, so its
     tensor-parallel plan (which names them) is not pruned."""
     model = _model()
     model._tp_plan = {"0": "colwise", "2": "rowwise"}
@@ -147,23 +211,30 @@ def test_compiles_fullgraph_through_the_operator() -> None:
         assert sum("fusion.linear_product" in t for t in targets) == 2, targets
 
 
-def test_deepcopy_and_pickle_keep_the_class() -> None:
+def test_deepcopy_and_pickle_keep_a_forward_reading_the_copy() -> None:
     import io
 
+    POLICY.use("eligible")
     model = _model()
     fusion.fuse(model)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert type(copy.deepcopy(model)[0]) is RowLinear and type(loaded[0]) is RowLinear
+    x = torch.randn(1, 48)
+    for copied in (copy.deepcopy(model), loaded):
+        assert type(copied[0]) is nn.Linear and copied[0].forward.module is copied[0]
+        assert copied[0].forward is not model[0].forward
+        with torch.no_grad():
+            copied[0].weight.mul_(-1.0)  # the copy's own weight, not the original's
+            torch.testing.assert_close(copied[0](x), -model[0](x) + 2 * model[0].bias)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_every_linear_taking_it_passes_parity_and_the_lifecycle(arch: str) -> None:
     """With the thresholds at zero and the policy running every eligible kernel, every
-    plain linear of a tiny corpus model becomes a RowLinear and every linear of a fused one
+    plain linear of a tiny corpus model gets a LinearForward and every linear of a fused one
     whose width allows takes the native kernel (where it is built): the parity oracle and
     every lifecycle operation (generate, train, save and reload, weight edits, copies,
     compile) still pass."""
@@ -197,3 +268,29 @@ def test_plan_reports_without_changing_the_class() -> None:
         ("2", "decode_linear"),
     ]
     assert all(type(m) is nn.Linear for m in (model[0], model[2], model[3]))
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_parametrization_and_pruning_after_fusing_compute_as_unfused() -> None:
+    """A parametrization (a class swap to `ParametrizedLinear`: the forward falls back) and
+    pruning (a forward pre-hook writing `weight`: read live) added after fusing give the
+    unfused model's outputs with the same edit."""
+    from torch.nn.utils import parametrize, prune
+
+    POLICY.use("eligible")
+    unfused = _model()
+    fused = copy.deepcopy(unfused)
+    fusion.fuse(fused)
+    forward = fused[0].forward
+    x = torch.randn(1, 48)
+    for model in (unfused, fused):
+        parametrize.register_parametrization(model[0], "weight", _Doubled())
+        prune.l1_unstructured(model[2], "weight", amount=0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), unfused(x), rtol=1e-5, atol=1e-6)
+    assert forward.guard_failures >= 1 and "Parametrized" in forward.last_failure
+    assert fused[2].forward.guard_failures == 0  # pruned: still the fast path, live weight

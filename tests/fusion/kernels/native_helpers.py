@@ -4,9 +4,19 @@ test-sized operands on any machine."""
 from __future__ import annotations
 
 import pytest
+from torch import nn
 
+from fusion import linear_forward
 from fusion.kernels import native_gemm, onednn_backend
 from fusion.kernels.policy import POLICY
+
+
+def decode_linear(in_features: int, out_features: int, **kwargs) -> nn.Linear:
+    """A plain `nn.Linear` with the forward the `decode_linear` fuser installs
+    (`fusion.linear_forward.LinearForward`, backend `auto`), whatever its size."""
+    module = nn.Linear(in_features, out_features, **kwargs)
+    linear_forward.install(module, "auto")
+    return module
 
 
 def force_native_on(monkeypatch) -> None:

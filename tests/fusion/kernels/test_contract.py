@@ -23,10 +23,11 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from fusion import kernels
 from fusion.kernels import contract, native_gemm, onednn_backend, ops, torch_ref
-from fusion.modules import FusedRMSNorm, MergedLinear, RowLinear
+from fusion.modules import FusedRMSNorm, MergedLinear
 from fusion.trace import FP32_PRECISION_KEYS
 from tests.fusion.dynamo_graphs import compiled_call_targets
 from tests.fusion.kernels.native_helpers import (
+    decode_linear,
     force_native_off,
     force_native_on,
     force_onednn_row_on,
@@ -186,12 +187,12 @@ def taken(monkeypatch) -> list[str]:
     return calls
 
 
-def _linear_pair(seed: int = 0) -> tuple[nn.Linear, RowLinear]:
-    """An `nn.Linear` and a `RowLinear` (what the decode_linear fuser installs) on copies of
-    the same parameters."""
+def _linear_pair(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    """An `nn.Linear` and one with the forward the decode_linear fuser installs
+    (`LinearForward`) on copies of the same parameters."""
     torch.manual_seed(seed)
     linear = nn.Linear(K, 48)
-    row = RowLinear(K, 48)
+    row = decode_linear(K, 48)
     row.load_state_dict(linear.state_dict())
     return linear.eval(), row.eval()
 
@@ -293,7 +294,7 @@ def test_row_linear_under_cpu_autocast_is_the_unfused_linear(
     fast_path: str, taken: list[str]
 ) -> None:
     """Under `torch.autocast("cpu", bfloat16)` an `nn.Linear` returns bfloat16: so does the
-    fused `RowLinear`, with the same values (it runs the same `F.linear`)."""
+    fused linear (its `LinearForward`), with the same values (it runs the same `F.linear`)."""
     linear, row = _linear_pair()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for rows in _rows(fast_path):
@@ -319,8 +320,8 @@ def test_merged_linear_under_cpu_autocast_is_the_unfused_linears(
     assert taken == []
 
 
-def _bf16_linear_pair(seed: int = 0) -> tuple[nn.Linear, RowLinear]:
-    """`_linear_pair` in bfloat16 (a bf16 model's projection and its `RowLinear`)."""
+def _bf16_linear_pair(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    """`_linear_pair` in bfloat16 (a bf16 model's projection and its fused twin)."""
     linear, row = _linear_pair(seed)
     return linear.to(torch.bfloat16), row.to(torch.bfloat16)
 
@@ -360,7 +361,7 @@ def test_bfloat16_modules_obey_the_ambient_state(monkeypatch, taken: list[str]) 
 
 def test_a_subclass_input_runs_its_override(fast_path: str, taken: list[str]) -> None:
     """An input whose class overrides `F.linear` (`__torch_function__`): the override runs,
-    in `RowLinear` and `MergedLinear` as in the unfused projections."""
+    in a fused linear and `MergedLinear` as in the unfused projections."""
     linear, row = _linear_pair()
     unfused, merged = _merged_pair()
     with torch.no_grad():

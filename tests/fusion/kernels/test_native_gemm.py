@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fusion.kernels import native_build, native_gemm, ops
-from fusion.modules import MergedLinear, RowLinear
+from fusion.modules import MergedLinear
 from tests.fusion.dynamo_graphs import compiled_call_targets
-from tests.fusion.kernels.native_helpers import force_native_on
+from tests.fusion.kernels.native_helpers import decode_linear, force_native_on
 
 needs_kernel = pytest.mark.skipif(
     native_build.compiler() is None, reason="no C compiler on this machine: nothing to build"
@@ -324,7 +324,7 @@ def _merged(
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 16, 64])
 def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) -> None:
-    """MergedLinear (one stacked product) and RowLinear run the native kernel at 1 to
+    """MergedLinear (one stacked product) and a fused linear run the native kernel at 1 to
     the machine's row limit, before oneDNN's one-row product; the result equals `F.linear` on the
     same parameters. More rows keep their PyTorch path."""
     force_native_on(monkeypatch)
@@ -334,7 +334,7 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
         native_gemm, "linear", lambda x, w, b: calls.append(tuple(w.shape)) or real(x, w, b)
     )
     merged = _merged((64, 16, 16), 32, bias=True)
-    row = RowLinear(32, 48)
+    row = decode_linear(32, 48)
     with torch.no_grad():
         x = torch.randn(1, rows, 32)
         want = F.linear(x, merged.stacked_weight, merged.stacked_bias)
@@ -419,7 +419,7 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
 
 @needs_kernel
 def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
-    """Under torch.compile (fullgraph) RowLinear at 16 rows becomes one
+    """Under torch.compile (fullgraph) a fused linear at 16 rows becomes one
     `fusion::linear_product` node and MergedLinear one per shard (compiled, it computes its
     shards apart: Dynamo guards neither the views of the stacked weight nor `.data`), whose
     eager choice (the native kernel) runs when the compiled code runs; values equal the
@@ -430,7 +430,7 @@ def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
     monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(1) or real(*a))
     for module, nodes in (
         (_merged((64, 16, 16), 32, bias=True).eval(), 3),
-        (RowLinear(32, 48).eval(), 1),
+        (decode_linear(32, 48).eval(), 1),
     ):
         x = torch.randn(1, 16, 32)
         out, targets = compiled_call_targets(module, x)
