@@ -67,9 +67,14 @@ class BoundForward:
         fn: Callable[..., Any],
         guards: tuple[Guard, ...] = (),
         globals_guard: GlobalsGuard | None = None,
+        class_forward: Callable[..., Any] | None = None,
     ) -> None:
         self.module = module
         self.cls = cls
+        self.class_forward = cls.forward if class_forward is None else class_forward
+        """`cls.forward` as the class held it when the rewrite was bound (wrappers and all):
+        the function the proof is about. A call finding another (`type(module).forward`
+        patched, the instance's class swapped) runs that one instead."""
         self.original = original
         self.rewritten = rewritten
         self.fn = fn
@@ -80,26 +85,28 @@ class BoundForward:
         self.original_calls = 0
         """Calls that ran the class's original forward by the route (`fusion.routes`):
         every kernel the rewrite could choose measured slower here for the call."""
-        self.call = rewrap(cls.forward, fn)
+        self.call = rewrap(self.class_forward, fn)
         # The class's own signature (the rewrite keeps the parameters, minus annotations).
-        signature = inspect.signature(inspect.unwrap(cls.forward))
+        signature = inspect.signature(inspect.unwrap(self.class_forward))
         self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
         self.__name__ = getattr(fn, "__name__", "forward")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
         route = self._route
         if route is not None and route.takes_original(args, kwargs):
             self.original_calls += 1
-            return self.cls.forward(self.module, *args, **kwargs)
+            # what calling the unfused module runs now: its current class's forward
+            return type(module).forward(module, *args, **kwargs)
         reason = self.failure()
         if reason is None:
-            return self.call(self.module, *args, **kwargs)
+            return self.call(module, *args, **kwargs)
         if not torch.compiler.is_compiling():
             self.guard_failures += 1
             self.last_failure = reason
-        return self.cls.forward(self.module, *args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
 
     @property
     def guards(self) -> tuple[Guard, ...]:
@@ -109,19 +116,34 @@ class BoundForward:
     @guards.setter
     def guards(self, guards: Iterable[Guard]) -> None:
         self._guards = distinct(guards)
-        self._holds = holding_check(self._guards)
-        self._route = routes.route_of(self._guards, self.cls.forward)
+        self._holds = holding_check(self._guards, self.cls, self.class_forward)
+        self._route = routes.route_of(self._guards, self.class_forward)
 
     def failure(self) -> str | None:
         """Why the rewrite may not run now (a guard that no longer holds), or None: the
-        one-frame check of the common case first (`holding_check`), the guards one by one
-        (naming the reason) only when it says no."""
+        one-frame check of the common case first (`holding_check`, which also asks that the
+        module is still of `cls` and `cls.forward` still `class_forward`), the premises
+        one by one (naming the reason) only when it says no."""
         if self._holds(self.module):
             return None if torch.compiler.is_compiling() else self.globals_guard.failure()
-        reason = first_failure(self.module, self._guards)
+        reason = self.class_failure() or first_failure(self.module, self._guards)
         if reason is None and not torch.compiler.is_compiling():
             reason = self.globals_guard.failure()
         return reason
+
+    def class_failure(self) -> str | None:
+        """Why the module's forward as Python resolves it now (`type(module).forward`) is
+        not the one rewritten, or None. A class swap fails even where the new class
+        inherits the same forward: the proof read the old class (its methods, attributes,
+        lookup), and a swap (`torch.nn.utils.parametrize`, a user's subclass) may change
+        any of them; the fallback runs the new class's forward, as the unfused module
+        would."""
+        kind = type(self.module)
+        if kind is not self.cls:
+            return f"the module became a {kind.__qualname__}"
+        if kind.forward is not self.class_forward:
+            return f"{kind.__qualname__}.forward was replaced"
+        return None
 
     @property
     def __self__(self) -> nn.Module:
@@ -140,7 +162,14 @@ class BoundForward:
         module = copy.deepcopy(self.module, memo)
         guards = copy.deepcopy(self.guards, memo)
         return BoundForward(
-            module, self.cls, self.original, self.rewritten, self.fn, guards, self.globals_guard
+            module,
+            self.cls,
+            self.original,
+            self.rewritten,
+            self.fn,
+            guards,
+            self.globals_guard,
+            self.class_forward,
         )
 
     def __repr__(self) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from fusion.callpath import CALL_PATH, HOOK_ATTRS, global_hooks
+from fusion.callpath import CALL_PATH, FUSION_INSTALLED, HOOK_ATTRS, global_hooks
 from fusion.modules import RowLinear
 
 EQUIVALENT_CLASSES: frozenset[type] = frozenset({nn.Linear, RowLinear})
@@ -37,20 +37,34 @@ EQUIVALENT_CLASSES: frozenset[type] = frozenset({nn.Linear, RowLinear})
 `decode_linear` makes a plain linear a `RowLinear`, `F.linear`'s function (the shards of a
 merged projection may be converted after the merge)."""
 
+_EQUIVALENT_FORWARDS: dict[type, Any] = {cls: cls.forward for cls in EQUIVALENT_CLASSES}
+"""The `forward` of each equivalent class the equivalence was asserted for (at import): a
+swap between them keeps a guard only while both classes still have these."""
+
 
 @dataclass(frozen=True, eq=False)
 class ChildGuard:
     """`module.<name>` is still `child`, of its class at fuse time (or one equivalent), and
-    unless `called`, reached through plain `nn.Module.__call__`: no hook on it or global, no
-    call path or forward of its own (the rewrite no longer calls it, or reads it as its
-    forward alone). `called`: a module fusion installed that the rewrite calls through
-    `__call__` itself (a `MergedLinear`), so hooks on it run as they would; only identity
-    and class matter."""
+    `module.<name>` resolves to it as Python looks it up (no instance `__dict__` entry and no
+    class attribute anywhere in the MRO shadows `_modules`, no attribute lookup of the
+    class's own); unless `called`, reached through plain `nn.Module.__call__` and running
+    its class's `forward` of fuse time: no hook on it or global, no call path of its own, no
+    instance `forward` but one fusion installed (`callpath.installed_forward`: it computes
+    the class forward's function, proven or by falling back), the class's `forward` not
+    replaced (the rewrite no longer calls it, or reads it as that forward alone).
+    `called`: a module fusion installed that the rewrite calls through `__call__` itself (a
+    `MergedLinear`), so hooks on it run as they would; only identity, class and lookup
+    matter. `forward`: the child class's `forward` at fuse time (`of` reads it)."""
 
     name: str
     child: nn.Module
     cls: type
     called: bool = False
+    forward: Any = None
+
+    def __post_init__(self) -> None:
+        if self.forward is None:
+            object.__setattr__(self, "forward", getattr(self.cls, "forward", _MISSING))
 
     @classmethod
     def of(cls, module: nn.Module, name: str, *, called: bool = False) -> ChildGuard:
@@ -58,19 +72,41 @@ class ChildGuard:
         assert child is not None
         return cls(name, child, type(child), called)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # the class's forward is read again on load where it is still the class's (a
+        # function patched in before fusing need not pickle)
+        forward = None if getattr(self.cls, "forward", _MISSING) is self.forward else self.forward
+        return (ChildGuard, (self.name, self.child, self.cls, self.called, forward))
+
     def failure(self, module: nn.Module) -> str | None:
         current = module._modules.get(self.name)
         if current is not self.child:
             return f"{self.name} was replaced"
+        owner = type(module)
+        if self.name in module.__dict__:
+            return f"{self.name} is shadowed by an instance attribute"
+        if class_attribute(owner, self.name) is not _MISSING:
+            return f"{self.name} is shadowed by a class attribute of {owner.__name__}"
+        lookup = own_lookup(owner)
+        if lookup is not None:
+            return f"{owner.__name__} has its own {lookup}"
         kind = type(current)
-        if kind is not self.cls and not {kind, self.cls} <= EQUIVALENT_CLASSES:
+        if kind is not self.cls and not (
+            {kind, self.cls} <= EQUIVALENT_CLASSES
+            and _EQUIVALENT_FORWARDS.get(self.cls) is self.forward
+        ):
             return f"{self.name} became a {kind.__name__}"
         if self.called:
             return None
+        if kind is self.cls and kind.forward is not self.forward:
+            return f"{kind.__name__}.forward was replaced"
+        if kind is not self.cls and kind.forward is not _EQUIVALENT_FORWARDS[kind]:
+            return f"{kind.__name__}.forward was replaced"
         # `callpath.has_hooks` / `own_call_path`, inlined: this runs on every call. Global
         # hooks are checked once per forward by `first_failure`.
         state = current.__dict__
-        if "forward" in state:
+        forward = state.get("forward", _MISSING)
+        if forward is not _MISSING and getattr(type(forward), FUSION_INSTALLED, False) is not True:
             return f"{self.name} has an instance-level forward"
         for attr in HOOK_ATTRS:
             if state.get(attr):
@@ -99,14 +135,23 @@ class MethodGuard:
 
 @dataclass(frozen=True, eq=False)
 class InstanceAttributeGuard:
-    """`module.<name>` is still the object `value` set on the instance."""
+    """`module.<name>` is still the object `value` set on the instance, and the class
+    attribute of that name (which, a data descriptor, would be found first) is still
+    `shadow` (absent, mostly). `shadow`: read by `of`."""
 
     name: str
     value: Any
+    shadow: Any = None
+
+    @classmethod
+    def of(cls, module: nn.Module, name: str) -> InstanceAttributeGuard:
+        return cls(name, module.__dict__[name], class_attribute(type(module), name))
 
     def failure(self, module: nn.Module) -> str | None:
         if module.__dict__.get(self.name, _MISSING) is not self.value:
             return f"{self.name} was rebound on the instance"
+        if class_attribute(type(module), self.name) is not self.shadow:
+            return f"{type(module).__name__}.{self.name} was set on the class"
         return None
 
 
@@ -117,12 +162,56 @@ def attribute_guard(module: nn.Module, name: str, *, called: bool = False) -> Gu
     if name in module._modules and module._modules[name] is not None:
         return ChildGuard.of(module, name, called=called)
     if name in module.__dict__:
-        return InstanceAttributeGuard(name, module.__dict__[name])
+        return InstanceAttributeGuard.of(module, name)
     return MethodGuard(name, getattr(type(module), name, _MISSING))
 
 
-_MISSING = object()
+class _Missing:
+    """The one "nothing there" marker; it pickles and copies as itself (guards holding it
+    travel with their module)."""
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 _MODULE_CALL_PATH = {attr: getattr(nn.Module, attr) for attr in CALL_PATH}
+_MODULE_GETATTR = nn.Module.__getattr__
+_LOOKUP = ("__getattr__", "__getattribute__")
+
+
+def class_attribute(owner: type, name: str) -> Any:
+    """What `owner`'s MRO holds under `name` (the first class dict that has it), or
+    `_MISSING`: what an instance's attribute lookup finds on the class, before the instance
+    dict (a data descriptor) or after it, and always before `__getattr__` (so before a
+    module's `_modules`). Unlike `getattr(owner, name)` it never reads the metaclass."""
+    for klass in owner.__mro__:
+        found = vars(klass).get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+    return _MISSING
+
+
+def own_lookup(owner: type) -> str | None:
+    """The attribute-lookup method (`__getattr__`, `__getattribute__`) that `owner`'s
+    instances do not take from `nn.Module` / `object`, or None. Such a method may answer
+    `module.<child>` with anything, so no child guard can hold."""
+    for klass in owner.__mro__:
+        if klass is object:
+            continue
+        own = vars(klass)
+        if "__getattribute__" in own:
+            return "__getattribute__"
+        if "__getattr__" in own and (
+            klass is not nn.Module or own["__getattr__"] is not _MODULE_GETATTR
+        ):
+            return "__getattr__"
+    return None
+
+
 # `holding_check` spells out `CALL_PATH` and `HOOK_ATTRS` (a test keeps them one set)
 
 
@@ -220,34 +309,68 @@ def distinct(guards: Iterable[Guard]) -> tuple[Guard, ...]:
     return tuple(kept)
 
 
-def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
-    """A function of the guarded module answering True only where `first_failure(module,
-    guards)` answers None, in one Python frame: the child guards' common case (the same
-    object, of the very class, with no hook, instance forward or call path of its own, no
-    global hook) spelled out over precomputed tuples, the other guards asked as they are.
-    False means "ask `first_failure`", which names the reason or finds that the premise
-    holds after all (a child swapped to an equivalent class).
+def holding_check(
+    guards: tuple[Guard, ...], owner: type, forward: Any = _MISSING
+) -> Callable[[nn.Module], bool]:
+    """A function of the guarded module (an instance of `owner`) answering True only where
+    `first_failure(module, guards)` answers None and, given `forward`, the module is still
+    of class `owner` whose `forward` is still `forward` (`BoundForward.class_failure`), in
+    one Python frame: the child guards'
+    common case spelled out over precomputed tuples (the module still of class `owner` with
+    the same MRO and `nn.Module`'s attribute lookup, no child name in the instance dict or
+    in any class dict of the MRO; each child the same object, of the very class; each plain
+    child with no hook, call path of its own or global hook, its class's `forward` the one
+    of fuse time, an instance `forward` only where fusion installed it), the other guards
+    asked as they are. False means "ask `first_failure`", which names the reason or finds
+    that the premise holds after all (a child swapped to an equivalent class, a class swap
+    that shadows nothing).
+
+    The class dicts are watched through `dict_keys` views taken once (live: a class's dict
+    is one object for its lifetime), one `isdisjoint` per class of the MRO for all the
+    child names and the lookup methods, so shadowing costs a few C calls per forward, not
+    one `getattr` miss (an exception on Python 3.11) per child.
 
     Why: a rewritten forward checks its guards on every call, after weight streams have
     emptied the caches, where each Python frame costs several times its warm price (a fused
     attention's guards: 12-17 us per call measured at Qwen3-0.6B widths, 2-5 us warm).
     Safe: every test here is one of `ChildGuard.failure`'s or `global_hooks`'s, so True
-    implies each of them holds; nothing is cached between calls."""
-    called = tuple(
-        (g.name, g.child, g.cls) for g in guards if isinstance(g, ChildGuard) and g.called
-    )
-    plain = tuple(
-        (g.name, g.child, g.cls) for g in guards if isinstance(g, ChildGuard) and not g.called
-    )
+    implies each of them holds; nothing is cached between calls but the views."""
+    children = tuple(g for g in guards if isinstance(g, ChildGuard))
+    called = tuple((g.name, g.child, g.cls) for g in children if g.called)
+    plain = tuple((g.name, g.child, g.cls, g.forward) for g in children if not g.called)
     others = tuple(g for g in guards if not isinstance(g, ChildGuard))
+    names = tuple(dict.fromkeys(g.name for g in children))
+    mro = owner.__mro__
+    # object's dict cannot change; nn.Module's holds `__getattr__` (checked by identity)
+    class_keys = tuple(
+        (vars(klass).keys(), names + (_LOOKUP[1:] if klass is nn.Module else _LOOKUP))
+        for klass in mro
+        if klass is not object
+    )
     # plain bools: Dynamo traces `not` of a bool, not of a tuple
-    any_plain, any_others = bool(plain), bool(others)
+    any_children, any_plain, any_others = bool(children), bool(plain), bool(others)
+    check_forward = forward is not _MISSING
     registry = nn_module  # read per call: the registries are module globals torch may rebind
+    module_class = nn.Module
+    module_getattr = _MODULE_GETATTR
     module_call = _MODULE_CALL_PATH["__call__"]
     module_wrapped = _MODULE_CALL_PATH["_wrapped_call_impl"]
     module_impl = _MODULE_CALL_PATH["_call_impl"]
 
     def holds(module: nn.Module) -> bool:
+        if check_forward and (type(module) is not owner or owner.forward is not forward):
+            return False
+        if any_children:
+            if (
+                type(module) is not owner
+                or owner.__mro__ is not mro
+                or module_class.__getattr__ is not module_getattr
+                or not module.__dict__.keys().isdisjoint(names)
+            ):
+                return False
+            for keys, watched in class_keys:
+                if not keys.isdisjoint(watched):
+                    return False
         children = module._modules
         for name, child, cls in called:
             current = children.get(name)
@@ -261,7 +384,7 @@ def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
                 or registry._global_backward_pre_hooks
             ):
                 return False
-            for name, child, cls in plain:
+            for name, child, cls, child_forward in plain:
                 current = children.get(name)
                 if current is not child or type(current) is not cls:
                     return False
@@ -272,7 +395,7 @@ def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
                     or get("_forward_pre_hooks")
                     or get("_backward_hooks")
                     or get("_backward_pre_hooks")
-                    or "forward" in state
+                    or cls.forward is not child_forward
                     or "__call__" in state
                     or "_wrapped_call_impl" in state
                     or "_call_impl" in state
@@ -281,6 +404,10 @@ def holding_check(guards: tuple[Guard, ...]) -> Callable[[nn.Module], bool]:
                     or cls._call_impl is not module_impl
                 ):
                     return False
+                if "forward" in state:
+                    installed = getattr(type(state["forward"]), FUSION_INSTALLED, False)
+                    if installed is not True:
+                        return False
         return not any_others or all(guard.failure(module) is None for guard in others)
 
     return holds

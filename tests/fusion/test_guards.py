@@ -221,7 +221,7 @@ def test_each_child_premise_fails_its_guard(monkeypatch, change: str) -> None:
     parent.lin = nn.Linear(4, 4)
     guard = ChildGuard.of(parent, "lin")
     called = ChildGuard.of(parent, "lin", called=True)
-    holds, holds_called = holding_check((guard,)), holding_check((called,))
+    holds, holds_called = holding_check((guard,), nn.Module), holding_check((called,), nn.Module)
     assert guard.failure(parent) is None and called.failure(parent) is None
     assert holds(parent) and holds_called(parent)
     child = parent.lin
@@ -267,7 +267,7 @@ def test_the_one_frame_check_sees_global_hooks_and_other_guards() -> None:
     parent.lin = nn.Linear(4, 4)
     parent.scale = 2.0
     guards = (ChildGuard.of(parent, "lin"), attribute_guard(parent, "scale"))
-    holds = holding_check(guards)
+    holds = holding_check(guards, nn.Module)
     assert holds(parent)
     for register in (
         nn.modules.module.register_module_forward_hook,
