@@ -123,13 +123,19 @@ class BoundForward:
         """Why the rewrite may not run now (a guard that no longer holds), or None: the
         one-frame check of the common case first (`holding_check`, which also asks that the
         module is still of `cls` and `cls.forward` still `class_forward`), the premises
-        one by one (naming the reason) only when it says no."""
+        one by one (naming the reason) only when it says no. While Dynamo traces, the
+        premises one by one (plain Python it traces, so it guards what they read; the
+        one-frame check's `dict_keys` views and MRO identity are eager-only), and no global
+        names (Dynamo guards the globals it reads itself)."""
+        if torch.compiler.is_compiling():
+            return self.class_failure() or first_failure(self.module, self._guards)
         if self._holds(self.module):
-            return None if torch.compiler.is_compiling() else self.globals_guard.failure()
-        reason = self.class_failure() or first_failure(self.module, self._guards)
-        if reason is None and not torch.compiler.is_compiling():
-            reason = self.globals_guard.failure()
-        return reason
+            return self.globals_guard.failure()
+        return (
+            self.class_failure()
+            or first_failure(self.module, self._guards)
+            or self.globals_guard.failure()
+        )
 
     def class_failure(self) -> str | None:
         """Why the module's forward as Python resolves it now (`type(module).forward`) is
