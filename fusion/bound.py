@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from fusion import routes, source
+from fusion.callpath import FUSION_INSTALLED
 from fusion.errors import RewriteRefused
 from fusion.guards import ChildGuard, GlobalsGuard, Guard, distinct, first_failure, holding_check
 
@@ -178,8 +179,105 @@ class BoundForward:
             self.class_forward,
         )
 
+    def rebound(self, module: nn.Module) -> BoundForward:
+        """This rewrite bound to `module`, a shallow copy of `self.module` (`copy.copy`:
+        the same children, so the same guards), with counters of its own."""
+        return BoundForward(
+            module,
+            self.cls,
+            self.original,
+            self.rewritten,
+            self.fn,
+            self.guards,
+            self.globals_guard,
+            self.class_forward,
+        )
+
     def __repr__(self) -> str:
         return f"<fused forward of {type(self.module).__name__} (rewritten by fusion)>"
+
+
+class CopyHook:
+    """The `__reduce_ex__` `bind` puts on a fused instance, so that a shallow copy's
+    forward reads the copy.
+
+    `copy.copy(module)` looks `__copy__` up on the class (none on `nn.Module`), then
+    `__reduce_ex__` on the *instance*; by default it rebuilds the copy from the instance
+    dict as it is, so the copy's `forward` would be this very `BoundForward`, reading the
+    original module's attributes (the copy's `eval()`, an attribute set on the copy, would
+    be ignored). This hook answers as `object.__reduce_ex__` does (the class's
+    `__getstate__`, every protocol) but through `_fused_instance`, which gives the new
+    instance a one-shot `__setstate__` (`_Rebinding`): after the class's own `__setstate__`
+    it rebinds every forward fusion installed (`callpath.FUSION_INSTALLED`) that is bound
+    to another module, or drops it where it cannot be rebound (the class forward then runs:
+    the unfused function), and the hook itself. `copy.deepcopy` and pickling take the same
+    route, where the state already maps onto the new instance (memo, pickle's memo) and
+    nothing needs rebinding.
+
+    Not covered: an instance dict copied by other means (`nn.Module.
+    _replicate_for_data_parallel`'s `__dict__.copy()`) shares the forward and this hook,
+    which cannot tell which instance it was looked up on (an instance-dict value is not
+    bound)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, protocol: int = 4) -> tuple[Any, ...]:
+        module = self.module
+        return (_fused_instance, (type(module),), module.__getstate__())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CopyHook:
+        return CopyHook(copy.deepcopy(self.module, memo))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (CopyHook, (self.module,))
+
+
+class _Rebinding:
+    """The one-shot `__setstate__` of an instance `_fused_instance` made (see `CopyHook`)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, state: Any) -> None:
+        module = self.module
+        module.__dict__.pop("__setstate__", None)
+        type(module).__setstate__(module, state)
+        rebind_installed(module)
+
+
+def _fused_instance(cls: type) -> nn.Module:
+    """A new, empty instance of `cls` (as `copyreg.__newobj__` makes it) whose state, once
+    set, is rebound to it (`_Rebinding`)."""
+    module = cls.__new__(cls)
+    module.__dict__["__setstate__"] = _Rebinding(module)
+    return module
+
+
+def rebind_installed(module: nn.Module) -> None:
+    """Point what fusion installed on `module`'s instance dict at `module` itself: a forward
+    (`callpath.FUSION_INSTALLED`) bound to another module is rebound (`rebound`) or, where
+    it has no way to be, removed (the class forward runs: the unfused function, fail
+    closed); the copy hook likewise."""
+    state = module.__dict__
+    forward = state.get("forward")
+    if (
+        forward is not None
+        and getattr(type(forward), FUSION_INSTALLED, False) is True
+        and getattr(forward, "__self__", None) is not module
+    ):
+        rebound = getattr(forward, "rebound", None)
+        if rebound is None:
+            del state["forward"]
+        else:
+            state["forward"] = rebound(module)
+    hook = state.get("__reduce_ex__")
+    if isinstance(hook, CopyHook) and hook.module is not module:
+        state["__reduce_ex__"] = CopyHook(module)
 
 
 def rewrap(wrapper: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
@@ -280,3 +378,4 @@ def bind(module: nn.Module, fn: Callable[..., Any], guards: tuple[Guard, ...] = 
         original = source.unparse(source.recover_forward(cls)[0])
         fn.__fusion_original__ = original  # type: ignore[attr-defined]
     module.forward = BoundForward(module, cls, original, rewritten, fn, tuple(guards))
+    module.__dict__["__reduce_ex__"] = CopyHook(module)  # copies rebind it (`CopyHook`)

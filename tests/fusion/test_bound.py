@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fusion
-from fusion.bound import BoundForward, _rebuild, rewrap
+from fusion.bound import BoundForward, _rebuild, rebind_installed, rewrap
 from fusion.errors import RewriteRefused
 from tests.fusion.merged_paths import measured_references
 from tests.fusion.tiny_models import tiny_model, token_ids
@@ -266,3 +266,43 @@ def test_a_deepcopy_keeps_the_class_forward_of_fuse_time(monkeypatch) -> None:
     assert forward.class_forward is plain and forward.failure() is not None
     monkeypatch.undo()
     assert forward.failure() is None
+
+
+# -- issue 43: a shallow copy's forward reads the copy ---------------------------------------
+
+
+def test_a_shallow_copy_reads_itself() -> None:
+    """`copy.copy(fused_attention)`: its forward is bound to the copy (an attribute set on
+    the copy is read, as by the unfused copy's class forward), fused (no fallback), and
+    the original is untouched; a copy of the copy too."""
+    unfused, fused = _fused()
+    ids = token_ids()
+    for model in (unfused, fused):
+        attn = model.model.layers[0].self_attn
+        copied = copy.copy(copy.copy(attn))
+        copied.scaling = attn.scaling * 3.0
+        model.model.layers[0].self_attn = copied
+    torch.testing.assert_close(_logits(fused, ids), _logits(unfused, ids), rtol=1e-5, atol=1e-6)
+    copied = fused.model.layers[0].self_attn
+    assert isinstance(copied.forward, BoundForward) and copied.forward.module is copied
+    assert copied.forward.guard_failures == 0 and copied.forward.failure() is None
+    assert copied.__reduce_ex__.module is copied  # and its copies rebind in turn
+
+
+def test_a_shallow_copy_drops_an_installed_forward_it_cannot_rebind() -> None:
+    """A fusion-installed forward without `rebound` is removed from the copy: the class
+    forward (the unfused function) runs there, never the original's state."""
+
+    class Installed:
+        fusion_installed = True
+
+        def __init__(self, module):
+            self.__self__ = module
+
+    original, copied = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    copied.forward = Installed(original)
+    rebind_installed(copied)
+    assert "forward" not in copied.__dict__
+    copied.forward = Installed(copied)  # bound to itself: kept
+    rebind_installed(copied)
+    assert isinstance(copied.__dict__["forward"], Installed)
