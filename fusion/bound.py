@@ -1,5 +1,6 @@
 """The rewritten forward a fuser installs on one instance: a bound method that survives
-`torch.save`, `pickle` and `copy.deepcopy`.
+`torch.save`, `pickle`, `copy.deepcopy` and `copy.copy` (`CopyHook`: a copy's forward reads
+the copy).
 
 A rewritten forward is a function compiled at fuse time from an edited AST. Bound with
 `types.MethodType` it works, but a whole-model pickle loses it silently: the method pickles
@@ -21,17 +22,19 @@ the original source it was derived from, and the rewritten AST. On load the clas
 forward source must be the one that was rewritten; otherwise loading raises instead of
 grafting an old rewrite onto a changed forward.
 
-Guards (`fusion.guards`): the children, methods and global names a fuser's proof relied on
-are checked before every call; when one no longer holds (a child replaced or hooked, a
-helper monkeypatched), the call runs the class's *original* forward instead, counted in
-`guard_failures`. The fused state never removes what the original forward needs (merged
+Guards (`fusion.guards`): the children, methods and global names a fuser's proof relied on,
+and the forward it rewrote (the instance's class and its `forward` at bind time), are
+checked before every call; when one no longer holds (a child replaced, shadowed or hooked,
+a helper monkeypatched, the class forward patched or the class swapped), the call runs the
+forward of the module's class *now* (`type(module).forward`, what the unfused module would
+run) instead, counted in `guard_failures`. The fused state never removes what the original forward needs (merged
 projections keep their children, `fusion.modules.MergedLinear`), so the original always
 computes the unfused function. While Dynamo traces, the child guards are traced with the
 forward (Dynamo then guards what they read, and recompiles when it changes); the global
 names are left to Dynamo's own guards on the globals it reads.
 
 Routes (`fusion.routes`): where the calibration measured every kernel the rewrite could
-choose for a call to lose to its reference, the call runs the original forward too, before
+choose for a call to lose to its reference, the call runs that forward too, before
 any guard is checked (the original needs none), counted in `original_calls`.
 """
 

@@ -2,18 +2,21 @@
 on every call (as Dynamo guards a compiled frame).
 
 A fuser proves a rewrite for the module as it was at fuse time: these children, of these
-classes, called through plain `nn.Module.__call__` with no hooks; these helper functions
-behind these global names. Each of those can change later (a LoRA wrapper or any
-replacement child, a hook registered on a child or globally, a monkeypatched helper), and a
-forward that kept running on the old proof would compute something else, silently.
+classes with these forwards, found by `self.<name>` as Python looks it up, called through
+plain `nn.Module.__call__` with no hooks; these helper functions behind these global names,
+running this code. Each of those can change later (a LoRA wrapper or any replacement child,
+a child shadowed by an instance or class attribute, a hook registered on a child or
+globally, a patched class forward, a monkeypatched helper or one given new `__code__`), and
+a forward that kept running on the old proof would compute something else, silently.
 `fusion.bound.BoundForward` checks its guards before each call and runs the class's
 original forward when one fails (counted in `guard_failures`); nothing is ever computed on
 a premise that no longer holds.
 
 Guards hold references to the children they watch, so `copy.deepcopy` and pickling map
 them onto the copy's children with the rest of the module. `GlobalsGuard` watches global
-names by identity of the value bound at fuse time; it is per process (never copied) and
-built again when a pickled forward is rebuilt.
+names by identity of the value bound at fuse time, and the functions reached by the code,
+defaults and closure cells they hold; it is per process (never copied) and built again when
+a pickled forward is rebuilt.
 """
 
 from __future__ import annotations
@@ -411,11 +414,10 @@ def holding_check(
     guards: tuple[Guard, ...], owner: type, forward: Any = _MISSING
 ) -> Callable[[nn.Module], bool]:
     """A function of the guarded module (an instance of `owner`) answering True only where
-    `first_failure(module, guards)` answers None and, given `forward`, the module is still
-    of class `owner` whose `forward` is still `forward` (`BoundForward.class_failure`), in
-    one Python frame: the child guards'
-    common case spelled out over precomputed tuples (the module still of class `owner` with
-    the same MRO and `nn.Module`'s attribute lookup, no child name in the instance dict or
+    `first_failure(module, guards)` answers None, the module is still of class `owner` and,
+    given `forward`, `owner.forward` is still `forward` (`BoundForward.class_failure`), in
+    one Python frame: the child guards' common case spelled out over precomputed tuples
+    (`owner`'s MRO the same and `nn.Module`'s attribute lookup, no child name in the instance dict or
     in any class dict of the MRO; each child the same object, of the very class; each plain
     child with no hook, call path of its own or global hook, its class's `forward` the one
     of fuse time, an instance `forward` only where fusion installed it), the other guards
@@ -432,7 +434,9 @@ def holding_check(
     emptied the caches, where each Python frame costs several times its warm price (a fused
     attention's guards: 12-17 us per call measured at Qwen3-0.6B widths, 2-5 us warm).
     Safe: every test here is one of `ChildGuard.failure`'s or `global_hooks`'s, so True
-    implies each of them holds; nothing is cached between calls but the views."""
+    implies each of them holds; nothing is cached between calls but the views. Eager only
+    (`BoundForward.failure`): Dynamo traces `first_failure` instead (it cannot trace
+    `dict_keys.isdisjoint`, and builds a new `__mro__` tuple)."""
     children = tuple(g for g in guards if isinstance(g, ChildGuard))
     called = tuple((g.name, g.child, g.cls) for g in children if g.called)
     plain = tuple((g.name, g.child, g.cls, g.forward) for g in children if not g.called)
@@ -445,7 +449,6 @@ def holding_check(
         for klass in mro
         if klass is not object
     )
-    # plain bools: Dynamo traces `not` of a bool, not of a tuple
     any_children, any_plain, any_others = bool(children), bool(plain), bool(others)
     check_forward = forward is not _MISSING
     registry = nn_module  # read per call: the registries are module globals torch may rebind
