@@ -332,7 +332,10 @@ class GlobalsGuard:
             ):
                 return self._reason()
         for cell, value in self._cells:
-            if cell.cell_contents is not value:
+            try:
+                if cell.cell_contents is not value:
+                    return self._reason()
+            except ValueError:  # emptied (`del` of the enclosing name)
                 return self._reason()
         return self._reason() if self._empty_cells else None
 
@@ -350,7 +353,7 @@ class GlobalsGuard:
             if namespace.get(name, _MISSING) is not value:
                 return f"the keyword default {name} of a helper was changed"
         for cell, value in self._cells:
-            if cell.cell_contents is not value:
+            if _contents(cell) is not value:
                 return "a closure cell of a helper was rebound"
         if any(_contents(cell) is not _MISSING for cell in self._empty_cells):
             return "an empty closure cell of a helper was filled"

@@ -593,11 +593,19 @@ def test_globals_guard_watches_what_helpers_run() -> None:
         assert guard.failure() == "_helper.__code__ was replaced"
     finally:
         _helper.__code__ = code
+    cell = _scaled.__closure__[0]
+    scale = cell.cell_contents
     _set_scale(5.0)
     try:
         assert guard.failure() == "a closure cell of a helper was rebound"
     finally:
-        _set_scale(2.0)
+        _set_scale(scale)
+    assert guard.failure() is None
+    del cell.cell_contents  # emptied: the helper would raise NameError now
+    try:
+        assert guard.failure() == "a closure cell of a helper was rebound"
+    finally:
+        cell.cell_contents = scale
     assert guard.failure() is None
 
 
