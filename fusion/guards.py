@@ -423,8 +423,9 @@ def holding_check(
     (`owner`'s MRO the same and `nn.Module`'s attribute lookup, no child name in the instance dict or
     in any class dict of the MRO; each child the same object, of the very class; each plain
     child with no hook, call path of its own or global hook, its class's `forward` the one
-    of fuse time, an instance `forward` only where fusion installed it), the other guards
-    asked as they are. False means "ask `first_failure`", which names the reason or finds
+    of fuse time, an instance `forward` only where fusion installed it), the method guards
+    and the instance-attribute guards (no class attribute of the name at fuse time, none
+    now) inlined alike, the other guards asked as they are. False means "ask `first_failure`", which names the reason or finds
     that the premise holds after all (a child swapped to an equivalent class, a class swap
     that shadows nothing).
 
@@ -443,16 +444,30 @@ def holding_check(
     children = tuple(g for g in guards if isinstance(g, ChildGuard))
     called = tuple((g.name, g.child, g.cls) for g in children if g.called)
     plain = tuple((g.name, g.child, g.cls, g.forward) for g in children if not g.called)
-    others = tuple(g for g in guards if not isinstance(g, ChildGuard))
     names = tuple(dict.fromkeys(g.name for g in children))
+    # instance attributes no class attribute shadowed at fuse time: none may appear
+    attrs = tuple(
+        (g.name, g.value)
+        for g in guards
+        if isinstance(g, InstanceAttributeGuard) and g.shadow is _MISSING
+    )
+    methods = tuple((g.name, g.function) for g in guards if isinstance(g, MethodGuard))
+    inlined = (ChildGuard, MethodGuard)
+    others = tuple(
+        g
+        for g in guards
+        if not isinstance(g, inlined)
+        and not (isinstance(g, InstanceAttributeGuard) and g.shadow is _MISSING)
+    )
+    unshadowed = names + tuple(name for name, _ in attrs)
     mro = owner.__mro__
     # object's dict cannot change; nn.Module's holds `__getattr__` (checked by identity)
     class_keys = tuple(
-        (vars(klass).keys(), names + (_LOOKUP[1:] if klass is nn.Module else _LOOKUP))
+        (vars(klass).keys(), unshadowed + (_LOOKUP[1:] if klass is nn.Module else _LOOKUP))
         for klass in mro
         if klass is not object
     )
-    any_children, any_plain, any_others = bool(children), bool(plain), bool(others)
+    watch_classes, any_plain, any_others = bool(unshadowed), bool(plain), bool(others)
     check_forward = forward is not _MISSING
     registry = nn_module  # read per call: the registries are module globals torch may rebind
     module_class = nn.Module
@@ -460,20 +475,27 @@ def holding_check(
     module_call = _MODULE_CALL_PATH["__call__"]
     module_wrapped = _MODULE_CALL_PATH["_wrapped_call_impl"]
     module_impl = _MODULE_CALL_PATH["_call_impl"]
+    missing = _MISSING
 
     def holds(module: nn.Module) -> bool:
         if type(module) is not owner or (check_forward and owner.forward is not forward):
             return False
-        if any_children:
-            if (
-                owner.__mro__ is not mro
-                or module_class.__getattr__ is not module_getattr
-                or not module.__dict__.keys().isdisjoint(names)
-            ):
+        if watch_classes:
+            if owner.__mro__ is not mro or module_class.__getattr__ is not module_getattr:
                 return False
             for keys, watched in class_keys:
                 if not keys.isdisjoint(watched):
                     return False
+        state = module.__dict__
+        for name in names:
+            if name in state:
+                return False
+        for name, value in attrs:
+            if state.get(name, missing) is not value:
+                return False
+        for name, function in methods:
+            if name in state or getattr(owner, name, None) is not function:
+                return False
         children = module._modules
         for name, child, cls in called:
             current = children.get(name)
@@ -491,24 +513,24 @@ def holding_check(
                 current = children.get(name)
                 if current is not child or type(current) is not cls:
                     return False
-                state = current.__dict__
-                get = state.get
+                child_state = current.__dict__
+                get = child_state.get
                 if (
                     get("_forward_hooks")
                     or get("_forward_pre_hooks")
                     or get("_backward_hooks")
                     or get("_backward_pre_hooks")
                     or cls.forward is not child_forward
-                    or "__call__" in state
-                    or "_wrapped_call_impl" in state
-                    or "_call_impl" in state
+                    or "__call__" in child_state
+                    or "_wrapped_call_impl" in child_state
+                    or "_call_impl" in child_state
                     or cls.__call__ is not module_call
                     or cls._wrapped_call_impl is not module_wrapped
                     or cls._call_impl is not module_impl
                 ):
                     return False
-                if "forward" in state:
-                    installed = getattr(type(state["forward"]), FUSION_INSTALLED, False)
+                if "forward" in child_state:
+                    installed = getattr(type(child_state["forward"]), FUSION_INSTALLED, False)
                     if installed is not True:
                         return False
         return not any_others or all(guard.failure(module) is None for guard in others)
