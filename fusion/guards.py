@@ -476,10 +476,13 @@ def holding_check(
     module_wrapped = _MODULE_CALL_PATH["_wrapped_call_impl"]
     module_impl = _MODULE_CALL_PATH["_call_impl"]
     missing = _MISSING
+    class_only = not (names or attrs or methods or others)  # no guard: the class premise
 
     def holds(module: nn.Module) -> bool:
         if type(module) is not owner or (check_forward and owner.forward is not forward):
             return False
+        if class_only:
+            return True
         if watch_classes:
             if owner.__mro__ is not mro or module_class.__getattr__ is not module_getattr:
                 return False

@@ -642,3 +642,21 @@ def test_a_bias_added_to_a_shard_after_fusing_is_not_dropped() -> None:
         _attn(model).k_proj.bias = nn.Parameter(bias.clone())
     torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
     assert not _attn(fused).qkv_proj.views_hold()
+
+
+def test_the_one_frame_check_holds_the_class_premise_without_guards(monkeypatch) -> None:
+    """A rewrite with no guard of its own (a decoder layer's) still holds only while the
+    module is of its class and the class forward is the one rewritten."""
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            return x
+
+    layer = Layer()
+    holds = holding_check((), Layer, Layer.forward)
+    assert holds(layer)
+    monkeypatch.setattr(Layer, "forward", lambda self, x: -x)
+    assert not holds(layer)
+    monkeypatch.undo()
+    layer.__class__ = type("Sub", (Layer,), {})
+    assert not holds(layer)
