@@ -1,5 +1,6 @@
 """The rewritten forward a fuser installs on one instance: a bound method that survives
-`torch.save`, `pickle` and `copy.deepcopy`.
+`torch.save`, `pickle`, `copy.deepcopy` and `copy.copy` (`CopyHook`: a copy's forward reads
+the copy).
 
 A rewritten forward is a function compiled at fuse time from an edited AST. Bound with
 `types.MethodType` it works, but a whole-model pickle loses it silently: the method pickles
@@ -21,17 +22,19 @@ the original source it was derived from, and the rewritten AST. On load the clas
 forward source must be the one that was rewritten; otherwise loading raises instead of
 grafting an old rewrite onto a changed forward.
 
-Guards (`fusion.guards`): the children, methods and global names a fuser's proof relied on
-are checked before every call; when one no longer holds (a child replaced or hooked, a
-helper monkeypatched), the call runs the class's *original* forward instead, counted in
-`guard_failures`. The fused state never removes what the original forward needs (merged
+Guards (`fusion.guards`): the children, methods and global names a fuser's proof relied on,
+and the forward it rewrote (the instance's class and its `forward` at bind time), are
+checked before every call; when one no longer holds (a child replaced, shadowed or hooked,
+a helper monkeypatched, the class forward patched or the class swapped), the call runs the
+forward of the module's class *now* (`type(module).forward`, what the unfused module would
+run) instead, counted in `guard_failures`. The fused state never removes what the original forward needs (merged
 projections keep their children, `fusion.modules.MergedLinear`), so the original always
 computes the unfused function. While Dynamo traces, the child guards are traced with the
 forward (Dynamo then guards what they read, and recompiles when it changes); the global
 names are left to Dynamo's own guards on the globals it reads.
 
 Routes (`fusion.routes`): where the calibration measured every kernel the rewrite could
-choose for a call to lose to its reference, the call runs the original forward too, before
+choose for a call to lose to its reference, the call runs that forward too, before
 any guard is checked (the original needs none), counted in `original_calls`.
 """
 
@@ -49,6 +52,7 @@ import torch
 from torch import nn
 
 from fusion import routes, source
+from fusion.callpath import FUSION_INSTALLED
 from fusion.errors import RewriteRefused
 from fusion.guards import ChildGuard, GlobalsGuard, Guard, distinct, first_failure, holding_check
 
@@ -67,9 +71,14 @@ class BoundForward:
         fn: Callable[..., Any],
         guards: tuple[Guard, ...] = (),
         globals_guard: GlobalsGuard | None = None,
+        class_forward: Callable[..., Any] | None = None,
     ) -> None:
         self.module = module
         self.cls = cls
+        self.class_forward = cls.forward if class_forward is None else class_forward
+        """`cls.forward` as the class held it when the rewrite was bound (wrappers and all):
+        the function the proof is about. A call finding another (`type(module).forward`
+        patched, the instance's class swapped) runs that one instead."""
         self.original = original
         self.rewritten = rewritten
         self.fn = fn
@@ -80,26 +89,28 @@ class BoundForward:
         self.original_calls = 0
         """Calls that ran the class's original forward by the route (`fusion.routes`):
         every kernel the rewrite could choose measured slower here for the call."""
-        self.call = rewrap(cls.forward, fn)
+        self.call = rewrap(self.class_forward, fn)
         # The class's own signature (the rewrite keeps the parameters, minus annotations).
-        signature = inspect.signature(inspect.unwrap(cls.forward))
+        signature = inspect.signature(inspect.unwrap(self.class_forward))
         self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
         self.__name__ = getattr(fn, "__name__", "forward")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
         route = self._route
         if route is not None and route.takes_original(args, kwargs):
             self.original_calls += 1
-            return self.cls.forward(self.module, *args, **kwargs)
+            # what calling the unfused module runs now: its current class's forward
+            return type(module).forward(module, *args, **kwargs)
         reason = self.failure()
         if reason is None:
-            return self.call(self.module, *args, **kwargs)
+            return self.call(module, *args, **kwargs)
         if not torch.compiler.is_compiling():
             self.guard_failures += 1
             self.last_failure = reason
-        return self.cls.forward(self.module, *args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
 
     @property
     def guards(self) -> tuple[Guard, ...]:
@@ -109,19 +120,40 @@ class BoundForward:
     @guards.setter
     def guards(self, guards: Iterable[Guard]) -> None:
         self._guards = distinct(guards)
-        self._holds = holding_check(self._guards)
-        self._route = routes.route_of(self._guards, self.cls.forward)
+        self._holds = holding_check(self._guards, self.cls, self.class_forward)
+        self._route = routes.route_of(self._guards, self.class_forward)
 
     def failure(self) -> str | None:
         """Why the rewrite may not run now (a guard that no longer holds), or None: the
-        one-frame check of the common case first (`holding_check`), the guards one by one
-        (naming the reason) only when it says no."""
+        one-frame check of the common case first (`holding_check`, which also asks that the
+        module is still of `cls` and `cls.forward` still `class_forward`), the premises
+        one by one (naming the reason) only when it says no. While Dynamo traces, the
+        premises one by one (plain Python it traces, so it guards what they read; the
+        one-frame check's `dict_keys` views and MRO identity are eager-only), and no global
+        names (Dynamo guards the globals it reads itself)."""
+        if torch.compiler.is_compiling():
+            return self.class_failure() or first_failure(self.module, self._guards)
         if self._holds(self.module):
-            return None if torch.compiler.is_compiling() else self.globals_guard.failure()
-        reason = first_failure(self.module, self._guards)
-        if reason is None and not torch.compiler.is_compiling():
-            reason = self.globals_guard.failure()
-        return reason
+            return self.globals_guard.failure()
+        return (
+            self.class_failure()
+            or first_failure(self.module, self._guards)
+            or self.globals_guard.failure()
+        )
+
+    def class_failure(self) -> str | None:
+        """Why the module's forward as Python resolves it now (`type(module).forward`) is
+        not the one rewritten, or None. A class swap fails even where the new class
+        inherits the same forward: the proof read the old class (its methods, attributes,
+        lookup), and a swap (`torch.nn.utils.parametrize`, a user's subclass) may change
+        any of them; the fallback runs the new class's forward, as the unfused module
+        would."""
+        kind = type(self.module)
+        if kind is not self.cls:
+            return f"the module became a {kind.__qualname__}"
+        if kind.forward is not self.class_forward:
+            return f"{kind.__qualname__}.forward was replaced"
+        return None
 
     @property
     def __self__(self) -> nn.Module:
@@ -140,11 +172,115 @@ class BoundForward:
         module = copy.deepcopy(self.module, memo)
         guards = copy.deepcopy(self.guards, memo)
         return BoundForward(
-            module, self.cls, self.original, self.rewritten, self.fn, guards, self.globals_guard
+            module,
+            self.cls,
+            self.original,
+            self.rewritten,
+            self.fn,
+            guards,
+            self.globals_guard,
+            self.class_forward,
+        )
+
+    def rebound(self, module: nn.Module) -> BoundForward:
+        """This rewrite bound to `module`, a shallow copy of `self.module` (`copy.copy`:
+        the same children, so the same guards), with counters of its own."""
+        return BoundForward(
+            module,
+            self.cls,
+            self.original,
+            self.rewritten,
+            self.fn,
+            self.guards,
+            self.globals_guard,
+            self.class_forward,
         )
 
     def __repr__(self) -> str:
         return f"<fused forward of {type(self.module).__name__} (rewritten by fusion)>"
+
+
+class CopyHook:
+    """The `__reduce_ex__` `bind` puts on a fused instance, so that a shallow copy's
+    forward reads the copy.
+
+    `copy.copy(module)` looks `__copy__` up on the class (none on `nn.Module`), then
+    `__reduce_ex__` on the *instance*; by default it rebuilds the copy from the instance
+    dict as it is, so the copy's `forward` would be this very `BoundForward`, reading the
+    original module's attributes (the copy's `eval()`, an attribute set on the copy, would
+    be ignored). This hook answers as `object.__reduce_ex__` does (the class's
+    `__getstate__`, every protocol) but through `_fused_instance`, which gives the new
+    instance a one-shot `__setstate__` (`_Rebinding`): after the class's own `__setstate__`
+    it rebinds every forward fusion installed (`callpath.FUSION_INSTALLED`) that is bound
+    to another module, or drops it where it cannot be rebound (the class forward then runs:
+    the unfused function), and the hook itself. `copy.deepcopy` and pickling take the same
+    route, where the state already maps onto the new instance (memo, pickle's memo) and
+    nothing needs rebinding.
+
+    Not covered: an instance dict copied by other means (`nn.Module.
+    _replicate_for_data_parallel`'s `__dict__.copy()`) shares the forward and this hook,
+    which cannot tell which instance it was looked up on (an instance-dict value is not
+    bound)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, protocol: int = 4) -> tuple[Any, ...]:
+        module = self.module
+        return (_fused_instance, (type(module),), module.__getstate__())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CopyHook:
+        return CopyHook(copy.deepcopy(self.module, memo))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (CopyHook, (self.module,))
+
+
+class _Rebinding:
+    """The one-shot `__setstate__` of an instance `_fused_instance` made (see `CopyHook`)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, state: Any) -> None:
+        module = self.module
+        module.__dict__.pop("__setstate__", None)
+        type(module).__setstate__(module, state)
+        rebind_installed(module)
+
+
+def _fused_instance(cls: type) -> nn.Module:
+    """A new, empty instance of `cls` (as `copyreg.__newobj__` makes it) whose state, once
+    set, is rebound to it (`_Rebinding`)."""
+    module = cls.__new__(cls)
+    module.__dict__["__setstate__"] = _Rebinding(module)
+    return module
+
+
+def rebind_installed(module: nn.Module) -> None:
+    """Point what fusion installed on `module`'s instance dict at `module` itself: a forward
+    (`callpath.FUSION_INSTALLED`) bound to another module is rebound (`rebound`) or, where
+    it has no way to be, removed (the class forward runs: the unfused function, fail
+    closed); the copy hook likewise."""
+    state = module.__dict__
+    forward = state.get("forward")
+    if (
+        forward is not None
+        and getattr(type(forward), FUSION_INSTALLED, False) is True
+        and getattr(forward, "__self__", None) is not module
+    ):
+        rebound = getattr(forward, "rebound", None)
+        if rebound is None:
+            del state["forward"]
+        else:
+            state["forward"] = rebound(module)
+    hook = state.get("__reduce_ex__")
+    if isinstance(hook, CopyHook) and hook.module is not module:
+        state["__reduce_ex__"] = CopyHook(module)
 
 
 def rewrap(wrapper: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
@@ -244,4 +380,13 @@ def bind(module: nn.Module, fn: Callable[..., Any], guards: tuple[Guard, ...] = 
     if original is None:  # parsed once per compiled rewrite, not per instance
         original = source.unparse(source.recover_forward(cls)[0])
         fn.__fusion_original__ = original  # type: ignore[attr-defined]
-    module.forward = BoundForward(module, cls, original, rewritten, fn, tuple(guards))
+    install_forward(module, BoundForward(module, cls, original, rewritten, fn, tuple(guards)))
+
+
+def install_forward(module: nn.Module, forward: Any) -> None:
+    """Make `forward` (a forward object fusion made for `module`: `FUSION_INSTALLED`, with a
+    `rebound(other)` method) `module`'s instance-level forward, with the `CopyHook` that
+    gives a shallow copy of `module` a forward of its own."""
+    assert getattr(type(forward), FUSION_INSTALLED, False) is True and forward.__self__ is module
+    module.forward = forward
+    module.__dict__["__reduce_ex__"] = CopyHook(module)  # copies rebind it (`CopyHook`)

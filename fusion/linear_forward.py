@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import linear as linear_module
 
+from fusion.bound import install_forward
 from fusion.kernels import ops
 from fusion.kernels.policy import POLICY
 
@@ -119,6 +120,10 @@ class LinearForward:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (LinearForward, (self.module, self.backend))
 
+    def rebound(self, module: nn.Module) -> LinearForward:
+        """This forward for `module`, a shallow copy of `self.module` (`bound.CopyHook`)."""
+        return LinearForward(module, self.backend)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> LinearForward:
         # the module is in `memo` already when its own deep copy reaches this attribute
         return LinearForward(copy.deepcopy(self.module, memo), self.backend)
@@ -134,5 +139,6 @@ def linear_forward(module: nn.Module) -> LinearForward | None:
 
 
 def install(module: nn.Module, backend: str) -> None:
-    """Install a `LinearForward` as `module.forward` (this instance only)."""
-    module.forward = LinearForward(module, backend)
+    """Install a `LinearForward` as `module.forward` (this instance only; a shallow copy
+    gets one of its own: `bound.install_forward`)."""
+    install_forward(module, LinearForward(module, backend))

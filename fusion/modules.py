@@ -68,16 +68,21 @@ class MergedLinear(nn.Module):
         self.shards: tuple[nn.Linear, ...] = tuple(linears.values())
         self.stacked_weight: torch.Tensor | None = None
         self.stacked_bias: torch.Tensor | None = None
-        # (child, "weight"/"bias", Parameter, 0 weight / 1 bias, byte offset into the stacked
-        # tensor, shape) of every view `restack` made; addresses are derived from the stacked
-        # tensors on each check, so a moved storage (`share_memory_`, a reload) still checks
-        self._views: tuple[tuple[nn.Linear, str, torch.Tensor, int, int, torch.Size], ...] = ()
+        # per shard: (child, weight Parameter, its byte offset into the stacked weight, its
+        # shape, bias Parameter or None (a shard without one), its byte offset into the
+        # stacked bias, its shape) as `restack` made them views; addresses are derived from
+        # the stacked tensors on each check, so a moved storage (`share_memory_`, a reload)
+        # still checks
+        self._views: tuple[ShardViews, ...] = ()
         self.stacked_calls = 0
         self.shard_calls = 0
         if not self.restack():
             current = self._current()
-            reason = restack_refusal(
-                self.shard_names, current, self.output_sizes, self.in_features, self.shard_bias
+            reason = (
+                restack_refusal(
+                    self.shard_names, current, self.output_sizes, self.in_features, self.shard_bias
+                )
+                or "a shard's weight or bias is not the Parameter registered under its name"
             )
             raise ValueError(f"the linears cannot share one stacked weight: {reason}")
 
@@ -91,31 +96,68 @@ class MergedLinear(nn.Module):
 
     # -- the stacked weight and its views ------------------------------------------------
 
-    def _current(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Each shard's current (weight, bias), read from the child: what it computes with."""
-        return [(lin._parameters.get("weight"), lin._parameters.get("bias")) for lin in self.shards]
+    def _current(self) -> list[tuple[Any, Any]]:
+        """Each shard's current (weight, bias) as `nn.Linear.forward` reads them
+        (`self.weight`, `self.bias`): what it computes with. Read from `_parameters` where
+        that is what the lookup finds (both names there, neither shadowed by an instance
+        attribute; the class is the parent guard's, `fusion.guards.ChildGuard`), else
+        through the attribute lookup itself (a bias registered as a buffer after `del`, an
+        instance attribute set through `object.__setattr__`)."""
+        current = []
+        for lin in self.shards:
+            state = lin.__dict__
+            params = state["_parameters"]
+            if (
+                "weight" in state
+                or "bias" in state
+                or "weight" not in params
+                or "bias" not in params
+            ):
+                current.append((lin.weight, lin.bias))
+            else:
+                current.append((params["weight"], params["bias"]))
+        return current
 
     def views_hold(self) -> bool:
-        """Whether every shard's current weight (and bias) is exactly its rows of the stacked
-        weight (bias): the same Parameter object the last stacking made a view, still at that
-        memory address, with that shape, contiguous, of that dtype, with no negative or
-        conjugate bit. Then the stacked GEMM reads exactly the values each shard's own
-        `F.linear` would. (The device is implied: no CPU and CUDA allocation share an
-        address.) About 0.3 us per tensor: it runs on every call."""
+        """Whether every shard computes exactly with its rows of the stacked weight (bias):
+        each shard reads its weight and bias from `_parameters` (`_current`: no instance
+        attribute shadows them), its weight (bias) is the same Parameter object the last
+        stacking made a view, still at that memory address, with that shape, contiguous, of
+        the stacked dtype, with no negative bit (complex weights are never stacked, so no
+        conjugate bit), and a shard stacked without a bias still has none (`bias` still
+        registered as None: a bias added after fusing would be dropped by the stacked
+        product, whose rows for it are zeros). Then the stacked GEMM reads exactly the
+        values each shard's own `F.linear` would. (The device is implied: no CPU and CUDA
+        allocation share an address.) About 0.3 us per tensor: it runs on every call."""
         views = self._views
         weight, bias = self.stacked_weight, self.stacked_bias
         if not views or weight is None:
             return False
-        bases = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
+        weight_base = weight.data_ptr()
+        bias_base = 0 if bias is None else bias.data_ptr()
         dtype = weight.dtype
-        for lin, name, param, which, offset, shape in views:
+        missing = _MISSING
+        for lin, w, w_offset, w_shape, b, b_offset, b_shape in views:
+            state = lin.__dict__
+            params = state["_parameters"]
             if (
-                lin._parameters.get(name) is not param
-                or param.data_ptr() != bases[which] + offset
-                or param.dtype is not dtype
-                or param.shape != shape
-                or not param.is_contiguous()
-                or param.is_neg()
+                "weight" in state
+                or "bias" in state
+                or params.get("weight") is not w
+                or params.get("bias", missing) is not b
+                or w.data_ptr() != weight_base + w_offset
+                or w.dtype is not dtype
+                or w.shape != w_shape
+                or not w.is_contiguous()
+                or w.is_neg()
+            ):
+                return False
+            if b is not None and (
+                b.data_ptr() != bias_base + b_offset
+                or b.dtype is not dtype
+                or b.shape != b_shape
+                or not b.is_contiguous()
+                or b.is_neg()
             ):
                 return False
         return True
@@ -142,7 +184,7 @@ class MergedLinear(nn.Module):
         )
         self.stacked_weight = self.stacked_bias = None
         self._views = ()
-        if refusal is not None:
+        if refusal is not None or not all(map(_reads_parameters, self.shards)):
             return False
         with torch.no_grad():
             weight = torch.cat([w.detach() for w, _ in current], dim=0)
@@ -159,10 +201,19 @@ class MergedLinear(nn.Module):
             item = weight.element_size()
             for lin, (w, b), size in zip(self.shards, current, self.output_sizes):
                 w.data = weight[row : row + size]
-                views.append((lin, "weight", w, 0, row * self.in_features * item, w.shape))
                 if b is not None:
                     b.data = bias[row : row + size]
-                    views.append((lin, "bias", b, 1, row * item, b.shape))
+                views.append(
+                    (
+                        lin,
+                        w,
+                        row * self.in_features * item,
+                        w.shape,
+                        b,
+                        row * item,
+                        None if b is None else b.shape,
+                    )
+                )
                 row += size
         self.stacked_weight, self.stacked_bias = weight, bias
         self._views = tuple(views)
@@ -253,7 +304,10 @@ class MergedLinear(nn.Module):
     def _records_grad(self) -> bool:
         """Will autograd record a product with the shards' Parameters? Asked once the views
         hold, so `_views` lists exactly the current Parameters."""
-        return torch.is_grad_enabled() and any(view[2].requires_grad for view in self._views)
+        return torch.is_grad_enabled() and any(
+            w.requires_grad or (b is not None and b.requires_grad)
+            for _, w, _, _, b, _, _ in self._views
+        )
 
     def _shards_apart(
         self, x: torch.Tensor, current: list[tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -288,6 +342,21 @@ class MergedLinear(nn.Module):
         )
 
 
+ShardViews = tuple[nn.Linear, torch.Tensor, int, torch.Size, Any, int, Any]
+"""One shard's views in a stacked weight (`MergedLinear._views`)."""
+
+_MISSING = object()
+
+
+def _reads_parameters(lin: nn.Module) -> bool:
+    """Whether `lin.weight` and `lin.bias` are what `lin._parameters` holds under those
+    names (both registered there, neither shadowed by an instance attribute): the shards
+    a stacked weight may stand for."""
+    state = lin.__dict__
+    params = state.get("_parameters", {})
+    return "weight" in params and "bias" in params and not {"weight", "bias"} & state.keys()
+
+
 def _storage_users(t: torch.Tensor) -> int | None:
     """How many tensors (and storage handles) share `t`'s memory, or None where PyTorch
     cannot say (the count is a private API: its absence makes `restack` refuse)."""
@@ -315,8 +384,8 @@ def _unmovable(
     user would miss the model."""
     if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
         return f"{name} is a {type(p).__name__}, not a plain nn.Parameter"
-    if p.layout != torch.strided or p.is_neg() or p.is_conj():
-        return f"{name} is not a plain strided tensor"
+    if p.layout != torch.strided or p.is_neg() or p.is_conj() or p.is_complex():
+        return f"{name} is not a plain strided real tensor"
     if p.shape != shape:
         return f"{name} has shape {tuple(p.shape)}, not {shape}"
     if p.dtype != first.dtype or p.device != first.device:

@@ -233,6 +233,29 @@ class NormForward:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_rebuild, (self.module, self.cls, self.original, self.reads, self._fields()))
 
+    def rebound(self, module: nn.Module) -> NormForward:
+        """This forward for `module`, a shallow copy of `self.module` (`bound.CopyHook`):
+        the reads it guards are re-pointed from the original at the copy (a read of the
+        module itself, or a method bound to it), so the copy is judged on its own state."""
+        old = self.module
+
+        def moved(value: Any) -> Any:
+            return module if value is old else value
+
+        reads = AttributeGuard(
+            tuple((moved(o), n, k, a, moved(b)) for o, n, k, a, b in self.reads.checks)
+        )
+        forward = NormForward(
+            module,
+            reads=reads,
+            cls=self.cls,
+            proven_forward=self.proven_forward,
+            original=self.original,
+            **self._fields(),
+        )
+        forward.disabled = self.disabled
+        return forward
+
     def __repr__(self) -> str:
         return (
             f"<fused forward of {type(self.module).__name__} "

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import fusion
-from fusion.bound import BoundForward, _rebuild, rewrap
+from fusion.bound import BoundForward, _rebuild, rebind_installed, rewrap
 from fusion.errors import RewriteRefused
+from tests.fusion.merged_paths import measured_references
 from tests.fusion.tiny_models import tiny_model, token_ids
 
 
@@ -175,3 +176,133 @@ def test_rewrap_refuses_a_wrapper_it_cannot_rebuild() -> None:
     by_default.__wrapped__ = original  # reaches the wrapped function through a default
     with pytest.raises(RewriteRefused, match="exactly one closure cell"):
         rewrap(by_default, original)
+
+
+# -- issue 43: the class forward the proof was made for --------------------------------------
+
+
+def _attention_logits(unfused, fused, ids):
+    """Both models' logits and layer 0's fused attention forward."""
+    return _logits(unfused, ids), _logits(fused, ids), fused.model.layers[0].self_attn.forward
+
+
+def test_a_patched_class_forward_runs_instead_of_the_rewrite(monkeypatch) -> None:
+    """The proof was made for the class's forward at fuse time: a patched class forward is
+    what the unfused module runs, so the fused one falls back to it (not to the old one),
+    and fuses again once it is restored."""
+    unfused, fused = _fused()
+    attn_class = type(fused.model.layers[0].self_attn)
+    plain = attn_class.forward
+
+    def patched(self, *args, **kwargs):
+        out, weights = plain(self, *args, **kwargs)
+        return out * 0.5, weights
+
+    ids = token_ids()
+    before = _logits(unfused, ids)
+    monkeypatch.setattr(attn_class, "forward", patched)
+    want, got, forward = _attention_logits(unfused, fused, ids)
+    assert not torch.allclose(want, before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert forward.guard_failures >= 1 and "forward was replaced" in forward.last_failure
+    monkeypatch.undo()
+    failures = forward.guard_failures
+    torch.testing.assert_close(_logits(fused, ids), before, rtol=1e-5, atol=1e-6)
+    assert forward.guard_failures == failures
+
+
+@pytest.mark.parametrize("own_forward", [True, False])
+def test_a_class_swap_runs_the_new_class_forward(own_forward: bool) -> None:
+    """A class swap of the fused module (what `torch.nn.utils.parametrize` does; here a
+    user's subclass): the fused forward falls back to the forward Python resolves on the
+    new class, with or without one of its own."""
+    unfused, fused = _fused()
+    attn_class = type(fused.model.layers[0].self_attn)
+
+    def halved(self, *args, **kwargs):
+        out, weights = attn_class.forward(self, *args, **kwargs)
+        return out * 0.5, weights
+
+    body = {"forward": halved} if own_forward else {}
+    swapped = type("Swapped", (attn_class,), body)
+    for model in (unfused, fused):
+        model.model.layers[0].self_attn.__class__ = swapped
+    ids = token_ids()
+    want, got, forward = _attention_logits(unfused, fused, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert "became a" in forward.last_failure
+
+
+def test_the_route_runs_the_current_class_forward() -> None:
+    """Where the route takes the original (every kernel measured slower), the original is
+    the forward of the module's class now (here swapped to a subclass with its own), as
+    the unfused module would run it."""
+    unfused, fused = _fused()
+    attn_class = type(fused.model.layers[0].self_attn)
+
+    def halved(self, *args, **kwargs):
+        out, weights = attn_class.forward(self, *args, **kwargs)
+        return out * 0.5, weights
+
+    swapped = type("Swapped", (attn_class,), {"forward": halved})
+    for model in (unfused, fused):
+        model.model.layers[0].self_attn.__class__ = swapped
+    ids = token_ids()
+    with measured_references():
+        want, got, forward = _attention_logits(unfused, fused, ids)
+    assert forward.original_calls >= 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_deepcopy_keeps_the_class_forward_of_fuse_time(monkeypatch) -> None:
+    """A copy made while the class forward is patched still knows the rewrite is of the
+    old one: it falls back while the patch lasts, then runs fused."""
+    _, fused = _fused()
+    attn_class = type(fused.model.layers[0].self_attn)
+    plain = attn_class.forward
+    monkeypatch.setattr(attn_class, "forward", lambda self, *a, **k: plain(self, *a, **k))
+    copied = copy.deepcopy(fused)
+    forward = copied.model.layers[0].self_attn.forward
+    assert forward.class_forward is plain and forward.failure() is not None
+    monkeypatch.undo()
+    assert forward.failure() is None
+
+
+# -- issue 43: a shallow copy's forward reads the copy ---------------------------------------
+
+
+def test_a_shallow_copy_reads_itself() -> None:
+    """`copy.copy(fused_attention)`: its forward is bound to the copy (an attribute set on
+    the copy is read, as by the unfused copy's class forward), fused (no fallback), and
+    the original is untouched; a copy of the copy too."""
+    unfused, fused = _fused()
+    ids = token_ids()
+    for model in (unfused, fused):
+        attn = model.model.layers[0].self_attn
+        copied = copy.copy(copy.copy(attn))
+        copied.scaling = attn.scaling * 3.0
+        model.model.layers[0].self_attn = copied
+    torch.testing.assert_close(_logits(fused, ids), _logits(unfused, ids), rtol=1e-5, atol=1e-6)
+    copied = fused.model.layers[0].self_attn
+    assert isinstance(copied.forward, BoundForward) and copied.forward.module is copied
+    assert copied.forward.guard_failures == 0 and copied.forward.failure() is None
+    assert copied.__reduce_ex__.module is copied  # and its copies rebind in turn
+
+
+def test_a_shallow_copy_drops_an_installed_forward_it_cannot_rebind() -> None:
+    """A fusion-installed forward without `rebound` is removed from the copy: the class
+    forward (the unfused function) runs there, never the original's state."""
+
+    class Installed:
+        fusion_installed = True
+
+        def __init__(self, module):
+            self.__self__ = module
+
+    original, copied = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    copied.forward = Installed(original)
+    rebind_installed(copied)
+    assert "forward" not in copied.__dict__
+    copied.forward = Installed(copied)  # bound to itself: kept
+    rebind_installed(copied)
+    assert isinstance(copied.__dict__["forward"], Installed)

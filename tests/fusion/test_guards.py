@@ -233,7 +233,7 @@ def test_each_child_premise_fails_its_guard(monkeypatch, change: str) -> None:
     parent.lin = nn.Linear(4, 4)
     guard = ChildGuard.of(parent, "lin")
     called = ChildGuard.of(parent, "lin", called=True)
-    holds, holds_called = holding_check((guard,)), holding_check((called,))
+    holds, holds_called = holding_check((guard,), nn.Module), holding_check((called,), nn.Module)
     assert guard.failure(parent) is None and called.failure(parent) is None
     assert holds(parent) and holds_called(parent)
     child = parent.lin
@@ -279,7 +279,7 @@ def test_the_one_frame_check_sees_global_hooks_and_other_guards() -> None:
     parent.lin = nn.Linear(4, 4)
     parent.scale = 2.0
     guards = (ChildGuard.of(parent, "lin"), attribute_guard(parent, "scale"))
-    holds = holding_check(guards)
+    holds = holding_check(guards, nn.Module)
     assert holds(parent)
     for register in (
         nn.modules.module.register_module_forward_hook,
@@ -410,3 +410,265 @@ def test_fusing_a_watched_child_keeps_the_guard_holding() -> None:
     assert attn.forward.failure() is None
     attn.q_norm = nn.Identity()
     assert attn.forward.failure() == "q_norm was replaced"
+
+
+# -- issue 43: shadowed children, class forwards, helper code, installed forwards ------------
+
+
+def _assert_falls_back_as_unfused(unfused, fused, reason: str) -> None:
+    """The fused model gives the unfused model's logits, by falling back (one failure per
+    fused attention called, named `reason`)."""
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    forward = _attn(fused).forward
+    assert forward.guard_failures >= 1 and reason in forward.last_failure, forward.last_failure
+
+
+def test_a_child_shadowed_on_the_instance_falls_back() -> None:
+    """`object.__setattr__` puts an entry in the instance `__dict__`, which Python's lookup
+    finds before `__getattr__` (so before `_modules`): the unfused forward calls the shadow;
+    the fused one must not run its proof about the registered child."""
+    unfused, fused = _pair()
+    plain = _logits(unfused)
+    for model in (unfused, fused):
+        attn = _attn(model)
+        object.__setattr__(attn, "k_proj", _Doubling(attn._modules["k_proj"]))
+    assert not torch.allclose(_logits(unfused), plain)
+    _assert_falls_back_as_unfused(unfused, fused, "k_proj is shadowed by an instance attribute")
+    for model in (unfused, fused):
+        del _attn(model).__dict__["k_proj"]
+    failures = _attn(fused).forward.guard_failures
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    assert _attn(fused).forward.guard_failures == failures  # fused again
+
+
+def test_the_merged_child_shadowed_on_the_instance_falls_back() -> None:
+    """The merged projection is only read by the rewrite: a shadow of it would be called
+    by the fused forward alone."""
+    unfused, fused = _pair()
+    attn = _attn(fused)
+    merged = attn._modules["qkv_proj"]
+    object.__setattr__(attn, "qkv_proj", lambda *args, **kwargs: merged(*args, **kwargs) * 2)
+    _assert_falls_back_as_unfused(unfused, fused, "qkv_proj is shadowed")
+
+
+@pytest.mark.parametrize("owner", ["class", "base class"])
+def test_a_child_shadowed_by_a_class_property_falls_back(monkeypatch, owner: str) -> None:
+    """A property (a class attribute found before `__getattr__`) named like the child, added
+    to the class or to a class of its MRO after fusing, is what `self.k_proj` reads."""
+    unfused, fused = _pair()
+    cls = type(_attn(fused)) if owner == "class" else nn.Module
+    monkeypatch.setattr(
+        cls, "k_proj", property(lambda self: _Doubling(self._modules["k_proj"])), raising=False
+    )
+    _assert_falls_back_as_unfused(unfused, fused, "k_proj is shadowed by a class attribute")
+    monkeypatch.undo()
+    assert _attn(fused).forward.failure() is None
+
+
+def test_an_attribute_lookup_of_the_class_fails_the_child_guards(monkeypatch) -> None:
+    """A `__getattr__` defined on the class after fusing may answer `self.k_proj` with
+    anything: no child guard holds."""
+    unfused, fused = _pair()
+
+    def lookup(self, name):
+        found = nn.Module.__getattr__(self, name)
+        return _Doubling(found) if name == "k_proj" else found
+
+    monkeypatch.setattr(type(_attn(fused)), "__getattr__", lookup, raising=False)
+    _assert_falls_back_as_unfused(unfused, fused, "has its own __getattr__")
+
+
+def test_a_patched_child_class_forward_falls_back(monkeypatch) -> None:
+    """The rewrite computes the shards with `F.linear` (the class forward of fuse time): a
+    patched `nn.Linear.forward` is what the unfused calls run."""
+    unfused, fused = _pair()
+    plain = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: plain(self, x) * 1.5)
+    _assert_falls_back_as_unfused(unfused, fused, "Linear.forward was replaced")
+
+
+class _Installed:
+    """A forward object fusion installs on an instance (`callpath.FUSION_INSTALLED`)."""
+
+    fusion_installed = True
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x):
+        return type(self.module).forward(self.module, x)
+
+
+def test_a_fusion_installed_child_forward_keeps_the_guard_a_users_fails_it() -> None:
+    parent = nn.Module()
+    parent.lin = nn.Linear(4, 4)
+    guards = (ChildGuard.of(parent, "lin"),)
+    holds = holding_check(guards, nn.Module)
+    parent.lin.forward = _Installed(parent.lin)
+    assert first_failure(parent, guards) is None and holds(parent)
+    parent.lin.forward = lambda x: x
+    assert "instance-level forward" in first_failure(parent, guards) and not holds(parent)
+    parent.lin.forward = None  # calling it would raise: not the class forward either
+    assert first_failure(parent, guards) is not None and not holds(parent)
+
+
+@pytest.mark.parametrize(
+    "change", ["instance shadow", "class shadow", "base class shadow", "class forward"]
+)
+def test_each_lookup_premise_fails_plain_and_called_guards(monkeypatch, change: str) -> None:
+    """Shadowing fails plain and `called` guards, in `first_failure` and in the one-frame
+    check alike; a replaced class forward fails plain guards only (a called child runs its
+    forward through `__call__`, whatever it is)."""
+    parent = nn.Module()
+    parent.lin = nn.Linear(4, 4)
+    plain, called = ChildGuard.of(parent, "lin"), ChildGuard.of(parent, "lin", called=True)
+    checks = {guard: holding_check((guard,), nn.Module) for guard in (plain, called)}
+    assert all(check(parent) for check in checks.values())
+    if change == "instance shadow":
+        object.__setattr__(parent, "lin", nn.Identity())
+    elif change == "class forward":
+        monkeypatch.setattr(nn.Linear, "forward", lambda self, x: x)
+    else:
+        owner = nn.Module if change == "base class shadow" else type(parent)
+        monkeypatch.setattr(owner, "lin", property(lambda self: None), raising=False)
+    for guard, check in checks.items():
+        fails = not (guard.called and change == "class forward")
+        assert (first_failure(parent, (guard,)) is not None) is fails
+        assert check(parent) is not fails
+
+
+def test_an_instance_attribute_guard_sees_a_class_property_named_like_it(monkeypatch) -> None:
+    module = nn.Module()
+    module.scale = 2.0
+    guard = attribute_guard(module, "scale")
+    assert guard.failure(module) is None
+    monkeypatch.setattr(nn.Module, "scale", property(lambda self: 3.0), raising=False)
+    assert "set on the class" in guard.failure(module)
+
+
+def _helper_with_defaults(x, factor=2.0, *, offset=0.0):
+    return x * factor + offset
+
+
+def _make_closure():
+    scale = 2.0
+
+    def scaled(x):
+        return x * scale
+
+    def set_scale(value):
+        nonlocal scale
+        scale = value
+
+    return scaled, set_scale
+
+
+_scaled, _set_scale = _make_closure()
+
+
+def test_globals_guard_watches_what_helpers_run() -> None:
+    """A helper's `__code__`, `__defaults__`, `__kwdefaults__` (replaced or edited in place)
+    or closure cell, changed without rebinding its name, fails the guard; restored, it
+    holds."""
+
+    def outer(x):
+        return _helper_with_defaults(x) + _scaled(x) + _helper(x)
+
+    guard = GlobalsGuard.of(outer)
+    assert guard.failure() is None
+    assert {f.__name__ for f, *_ in guard.functions} == {
+        "_helper_with_defaults",
+        "scaled",
+        "_helper",
+    }
+    function = _helper_with_defaults
+    saved = (function.__code__, function.__defaults__, function.__kwdefaults__)
+    edits = {
+        "__code__": lambda: setattr(function, "__code__", (lambda x, factor=2.0: x).__code__),
+        "__defaults__": lambda: setattr(function, "__defaults__", (3.0,)),
+        "__kwdefaults__": lambda: setattr(function, "__kwdefaults__", {"offset": 1.0}),
+        "kwdefaults entry": lambda: function.__kwdefaults__.__setitem__("offset", 1.0),
+    }
+    for name, edit in edits.items():
+        edit()
+        try:
+            assert guard.failure() is not None, name
+        finally:
+            function.__code__, function.__defaults__ = saved[:2]
+            function.__kwdefaults__ = saved[2]
+            saved[2]["offset"] = 0.0
+        assert guard.failure() is None, name
+    # a helper reached through globals at depth 2 (`_helper` reads `_inner_global`) swapped
+    code = _helper.__code__
+    _helper.__code__ = (lambda x: x).__code__
+    try:
+        assert guard.failure() == "_helper.__code__ was replaced"
+    finally:
+        _helper.__code__ = code
+    cell = _scaled.__closure__[0]
+    scale = cell.cell_contents
+    _set_scale(5.0)
+    try:
+        assert guard.failure() == "a closure cell of a helper was rebound"
+    finally:
+        _set_scale(scale)
+    assert guard.failure() is None
+    del cell.cell_contents  # emptied: the helper would raise NameError now
+    try:
+        assert guard.failure() == "a closure cell of a helper was rebound"
+    finally:
+        cell.cell_contents = scale
+    assert guard.failure() is None
+
+
+@pytest.mark.parametrize("helper", ["apply_rotary_pos_emb", "rotate_half"])
+def test_a_helper_whose_code_is_swapped_is_seen(helper: str) -> None:
+    """The issue's case: a helper proven pure (`apply_rotary_pos_emb`, and `rotate_half`
+    that it calls) gets new code without its name being rebound."""
+    unfused, fused = _pair()
+    function = getattr(sys.modules[type(_attn(unfused)).__module__], helper)
+    plain = _logits(unfused)
+    code = function.__code__
+    if helper == "rotate_half":
+        function.__code__ = (lambda x: -x).__code__
+    else:
+        function.__code__ = (lambda q, k, cos, sin, unsqueeze_dim=1: (q * 2, k)).__code__
+    try:
+        want = _logits(unfused)
+        got = _logits(fused)
+        reason = _attn(fused).forward.last_failure
+    finally:
+        function.__code__ = code
+    assert not torch.allclose(want, plain)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert reason == f"{helper}.__code__ was replaced"
+
+
+def test_a_bias_added_to_a_shard_after_fusing_is_not_dropped() -> None:
+    """The issue's case: `k_proj` had no bias (Llama's projections have none); one added
+    after fusing is read by the unfused `F.linear`; the stacked product must not drop it."""
+    unfused, fused = _pair()
+    torch.manual_seed(1)
+    bias = torch.randn(_attn(unfused).k_proj.out_features)
+    for model in (unfused, fused):
+        _attn(model).k_proj.bias = nn.Parameter(bias.clone())
+    torch.testing.assert_close(_logits(fused), _logits(unfused), rtol=1e-5, atol=1e-6)
+    assert not _attn(fused).qkv_proj.views_hold()
+
+
+def test_the_one_frame_check_holds_the_class_premise_without_guards(monkeypatch) -> None:
+    """A rewrite with no guard of its own (a decoder layer's) still holds only while the
+    module is of its class and the class forward is the one rewritten."""
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            return x
+
+    layer = Layer()
+    holds = holding_check((), Layer, Layer.forward)
+    assert holds(layer)
+    monkeypatch.setattr(Layer, "forward", lambda self, x: -x)
+    assert not holds(layer)
+    monkeypatch.undo()
+    layer.__class__ = type("Sub", (Layer,), {})
+    assert not holds(layer)

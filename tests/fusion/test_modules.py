@@ -469,3 +469,74 @@ def test_fused_norm_forward_is_the_reference_bit_for_bit(pair) -> None:
             got = norm(x)
             want = torch_ref.rms_norm(x, weight, 1e-6, variant=variant)
         assert got.dtype == want.dtype and torch.equal(got, want), (variant, shape)
+
+
+# -- issue 43: every shard premise holds for the stacked product -----------------------------
+
+
+def _unfused_cat(linears: dict[str, nn.Linear], x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lin(x) for lin in linears.values()], dim=-1)
+
+
+@pytest.mark.parametrize("bias", [(True, False, True), (False, False, False)])
+def test_a_bias_added_to_a_shard_without_one_is_not_dropped_on_the_stacked_path(bias) -> None:
+    """The stacked bias holds zeros for `k` (or there is no stacked bias at all): a bias
+    given to `k` after merging is read by the unfused `F.linear`, so the stacked product
+    must not run; the shards computed apart read it."""
+    linears = _linears(bias)
+    merged = MergedLinear.from_linears(linears)
+    linears["k"].bias = nn.Parameter(torch.randn(4))
+    assert not merged.views_hold() and not merged.restack()  # stays apart: correct
+    x = torch.randn(3, 6)
+    with torch.no_grad(), stacked_products():
+        torch.testing.assert_close(merged(x), _unfused_cat(linears, x), rtol=1e-6, atol=1e-6)
+    assert (merged.stacked_calls, merged.shard_calls) == (0, 1)
+
+
+@pytest.mark.parametrize("change", ["instance weight", "instance bias", "buffer bias"])
+def test_weights_the_lookup_finds_elsewhere_are_read_on_every_path(change: str) -> None:
+    """`nn.Linear.forward` reads `self.weight` / `self.bias`: an instance attribute set
+    through `object.__setattr__` (found before `_parameters`), or a bias re-registered as a
+    buffer, is what it computes with, on the stacked path (the views no longer hold) and on
+    the shards' own path alike."""
+    linears = _linears((True, False, True))
+    merged = MergedLinear.from_linears(linears)
+    k = linears["k"]
+    if change == "instance weight":
+        object.__setattr__(k, "weight", nn.Parameter(torch.randn(4, 6)))
+    elif change == "instance bias":
+        object.__setattr__(k, "bias", torch.randn(4))
+    else:
+        del k.bias
+        k.register_buffer("bias", torch.randn(4))
+    assert not merged.views_hold() and not merged.restack()
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        want = _unfused_cat(linears, x)
+        torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+        with stacked_products():
+            torch.testing.assert_close(merged(x), want, rtol=1e-6, atol=1e-6)
+    assert merged.stacked_calls == 0
+
+
+def test_each_shard_premise_is_checked_on_the_stacked_path() -> None:
+    """Weight and bias of every shard: a swapped Parameter, a changed dtype or shape
+    (`.data =`), each breaks the views; restoring the original Parameter restores them."""
+    linears = _linears((True, False, True))
+    merged = MergedLinear.from_linears(linears)
+    for name, attr in (("q", "bias"), ("v", "bias"), ("k", "weight"), ("v", "weight")):
+        lin = linears[name]
+        param = getattr(lin, attr)
+        for new in (param.detach().double(), param.detach()[:1].clone(), param.detach().clone()):
+            saved = param.data
+            param.data = new
+            assert not merged.views_hold(), (name, attr, new.dtype, new.shape)
+            param.data = saved
+            assert merged.views_hold()
+
+
+def test_complex_weights_are_never_stacked() -> None:
+    """A conjugate bit would not move the data pointer: complex shards stay apart."""
+    linears = {n: nn.Linear(4, 2, bias=False, dtype=torch.complex64) for n in ("a", "b")}
+    with pytest.raises(ValueError, match="real tensor"):
+        MergedLinear.from_linears(linears)

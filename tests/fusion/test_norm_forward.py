@@ -177,6 +177,20 @@ def test_copies_read_their_own_state() -> None:
         assert not torch.equal(fused(x), unfused(x))
 
 
+def test_a_shallow_copy_reads_itself() -> None:
+    """`copy.copy` of the fused norm: the copy's forward reads the copy (its own eps, its own
+    flag read by a helper), not the module it was copied from."""
+    for norm, attribute in ((_llama_norm(), "variance_epsilon"), (_FlaggedNorm(), "shifted")):
+        unfused, fused = _pair(norm)
+        copies = [copy.copy(holder[0]) for holder in (unfused, fused)]
+        assert copies[1].forward.module is copies[1]
+        value = 0.5 if attribute == "variance_epsilon" else True
+        for module in copies:
+            setattr(module, attribute, value)
+        _same(copies[0], copies[1], _x(1e-3))
+        _same(unfused, fused, _x(1e-3))  # the originals are untouched
+
+
 def test_a_saved_forward_whose_class_source_changed_runs_the_original() -> None:
     _, fused = _pair(_llama_norm())
     forward = fused[0].forward

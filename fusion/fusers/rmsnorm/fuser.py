@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import fx, nn
 
+from fusion.bound import install_forward
 from fusion.callpath import has_hooks
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser, per_signature
@@ -98,7 +99,7 @@ class RMSNormFuser(Fuser):
         found = self._match_for(module)
         weight_name = found.weight_name if found.variant.has_weight else None
         reads = AttributeGuard.record(forward_reads(module, found))
-        module.forward = NormForward(
+        forward = NormForward(
             module,
             variant=found.variant.kernel,
             verified=found.verified,
@@ -108,6 +109,7 @@ class RMSNormFuser(Fuser):
             backend=backend,
             reads=reads,
         )
+        install_forward(module, forward)  # a shallow copy gets one of its own
         return module
 
     def describe(self) -> str:
