@@ -80,6 +80,25 @@ KNOWN_WRAPPERS = (
         "before tracing: fusion.placement)",
     ),
     KnownWrapper(
+        "torch.utils._contextlib",
+        "context_decorator",
+        ("decorate_context",),
+        "func",
+        "calls the wrapped forward with the same arguments inside one context manager "
+        "(`@torch.no_grad()`, `@torch.autocast(...)`) entered around the whole call; the "
+        "rewrite runs inside it too (`fusion.bound.rewrap` re-applies the wrapper), so every "
+        "merged call runs in the state its originals ran in (one region: `fusion.regions`)",
+    ),
+    KnownWrapper(
+        "torch.amp.autocast_mode",
+        "autocast_decorator",
+        ("decorate_autocast",),
+        "func",
+        "calls the wrapped forward with the same arguments inside one autocast context "
+        "entered around the whole call (`@torch.autocast(...)`); re-applied around the "
+        "rewrite like `context_decorator`",
+    ),
+    KnownWrapper(
         "kernels._internals.layer.layer",
         "use_kernelized_func",
         ("decorator", "new_forward"),
@@ -88,7 +107,8 @@ KNOWN_WRAPPERS = (
         "calls run as this instance's own copies (`kernel_function` refuses kernelized ones)",
     ),
 )
-"""Every wrapper `unwrap_forward` sees through (Transformers 4.57 to 5.25, kernels 0.19)."""
+"""Every wrapper `unwrap_forward` sees through (Transformers 4.57 to 5.25, kernels 0.19, torch's
+context decorators)."""
 
 KERNELS_LAYER_MODULE = "kernels._internals.layer.layer"
 """Where kernels builds the `Func` module class of a function it makes a layer of."""

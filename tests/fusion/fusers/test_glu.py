@@ -327,7 +327,10 @@ def test_activation_edited_after_fusing_runs_the_original_forward(act, edit, mon
     assert not torch.equal(before, expected)  # the edit changes the function
     assert torch.equal(expected, actual)
     assert fused.forward.guard_failures == 1
-    assert fused.forward.last_failure.startswith("activation: ")
+    # a patched class forward is caught first by the child guard on `act_fn` (which
+    # records the child class's forward), anything else by the activation's own guard
+    reason = fused.forward.last_failure
+    assert reason.startswith("activation: ") or reason.endswith(".forward was replaced"), reason
 
 
 def test_activation_guard_follows_a_copy() -> None:
