@@ -252,8 +252,8 @@ def _vllm() -> System:
 
     return System(
         name="vllm",
-        description="vLLM 0.33's Transformers-backend fusers with its layers' native "
-        "forwards, tensor parallel size 1, CPU (harness.peers.vllm_apply)",
+        description="vLLM's Transformers-backend fusers (0.34, the pinned peer) with its "
+        "layers' native forwards, tensor parallel size 1, CPU (harness.peers.vllm_apply)",
         apply=apply,
         note=note,
         lifecycle=False,

@@ -2,8 +2,9 @@
 
     python -m harness.peers.vllm [--arch GLOB ...] [--json FILE]
 
-Runs in the peer environment (`scripts/vllm_peer.sh`, `tox -e vllm-peer`: vLLM 0.33.0 on
-Transformers 5.20.2 and the CPU torch, `constraints/vllm-peer.txt`); vLLM is imported only
+Runs in the peer environment (`scripts/vllm_peer.sh`, `tox -e vllm-peer`: vLLM 0.34.0 on
+Transformers 5.22.2 and the CPU torch, `constraints/vllm-peer.txt`; 0.33.0 on 5.20.2 with
+`tox -e vllm-peer-033`, `constraints/vllm-peer-0.33.txt`); vLLM is imported only
 inside `vllm_decisions`, so this module imports anywhere. Per architecture it builds the
 tiny float32 model once and asks both systems what they would fuse, changing nothing:
 

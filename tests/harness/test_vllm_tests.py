@@ -7,6 +7,7 @@ subprocess, so its stand-in `vllm` never reaches this process's imports."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import tarfile
@@ -170,17 +171,31 @@ def test_only_the_fuser_tests_and_their_package_inits_are_read(tmp_path):
     ]
 
 
-def test_an_archive_with_another_hash_is_refused_and_nothing_cached(tmp_path, monkeypatch):
+def test_an_archive_with_another_hash_is_refused_and_nothing_cached(tmp_path):
     members = {f"vllm-{vllm_tests.VERSION}/{vllm_tests.TEST_DIR}/test_a.py": b"x = 1\n"}
     fake = _archive(tmp_path, members)
 
-    def download(dest: Path) -> Path:
+    def download(dest: Path, sdist: vllm_tests.Sdist) -> Path:
         return Path(dest / fake.name).write_bytes(fake.read_bytes()) and dest / fake.name
 
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="sha256"):
         vllm_tests.ensure_tests(cache, download=download)
     assert not (cache / f"vllm-{vllm_tests.VERSION}").exists()
-    monkeypatch.setattr(vllm_tests, "SDIST_SHA256", hashlib.sha256(fake.read_bytes()).hexdigest())
-    tree = vllm_tests.ensure_tests(cache, download=download)
+    digest = hashlib.sha256(fake.read_bytes()).hexdigest()
+    sdist = dataclasses.replace(vllm_tests.SDISTS[vllm_tests.VERSION], sha256=digest)
+    tree = vllm_tests.ensure_tests(cache, download=download, sdist=sdist)
     assert (tree / vllm_tests.TEST_DIR / "test_a.py").read_text() == "x = 1\n"
+
+
+def test_the_default_release_is_the_pinned_peer_and_every_release_names_its_archive():
+    """The tests run by default are those of the vLLM that constraints/vllm-peer.txt pins;
+    every release's URL ends in its own archive name and carries a full sha256."""
+    repo = Path(__file__).resolve().parents[2]
+    pins = (repo / "constraints" / "vllm-peer.txt").read_text().splitlines()
+    assert f"vllm=={vllm_tests.VERSION}" in pins
+    assert {"0.33.0", "0.34.0"} <= set(vllm_tests.SDISTS)
+    for version, sdist in vllm_tests.SDISTS.items():
+        assert sdist.version == version
+        assert sdist.url.endswith(f"/vllm-{version}.tar.gz")
+        assert len(sdist.sha256) == 64 and int(sdist.sha256, 16) >= 0
