@@ -34,7 +34,7 @@ EXIT_DRIFT_LOSS = 4
 golden plan, under `--fail-on-drift-loss` (distinct from 1: nothing fusion did was found
 wrong; fusion reaches less than it did)."""
 
-REASON_WIDTH = 240
+REASON_WIDTH = 400
 """A reason is cut to this many characters in text output (full reasons hold graph dumps)."""
 
 SILENT = "no refusal recorded for this class (a fuser skipped it without a reason: report it)"
@@ -204,8 +204,9 @@ def _loss_reasons(
 ) -> list[str]:
     """Why this run fuses fewer instances of `cls` with `fuser`: no plan (the status and its
     reason), the class missing from the plan, its refusals (`fuser`'s first, each with the
-    full reason the fuser recorded, `details` as harness.plans.details_of), and which fuser
-    took it instead; SILENT when nothing was recorded."""
+    full reason the fuser recorded, `details` as harness.plans.details_of; fusers giving the
+    same reason share one line), and which fuser took it instead; SILENT when nothing was
+    recorded."""
     plan = actual.get("plan")
     if plan is None:
         return [f"no fusion plan: {actual['status']} ({actual.get('reason', '')})"]
@@ -213,11 +214,13 @@ def _loss_reasons(
     if decisions is None:
         return [f"{cls} is not in this run's plan (renamed, or no longer in the model)"]
     refused = decisions.get("refused", {})
-    order = [fuser, *sorted(f for f in refused if f != fuser)]
+    by_reason: dict[str, list[str]] = {}  # one line per reason, naming every fuser giving it
+    for f in [fuser, *sorted(f for f in refused if f != fuser)]:
+        for category in sorted(refused.get(f, {})):
+            by_reason.setdefault(details.get((cls, f, category), category), []).append(f)
     reasons = [
-        f"{f} refuses: {details.get((cls, f, category), category)}"
-        for f in order
-        for category in sorted(refused.get(f, {}))
+        f"{', '.join(fusers)} refuse{'s' if len(fusers) == 1 else ''}: {reason}"
+        for reason, fusers in by_reason.items()
     ]
     reasons += [
         f"now fused by {other} ({n})"
