@@ -89,6 +89,15 @@ def test_fused_norm_computes_the_same():
     torch.testing.assert_close(built(x), module(x))
 
 
+def test_a_plain_norm_is_not_zero_centred():
+    assert get_fuser(Norm(), RMSNormFuser).zero_centered is False
+
+
+def test_the_built_norm_reads_eps_as_vllm_names_it():
+    module = Norm(eps=1e-5)
+    assert get_fuser(module, RMSNormFuser).fuse(module, "norm", None).variance_epsilon == 1e-5
+
+
 def test_builds_the_vllm_class():
     module = Norm()
     assert isinstance(get_fuser(module, RMSNormFuser).fuse(module, "n", None), VLLMRMSNorm)
@@ -119,6 +128,10 @@ def test_each_test_ends_pass_fail_or_not_mapped_and_fails_are_classified(tmp_pat
         "test_detects_a_norm": "pass",
         "test_a_centred_norm_is_not_matched": "pass",
         "test_fused_norm_computes_the_same": "pass",
+        # the norm fused as a kept module with fusion's installed forward (NormForward) still
+        # answers vLLM's questions: its variant's offset, eps where its forward reads it
+        "test_a_plain_norm_is_not_zero_centred": "pass",
+        "test_the_built_norm_reads_eps_as_vllm_names_it": "pass",
         "test_builds_the_vllm_class": "not-mapped",
         "test_a_custom_experts_block_is_matched": "fail",
         "test_wants_a_config": "pass",
@@ -131,7 +144,7 @@ def test_each_test_ends_pass_fail_or_not_mapped_and_fails_are_classified(tmp_pat
     assert "Experts is not a Transformers experts-interface" in experts["ours"]
     assert experts["category"] == "ours refuses by design"
     lines = vllm_tests.table(outcomes)
-    assert lines[1].split() == ["test_norms.py", "4", "1", "1", "0"]
+    assert lines[1].split() == ["test_norms.py", "6", "1", "1", "0"]
 
 
 def test_an_unmatched_fail_is_unclassified_and_fails_the_run():
