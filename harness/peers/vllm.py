@@ -217,6 +217,16 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "reach-gap-ours",
+        "the block's experts store their weights transposed (is_transposed=True: Aria's text "
+        "MoE), which our block path does not take, so our moe fuser fuses the experts alone "
+        "(FusedExperts) and Transformers' router keeps routing; vLLM's MoEBlockFuser takes "
+        "the whole block",
+        family="moe",
+        kind="differ",
+        ours=r"is_transposed=True \(need False\)",
+    ),
+    Rule(
+        "reach-gap-ours",
         "these experts are not Transformers experts-interface modules, which our experts-only "
         "path requires; vLLM swaps any `experts` child holding only 3-D parameters for "
         "FusedMoE (activation 'silu', routing left to Transformers) without checking the "

@@ -159,6 +159,15 @@ def test_our_details_are_parsed_from_the_descriptions(family, description, detai
             "",
             "reach-gap-peer",
         ),
+        (
+            "moe",
+            "differ",
+            "AriaTextMoELayer",
+            "experts | experts: silu(gate) * up, transposed -> FusedExperts (experts alone; the "
+            "block: experts is_transposed=True (need False))",
+            "block | MoEBlockFuser(gate_name='router', scoring_func='softmax')",
+            "reach-gap-ours",
+        ),
         ("qkv", "peer-only", "NewAttention", "qkv: refused", "k+q+v", "unclassified"),
     ],
 )
