@@ -170,9 +170,7 @@ class VllmRuntime:
         distributed state initialised for one process on first call."""
         if self._config is None:
             vllm = self.modules()
-            config = vllm.config.VllmConfig(
-                compilation_config=vllm.config.CompilationConfig(custom_ops=["none"])
-            )
+            config = self.make_config()
             with vllm.config.set_current_vllm_config(config):
                 if not vllm.distributed.parallel_state.model_parallel_is_initialized():
                     vllm.distributed.init_distributed_environment(
@@ -185,6 +183,26 @@ class VllmRuntime:
                     vllm.distributed.initialize_model_parallel(1, 1)
             self._config = config
         return self._config
+
+    def make_config(self) -> Any:
+        """A fresh `VllmConfig` with every CustomOp native; PeerUnavailable, with vLLM's own
+        reason, where vLLM refuses to make one on this machine (vLLM 0.34 on an x86 CPU
+        without triton-cpu, which PyPI does not carry: "vLLM on x86 CPUs requires Triton"),
+        so the `vllm` system is refused up front instead of failing every architecture."""
+        vllm = self.modules()
+        try:
+            return vllm.config.VllmConfig(
+                compilation_config=vllm.config.CompilationConfig(custom_ops=["none"])
+            )
+        except Exception as exc:
+            hint = (
+                "; install the triton-cpu wheel vLLM's requirements/cpu.txt names"
+                if "triton" in str(exc).lower()
+                else ""
+            )
+            raise PeerUnavailable(
+                f"vLLM cannot make its config on this machine ({type(exc).__name__}: {exc}){hint}"
+            ) from exc
 
     def reset(self) -> None:
         """Tear down vLLM's distributed state and forget the config (imports stay)."""

@@ -18,8 +18,10 @@ from harness.peers import vllm_apply
 from harness.peers.vllm_apply import Application, ApplyError, Rewrite, Skipped
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_PROBLEM = systems.unavailable("vllm") if HAS_VLLM else None
 needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM, reason="vLLM is not importable here (peer environment: scripts/vllm_peer.sh)"
+    not HAS_VLLM or VLLM_PROBLEM is not None,
+    reason=VLLM_PROBLEM or "vLLM is not importable here (peer environment: scripts/vllm_peer.sh)",
 )
 
 
@@ -273,6 +275,24 @@ def test_without_vllm_the_runtime_says_where_it_runs(monkeypatch):
     monkeypatch.setattr(vllm_apply.importlib, "import_module", no_vllm)
     with pytest.raises(vllm_apply.PeerUnavailable, match="tox -e vllm-peer"):
         vllm_apply.VllmRuntime().modules()
+
+
+def test_a_vllm_that_will_not_make_its_config_here_makes_the_system_unavailable(monkeypatch):
+    """vLLM 0.34 on an x86 CPU without triton-cpu raises from VllmConfig: the `vllm` system
+    is then refused with vLLM's reason, not failed architecture by architecture."""
+
+    def refuse(**kwargs):
+        raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")
+
+    fake = SimpleNamespace(
+        config=SimpleNamespace(VllmConfig=refuse, CompilationConfig=lambda **kwargs: None)
+    )
+    runtime = vllm_apply.VllmRuntime()
+    runtime._vllm = fake
+    with pytest.raises(vllm_apply.PeerUnavailable, match=r"requires Triton .*triton-cpu wheel"):
+        runtime.config()
+    monkeypatch.setattr(vllm_apply, "RUNTIME", runtime)
+    assert "vLLM cannot make its config on this machine" in systems.unavailable("vllm")
 
 
 def test_the_cli_refuses_the_vllm_system_where_vllm_does_not_import(monkeypatch, capsys):
