@@ -19,8 +19,9 @@ or a lifecycle operation, a fused-only error, a fuse error, a crashed or timed-o
 reproducing failure (repro); 3 (run, merge) no fusion failure, but the corpus could not build
 or run an unfused model (build-error, forward-error; 1 with --strict-corpus); 2 bad usage or
 unusable input or output (unknown architecture, malformed bundle, unusable or unwritable
-results file, shards that do not merge, an output that could not be written); 130
-interrupted. Errors are one line on stderr, "fusion-harness: error: ...", never a traceback.
+results file, shards that do not merge, an output that could not be written); 4 (run, merge
+with --fail-on-drift-loss) no fusion failure, but fusions were lost against the golden plan
+of the line or of the nearest line (harness.drift); 130 interrupted. Errors are one line on stderr, "fusion-harness: error: ...", never a traceback.
 
 Imports are lazy: torch, Transformers and the corpus load only in the command that needs them,
 so `--help` and usage errors answer at once.
@@ -125,7 +126,9 @@ def _add_run_parser(commands: Any) -> None:
         "Exit status: 0 green (inconclusive included); 1 a fusion failure (parity, a fused-only "
         "error, a fuse error, a lifecycle failure, a crashed or timed-out worker); 3 no fusion "
         "failure but a corpus problem (the unfused model could not be built or run: "
-        "build-error, forward-error), 1 too with --strict-corpus; 2 bad usage; 130 interrupted.",
+        "build-error, forward-error), 1 too with --strict-corpus; 4 with --fail-on-drift-loss: "
+        "fusions lost against the golden plan (of this Transformers line, else of the "
+        "nearest line); 2 bad usage; 130 interrupted.",
     )
     _add_arch_option(run)
     _add_model_options(run)
@@ -204,6 +207,7 @@ def _add_run_parser(commands: Any) -> None:
         "replaced), and print what changed; review it as a git diff",
     )
     _add_flag(run, "--strict-corpus", STRICT_CORPUS_HELP)
+    _add_flag(run, "--fail-on-drift-loss", DRIFT_HELP)
     _add_flag(run, "--wide", WIDE_HELP)
     run.add_argument(
         "--shard",
@@ -227,6 +231,14 @@ def _add_run_parser(commands: Any) -> None:
 STRICT_CORPUS_HELP = (
     "exit 1, not 3, when the only problems are the corpus's (an unfused model that could not "
     "be built or run)"
+)
+DRIFT_HELP = (
+    "exit 4 (when nothing else failed) if this run fuses fewer instances of a module class "
+    "than the golden plan it is judged against: the plan of the installed Transformers line, "
+    "or, for a line without one, of the nearest line (the newest older one); the drift "
+    "section, printed after the table whenever the plans differ and always for a line "
+    "without its own plan, lists what was gained and lost per module class with the "
+    "fusers' reasons. Needs the golden options (float32, cpu, seed 0) and the fusion system"
 )
 WIDE_HELP = (
     "print the table in full: whole names, fusions and per-operation lifecycle verdicts, and "
@@ -359,6 +371,7 @@ def _add_results_parsers(commands: Any) -> None:
     )
     merge.add_argument("--json", type=Path, metavar="FILE", help="also write a JSON summary here")
     _add_flag(merge, "--strict-corpus", STRICT_CORPUS_HELP)
+    _add_flag(merge, "--fail-on-drift-loss", DRIFT_HELP)
     _add_flag(merge, "--wide", WIDE_HELP)
     merge.set_defaults(handler=cmd_merge)
 
@@ -498,7 +511,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _probe_file(args.json, "--json")
     repro_dir = _repro_dir(args)
 
-    from harness import pool, progress, shard, summary, sweep, systems
+    from harness import drift, pool, progress, shard, summary, sweep, systems
 
     pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = _check_options(args)
@@ -508,6 +521,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     timeout = args.timeout if args.timeout is not None else systems.get(options.system).timeout
     if args.update_expected:
         _check_golden_options(options)
+    line = _installed_line()
+    reference = _drift_reference(options, line, gate=args.fail_on_drift_loss)
     names = _selected(args, options.plugins)
     if part is not None:
         chosen = shard.pick(names, part, durations)
@@ -528,6 +543,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     verdict = summary.exit_status(run.results, strict_corpus=args.strict_corpus)
+    found = None
+    if reference is not None and not run.interrupted:
+        found = drift.drift(run.results, reference, line=line)
+        verdict = drift.exit_status(verdict, found, gate=args.fail_on_drift_loss)
     status = EXIT_INTERRUPTED if run.interrupted else verdict
     if run.write_error:
         _error(run.write_error)
@@ -542,14 +561,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             interrupted=run.interrupted,
             status=status,
         )
+        if found is not None:
+            document["drift"] = dataclasses.asdict(found)
         status = _write_json(args.json, document, status)
     try:
         _print_summary(run.results, options, wall=run.wall, jobs=args.jobs, wide=args.wide)
+        _print_drift(found, gate=args.fail_on_drift_loss)
         print(f"results: {results_path}", flush=True)
     except BrokenPipeError:
         _stdout_closed()
-    if not run.interrupted and summary.explain_exit(verdict, run.results):
-        print(summary.explain_exit(verdict, run.results), file=sys.stderr)
+    if not run.interrupted and _explain(verdict, run.results, found):
+        print(_explain(verdict, run.results, found), file=sys.stderr)
     if run.interrupted:
         missing = len(names) - len(run.results)
         print(
@@ -736,6 +758,68 @@ def _check_golden_options(options) -> None:
         raise UsageError(
             f"--update-expected records golden plans with {plans.GOLDEN_OPTIONS}, not {chosen}"
         )
+
+
+def _installed_line() -> str:
+    from harness import plans
+
+    return plans.transformers_line()
+
+
+def _drift_reference(options: Any, line: str, *, gate: bool) -> Any:
+    """The golden file (harness.plans.Golden) a run on Transformers `line` is judged against
+    for drift (harness.drift.reference_line), or None when there is none usable: another
+    system, other options, no golden file at all, or (a warning) an unreadable one. With
+    `gate` (--fail-on-drift-loss) each of those is a UsageError or PlanError (exit 2) before
+    the sweep: a gate that cannot judge must not pass."""
+    from harness import drift, plans
+
+    system = getattr(options, "system", SYSTEM_NAMES[0])
+    why = ""
+    if system != SYSTEM_NAMES[0]:
+        why = f"golden plans describe the fusion system, not {system}"
+    else:
+        chosen = {k: getattr(options, k) for k in plans.GOLDEN_OPTIONS}
+        if chosen != plans.GOLDEN_OPTIONS:
+            why = f"golden plans are recorded with {plans.GOLDEN_OPTIONS}, not {chosen}"
+    try:
+        golden = None if why else drift.load_reference(line)
+    except plans.PlanError as exc:
+        if gate:
+            raise
+        print(f"fusion-harness: warning: no drift report: {exc}", file=sys.stderr)
+        return None
+    if not why and golden is None:
+        why = f"no golden plan in {plans.expected_dir()} to judge Transformers {line} against"
+    if why and gate:
+        raise UsageError(f"--fail-on-drift-loss: {why}")
+    return golden
+
+
+def _print_drift(found: Any, *, gate: bool) -> None:
+    """The drift section (harness.drift.format_drift) when there is something to say: always
+    for a line judged against another line's plan, else only when the plans differ."""
+    from harness import drift
+
+    if found is None:
+        return
+    if found.own and not (found.losses or found.gains or found.statuses):
+        return
+    print("\n" + drift.format_drift(found, gate=gate))
+
+
+def _explain(status: int, results: Sequence[Any], found: Any) -> str:
+    """summary.explain_exit's line, or the drift gate's when it decided the status."""
+    from harness import drift, summary
+
+    if status == drift.EXIT_DRIFT_LOSS and found is not None:
+        pairs = sorted({f"{c.cls} {c.fuser}" for c in found.losses})
+        lost = ", ".join(pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
+        return (
+            f"exit {status}: no fusion failure; fusions lost against {found.path} "
+            f"(--fail-on-drift-loss): {lost}"
+        )
+    return summary.explain_exit(status, results)
 
 
 def _update_expected(results, options) -> None:
@@ -966,12 +1050,14 @@ def cmd_report(args: argparse.Namespace) -> int:
         )
     results = read_results(args.results)
     comparison, note = _golden_comparison(results, args.expected)
+    found = None if comparison or args.expected else _report_drift(results)
     text = report_md.render(
         results,
         source=str(args.results),
         golden=comparison,
         golden_note=note,
         strict_corpus=args.strict_corpus,
+        drifted=found,
     )
     _emit_report(args.out, text)
     return 0
@@ -1053,11 +1139,31 @@ def _golden_comparison(results: Sequence[Any], expected: Path | None) -> tuple[A
     return comparison, ""
 
 
+def _report_drift(results: Sequence[Any]) -> Any:
+    """harness.drift.Drift of `results` against the nearest line's golden plan when their
+    Transformers line has none of its own (one recorded line, the golden options, the fusion
+    system); None otherwise (the golden section then says why it compared nothing)."""
+    from harness import drift, plans, report_md
+
+    recorded = report_md.transformers_versions(results)
+    if not results or len(recorded) > 1:
+        return None
+    line = plans.transformers_line(*recorded[:1])
+    reference = _drift_reference(results[0], line, gate=False)
+    if reference is None or reference.line == line:
+        return None
+    if report_md.golden_note_for_options(results, reference):
+        return None
+    if {r.system for r in results} != {SYSTEM_NAMES[0]}:
+        return None
+    return drift.drift(results, reference, line=line)
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     """`fusion-harness merge`: shards' results files into one sweep (harness.shard.merge),
     printed as `run` prints a sweep; returns `run`'s exit status for the merged results, or 2
     (before writing anything) when the files do not merge or an output cannot be written."""
-    from harness import shard, summary
+    from harness import drift, plans, shard, summary
     from harness.results import ResultsWriter, read_results
 
     if args.results is not None and args.results.is_dir():
@@ -1065,12 +1171,6 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.json is not None:
         _probe_file(args.json, "--json")
     merged = shard.merge([(path, read_results(path)) for path in args.inputs])
-    if args.results is not None:
-        with ResultsWriter(args.results, append=False) as writer:
-            for result in merged.results:
-                writer.write(result)
-    verdict = summary.exit_status(merged.results, strict_corpus=args.strict_corpus)
-    status = verdict
     first = merged.results[0] if merged.results else None
     options = {
         "dtype": getattr(first, "dtype", None),
@@ -1080,19 +1180,34 @@ def cmd_merge(args: argparse.Namespace) -> int:
         "versions": dict(getattr(first, "versions", {})),
         "merged_from": [str(path) for path in args.inputs],
     }
+    recorded = options["versions"].get("transformers")
+    line = plans.transformers_line(recorded) if recorded else _installed_line()
+    gate = args.fail_on_drift_loss
+    reference = _drift_reference(argparse.Namespace(**options), line, gate=gate)
+    if args.results is not None:
+        with ResultsWriter(args.results, append=False) as writer:
+            for result in merged.results:
+                writer.write(result)
+    verdict = summary.exit_status(merged.results, strict_corpus=args.strict_corpus)
+    found = None if reference is None else drift.drift(merged.results, reference, line=line)
+    verdict = drift.exit_status(verdict, found, gate=gate)
+    status = verdict
     if args.json:
         document = summary.json_document(
             merged.results, options=options, wall=None, interrupted=False, status=status
         )
+        if found is not None:
+            document["drift"] = dataclasses.asdict(found)
         status = _write_json(args.json, document, status)
     try:
         _print_summary(merged.results, argparse.Namespace(**options), wide=args.wide)
+        _print_drift(found, gate=gate)
         repeated = f" ({merged.repeated} recorded twice, identically)" if merged.repeated else ""
         print(f"merged {len(args.inputs)} files: {len(merged.results)} architectures{repeated}")
         if args.results is not None:
             print(f"results: {args.results}", flush=True)
     except BrokenPipeError:
         _stdout_closed()
-    if summary.explain_exit(verdict, merged.results):
-        print(summary.explain_exit(verdict, merged.results), file=sys.stderr)
+    if _explain(verdict, merged.results, found):
+        print(_explain(verdict, merged.results, found), file=sys.stderr)
     return status

@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harness import plans, reach, summary
+from harness import drift, plans, reach, summary
 from harness.lifecycle import NOT_COMPILED, OPERATIONS
 from harness.results import STATUSES, ArchResult
 
@@ -242,6 +242,40 @@ def _golden(comparison: GoldenComparison | None, note: str) -> list[str]:
     return lines
 
 
+def _drift(found: drift.Drift) -> list[str]:
+    """The drift section: the reference line, each lost (class, fuser) with its reasons,
+    the gains, changed statuses and new architectures (harness.drift)."""
+    lines = [
+        f"No golden plan for Transformers {found.line}: judged against Transformers "
+        f"{found.reference_line}'s, the nearest line ({code(found.path)}), on "
+        f"{found.compared} architectures held by both.",
+        "",
+    ]
+    if found.losses:
+        lines += [f"**Lost** ({len(found.losses)})", ""]
+        for change in found.losses:
+            lines.append(f"- {code(drift.describe(change))}")
+            lines += [f"  - {code(_cut(reason))}" for reason in change.reasons]
+        lines.append("")
+    if found.gains:
+        lines += [f"**Gained** ({len(found.gains)})", ""]
+        lines += [f"- {code(drift.describe(change))}" for change in found.gains]
+        lines.append("")
+    if found.statuses:
+        lines += ["**Status changed**", ""]
+        lines += [f"- {code(_cut(text))}" for text in found.statuses]
+        lines.append("")
+    if found.new:
+        lines += [f"Not in the reference (new): {', '.join(code(n) for n in found.new)}.", ""]
+    lost = sum(c.before - c.after for c in found.losses)
+    gained = sum(c.after - c.before for c in found.gains)
+    lines.append(
+        f"{lost} fused instances lost, {gained} gained"
+        + (" (`run --fail-on-drift-loss` fails on a loss)." if lost else ".")
+    )
+    return lines
+
+
 def _warnings(results: Sequence[ArchResult], top: int = 5) -> list[str]:
     """Warning lines by where they were raised (harness.warned), each with the number of
     architectures that raised it, most common first."""
@@ -327,18 +361,21 @@ def render(
     golden_note: str = "",
     slowest: int = SLOWEST,
     strict_corpus: bool = False,
+    drifted: drift.Drift | None = None,
 ) -> str:
     """The Markdown report of `results` (read from `source`, named in the text).
 
     `golden` is `compare_with_golden`'s answer, or None with `golden_note` saying why there
-    is none; `strict_corpus` judges the gate as `run --strict-corpus` would. Returns the text,
-    ending in a newline.
+    is none; `drifted` (harness.drift) the comparison with the nearest line's golden plan
+    for a line without its own, a section of its own; `strict_corpus` judges the gate as
+    `run --strict-corpus` would. Returns the text, ending in a newline.
     """
     sections: list[tuple[str, list[str]]] = [
         ("Statuses", _statuses(results)),
         ("Reach per fuser family", _reach(results)),
         ("Lifecycle verdicts", _lifecycle(results)),
         ("Against the golden plan", _golden(golden, golden_note)),
+        ("Drift against the nearest line", _drift(drifted) if drifted else []),
         ("Warnings", _warnings(results)),
         (f"Slowest {min(slowest, len(results))} architectures", _slowest(results, slowest)),
         ("Problems", _problems(results)),

@@ -163,12 +163,13 @@ def get(name: str = DEFAULT, *, fuse: Callable[[nn.Module], Any] | None = None) 
 
 def unavailable(name: str) -> str | None:
     """Why system `name` cannot run in this environment, or None when it can: `vllm` needs
-    vLLM importable (the peer environment); the others need only torch. A CLI turns the
+    vLLM importable (the peer environment) and willing to make its config on this machine;
+    the others need only torch. A CLI turns the
     reason into a usage error before any model is built."""
     if name != "vllm":
         return None
     try:
-        vllm_apply.RUNTIME.modules()
+        vllm_apply.RUNTIME.make_config()  # imports vLLM, then asks it for a config
     except vllm_apply.PeerUnavailable as exc:
         return str(exc)
     return None
@@ -252,8 +253,8 @@ def _vllm() -> System:
 
     return System(
         name="vllm",
-        description="vLLM 0.33's Transformers-backend fusers with its layers' native "
-        "forwards, tensor parallel size 1, CPU (harness.peers.vllm_apply)",
+        description="vLLM's Transformers-backend fusers (0.34, the pinned peer) with its "
+        "layers' native forwards, tensor parallel size 1, CPU (harness.peers.vllm_apply)",
         apply=apply,
         note=note,
         lifecycle=False,

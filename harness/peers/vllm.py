@@ -2,8 +2,9 @@
 
     python -m harness.peers.vllm [--arch GLOB ...] [--json FILE]
 
-Runs in the peer environment (`scripts/vllm_peer.sh`, `tox -e vllm-peer`: vLLM 0.33.0 on
-Transformers 5.20.2 and the CPU torch, `constraints/vllm-peer.txt`); vLLM is imported only
+Runs in the peer environment (`scripts/vllm_peer.sh`, `tox -e vllm-peer`: vLLM 0.34.0 on
+Transformers 5.22.2 and the CPU torch, `constraints/vllm-peer.txt`; 0.33.0 on 5.20.2 with
+`tox -e vllm-peer-033`, `constraints/vllm-peer-0.33.txt`); vLLM is imported only
 inside `vllm_decisions`, so this module imports anywhere. Per architecture it builds the
 tiny float32 model once and asks both systems what they would fuse, changing nothing:
 
@@ -213,6 +214,16 @@ RULES: tuple[Rule, ...] = (
         family="moe",
         kind="differ",
         ours="router has children|no top-k in the router|scores plus something not a buffer",
+    ),
+    Rule(
+        "reach-gap-ours",
+        "the block's experts store their weights transposed (is_transposed=True: Aria's text "
+        "MoE), which our block path does not take, so our moe fuser fuses the experts alone "
+        "(FusedExperts) and Transformers' router keeps routing; vLLM's MoEBlockFuser takes "
+        "the whole block",
+        family="moe",
+        kind="differ",
+        ours=r"is_transposed=True \(need False\)",
     ),
     Rule(
         "reach-gap-ours",

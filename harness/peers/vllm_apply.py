@@ -19,7 +19,8 @@ parallel size 1 on one CPU process:
    activation), output projections `RowParallelLinear`, matched norms `TPAwareRMSNorm`, and
    the module's forward becomes vLLM's rewritten source.
 3. The model's own tensors (a copy taken before step 2) loaded into the new layers through
-   each Parameter's `weight_loader` with vLLM's shard ids (`orig_to_new_stacked`), then
+   each Parameter's `weight_loader` with vLLM's shard ids (`orig_to_new_stacked`), every
+   fused weight's shards checked as vLLM 0.34's loader checks them (`missing_shards`), then
    `quant_method.process_weights_after_loading` for each vLLM linear (its CPU GEMM
    dispatch; recorded per layer).
 
@@ -31,7 +32,8 @@ context and a model-level config its runner sets up): their modules keep Transfo
 so the oracles judge what vLLM's other rewrites do around them.
 
 Fail closed: any fuser that raises, a tensor of the original model that finds no Parameter
-or buffer in the rewritten one, or a new Parameter no tensor was loaded into raises
+or buffer in the rewritten one, a new Parameter no tensor was loaded into, or a fused weight
+with a shard no tensor was loaded into (vLLM 0.34's loader rule, `missing_shards`) raises
 `ApplyError` naming the module, and the harness records the system's apply failure rather
 than judging a half-rewritten model.
 """
@@ -168,9 +170,7 @@ class VllmRuntime:
         distributed state initialised for one process on first call."""
         if self._config is None:
             vllm = self.modules()
-            config = vllm.config.VllmConfig(
-                compilation_config=vllm.config.CompilationConfig(custom_ops=["none"])
-            )
+            config = self.make_config()
             with vllm.config.set_current_vllm_config(config):
                 if not vllm.distributed.parallel_state.model_parallel_is_initialized():
                     vllm.distributed.init_distributed_environment(
@@ -183,6 +183,26 @@ class VllmRuntime:
                     vllm.distributed.initialize_model_parallel(1, 1)
             self._config = config
         return self._config
+
+    def make_config(self) -> Any:
+        """A fresh `VllmConfig` with every CustomOp native; PeerUnavailable, with vLLM's own
+        reason, where vLLM refuses to make one on this machine (vLLM 0.34 on an x86 CPU
+        without triton-cpu, which PyPI does not carry: "vLLM on x86 CPUs requires Triton"),
+        so the `vllm` system is refused up front instead of failing every architecture."""
+        vllm = self.modules()
+        try:
+            return vllm.config.VllmConfig(
+                compilation_config=vllm.config.CompilationConfig(custom_ops=["none"])
+            )
+        except Exception as exc:
+            hint = (
+                "; install the triton-cpu wheel vLLM's requirements/cpu.txt names"
+                if "triton" in str(exc).lower()
+                else ""
+            )
+            raise PeerUnavailable(
+                f"vLLM cannot make its config on this machine ({type(exc).__name__}: {exc}){hint}"
+            ) from exc
 
     def reset(self) -> None:
         """Tear down vLLM's distributed state and forget the config (imports stay)."""
@@ -326,6 +346,25 @@ def _load(
     return count
 
 
+def missing_shards(model: nn.Module) -> list[str]:
+    """`<module>.<parameter>.<shard>` of every shard of a fused vLLM weight that the load
+    left unfilled, found as vLLM 0.34's loader finds them: its
+    `DefaultModelLoader.track_weights_loading` asks each `StackedColumnParallelLinear`
+    (QKVParallelLinear, MergedColumnParallelLinear) for `pop_missing_shards()`, the shards
+    of a parameter that received some but not all of its shards (each `weight_loader` call
+    records what it filled), and makes any a load error. The call also clears the record, as
+    vLLM's does. Layers without the method (vLLM 0.33, which has no such record) report
+    none; the parameter-level check of `_load` still holds for them. Why it matters: a
+    partly-filled fused weight keeps vLLM's uninitialised rows for the missing shard, so a
+    forward reads garbage that a parity check may or may not catch."""
+    return [
+        f"{name}.{shard}" if name else shard
+        for name, module in model.named_modules()
+        if callable(getattr(module, "pop_missing_shards", None))
+        for shard in module.pop_missing_shards()
+    ]
+
+
 def _after_loading(model: nn.Module, app: Application) -> None:
     """Each vLLM linear's `process_weights_after_loading` (its CPU GEMM dispatch), recording
     which GEMM it chose; ApplyError when one raises (vLLM would not serve that model)."""
@@ -388,5 +427,11 @@ def apply(model: nn.Module, runtime: VllmRuntime = RUNTIME) -> Application:
     with vllm.config.set_current_vllm_config(config), _default_dtype(dtype):
         mapping = _rewrite(model, runtime, app)
         app.loaded = _load(model, originals, copies, mapping, unsaved)
+        missing = missing_shards(model)
+        if missing:
+            raise ApplyError(
+                "vLLM's loader refuses fused weights with shards never loaded (a load error "
+                f"since vLLM 0.34): {', '.join(missing)}"
+            )
         _after_loading(model, app)
     return app

@@ -45,6 +45,7 @@ from torch import nn
 
 import fusion
 from fusion import apply, registry
+from fusion.callpath import FUSION_INSTALLED
 
 RESULTS_ENV = "VLLM_MAPPING_JSON"
 
@@ -116,6 +117,19 @@ def _fused_copy(module: nn.Module, families: tuple[str, ...]) -> nn.Module:
     return holder._modules["module"]
 
 
+def _norm_forward(fused: nn.Module) -> Any:
+    """The fused RMSNorm forward our engine gave `fused`, or None: a replacement module
+    carrying the variant itself (FusedRMSNorm), or a kept module whose instance forward
+    fusion installed (fusion.norm_forward.NormForward, which reads eps and the weight from
+    the module live). Either has `variant`."""
+    if getattr(fused, "variant", None) is not None:
+        return fused
+    forward = fused.__dict__.get("forward")
+    if getattr(type(forward), FUSION_INSTALLED, False) and hasattr(forward, "variant"):
+        return forward
+    return None
+
+
 class _Built(nn.Module):
     """What `fuse` returns: our fused module, with vLLM's `variance_epsilon` read from our
     `eps`; any other vLLM layer attribute is NotMapped."""
@@ -133,6 +147,9 @@ class _Built(nn.Module):
         fused = super().__getattr__("fused")
         if name == "variance_epsilon" and hasattr(fused, "eps"):
             return fused.eps
+        norm = _norm_forward(fused)
+        if name == "variance_epsilon" and getattr(norm, "eps_attr", None):
+            return getattr(fused, norm.eps_attr)  # a kept module: eps where its forward reads it
         if name == "weight" and hasattr(fused, "weight"):
             return fused.weight
         raise NotMapped(f"vLLM layer attribute {name!r}: our fused module is not a vLLM layer")
@@ -172,10 +189,10 @@ class _Decision:
     def __getattr__(self, name: str) -> Any:
         if name == "zero_centered":
             fused = _fused_copy(self.__dict__["_module"], self.families)
-            variant = getattr(fused, "variant", None)
-            if variant is None:
+            norm = _norm_forward(fused)
+            if norm is None:
                 raise NotMapped("zero_centered of a module our engine fused into no norm")
-            return variant.offset == 1.0
+            return norm.variant.offset == 1.0
         reason = FIELDS.get(name, "a field of vLLM's fuser record")
         raise NotMapped(f"{type(self).__name__}.{name}: {reason}")
 

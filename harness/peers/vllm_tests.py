@@ -1,12 +1,12 @@
 """vLLM's own fuser unit tests, run against our engine, every outcome accounted for.
 
-    python -m harness.peers.vllm_tests [--json FILE] [--cache DIR] [-k EXPR]
+    python -m harness.peers.vllm_tests [--json FILE] [--cache DIR] [-k EXPR] [--vllm-version V]
 
 vLLM tests its Transformers-backend fusers with hand-written modules: RMSNorm spellings and
 near-misses, attention and GLU variants, MoE blocks, MLA. Those modules are a hazard zoo
 written by the engine we re-implement. This runs the test modules of vLLM's source
 distribution (`tests/models/transformers/fusers/`, fetched once from PyPI, checked against
-`SDIST_SHA256`, cached under ~/.cache/fusion-harness/vllm-tests/; never copied into this
+its pinned sha256 (`SDISTS`), cached under ~/.cache/fusion-harness/vllm-tests/; never copied into this
 repository) in a pytest subprocess whose `vllm` is `harness.peers.vllm_mapping`: every
 "does vLLM fuse this" question is answered by `fusion.plan`, every vLLM-only concept raises
 NotMapped. Nothing of vLLM is installed or imported; it runs in this project's environment.
@@ -47,13 +47,36 @@ from pathlib import Path
 
 from harness.peers.vllm_mapping import RESULTS_ENV
 
-VERSION = "0.33.0"
-SDIST_URL = (
-    "https://files.pythonhosted.org/packages/f7/25/"
-    "aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz"
-)
-SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
-"""The archive the counts below were recorded on (PyPI's own hash for it)."""
+
+@dataclass(frozen=True)
+class Sdist:
+    """One vLLM release's source distribution: where PyPI serves it and PyPI's own sha256
+    of it (the archive is untrusted until its hash matches)."""
+
+    version: str
+    url: str
+    sha256: str
+
+
+SDISTS: dict[str, Sdist] = {
+    "0.34.0": Sdist(
+        "0.34.0",
+        "https://files.pythonhosted.org/packages/92/21/"
+        "6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87f8dc622eff/vllm-0.34.0.tar.gz",
+        "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
+    ),
+    "0.33.0": Sdist(
+        "0.33.0",
+        "https://files.pythonhosted.org/packages/f7/25/"
+        "aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz",
+        "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+    ),
+}
+"""The releases whose tests this can run; the README's counts were recorded on VERSION's, and
+the previous peer's stays reproducible (`--vllm-version 0.33.0`)."""
+
+VERSION = "0.34.0"
+"""The peer release judged by default (constraints/vllm-peer.txt pins the same)."""
 TEST_DIR = "tests/models/transformers/fusers"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,19 +143,19 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fusion-harness" / "vllm-tests"
 
 
-def _download(dest: Path) -> Path:
-    archive = dest / f"vllm-{VERSION}.tar.gz"
-    with urllib.request.urlopen(SDIST_URL, timeout=300) as response, archive.open("wb") as out:
+def _download(dest: Path, sdist: Sdist) -> Path:
+    archive = dest / f"vllm-{sdist.version}.tar.gz"
+    with urllib.request.urlopen(sdist.url, timeout=300) as response, archive.open("wb") as out:
         while chunk := response.read(1 << 20):
             out.write(chunk)
     return archive
 
 
-def test_files(archive: Path) -> dict[str, bytes]:
+def test_files(archive: Path, version: str = VERSION) -> dict[str, bytes]:
     """{path under the sdist root: content} of the fuser tests and the package `__init__`
-    files above them. Only regular files at exactly those paths are read, so the archive
-    (untrusted until checked) cannot write anywhere else."""
-    prefix = f"vllm-{VERSION}/"
+    files above them, in vLLM `version`'s archive. Only regular files at exactly those paths
+    are read, so the archive (untrusted until checked) cannot write anywhere else."""
+    prefix = f"vllm-{version}/"
     wanted_inits = {
         f"{d}/__init__.py" for d in ("tests", "tests/models", "tests/models/transformers")
     }
@@ -153,21 +176,25 @@ def test_files(archive: Path) -> dict[str, bytes]:
     return found
 
 
-def ensure_tests(root: Path | None = None, download=_download) -> Path:
-    """The folder holding the extracted tests (`<root>/vllm-<VERSION>`), fetched once and
-    checked against SDIST_SHA256; written atomically (staged, then renamed)."""
+def ensure_tests(root: Path | None = None, download=_download, sdist: Sdist | None = None) -> Path:
+    """The folder holding the extracted tests of `sdist` (VERSION's by default),
+    `<root>/vllm-<version>`, fetched once and checked against its sha256; written atomically
+    (staged, then renamed). RuntimeError, and nothing cached, for another hash."""
+    sdist = sdist or SDISTS[VERSION]
     root = root if root is not None else cache_root()
-    target = root / f"vllm-{VERSION}"
+    target = root / f"vllm-{sdist.version}"
     if (target / TEST_DIR).is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as scratch:
-        archive = download(Path(scratch))
+        archive = download(Path(scratch), sdist)
         digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-        if digest != SDIST_SHA256:
-            raise RuntimeError(f"vllm-{VERSION}.tar.gz has sha256 {digest}, not {SDIST_SHA256}")
+        if digest != sdist.sha256:
+            raise RuntimeError(
+                f"vllm-{sdist.version}.tar.gz has sha256 {digest}, not {sdist.sha256}"
+            )
         staged = Path(scratch) / "tree"
-        for path, content in test_files(archive).items():
+        for path, content in test_files(archive, sdist.version).items():
             (staged / path).parent.mkdir(parents=True, exist_ok=True)
             (staged / path).write_bytes(content)
         with contextlib.suppress(OSError):  # another process won the race: its copy is whole
@@ -275,17 +302,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every outcome, classified, here")
     parser.add_argument("--cache", type=Path, help=f"cache folder (default {cache_root()})")
     parser.add_argument("-k", dest="select", help="pytest -k expression: a subset of tests")
+    parser.add_argument(
+        "--vllm-version",
+        choices=sorted(SDISTS),
+        default=VERSION,
+        help=f"whose fuser tests to run (default {VERSION}, the pinned peer)",
+    )
     args = parser.parse_args(argv)
+    sdist = SDISTS[args.vllm_version]
     try:
-        tree = ensure_tests(args.cache)
+        tree = ensure_tests(args.cache, sdist=sdist)
     except Exception as exc:  # no network, a changed archive: nothing to judge
-        print(f"vllm-tests: cannot fetch vLLM {VERSION}'s tests: {exc}", file=sys.stderr)
+        print(f"vllm-tests: cannot fetch vLLM {sdist.version}'s tests: {exc}", file=sys.stderr)
         return 2
     outcomes = classify(run_tests(tree, args.select))
     if not outcomes:
         print("vllm-tests: the test run recorded nothing (see pytest's output)", file=sys.stderr)
         return 2
-    print(f"vLLM {VERSION}'s fuser unit tests against our engine ({TEST_DIR}):")
+    print(f"vLLM {sdist.version}'s fuser unit tests against our engine ({TEST_DIR}):")
     print("\n".join(table(outcomes)))
     if args.json:
         args.json.write_text(json.dumps(outcomes, indent=1) + "\n")

@@ -5,6 +5,7 @@ tiny models judged by the parity oracle."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from types import SimpleNamespace
 
@@ -17,8 +18,10 @@ from harness.peers import vllm_apply
 from harness.peers.vllm_apply import Application, ApplyError, Rewrite, Skipped
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_PROBLEM = systems.unavailable("vllm") if HAS_VLLM else None
 needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM, reason="vLLM is not importable here (peer environment: scripts/vllm_peer.sh)"
+    not HAS_VLLM or VLLM_PROBLEM is not None,
+    reason=VLLM_PROBLEM or "vLLM is not importable here (peer environment: scripts/vllm_peer.sh)",
 )
 
 
@@ -139,6 +142,41 @@ def test_a_new_parameter_equal_to_the_models_unsaved_buffer_of_its_name_is_kept(
         vllm_apply._load(model, originals, copies, mapping, {"norm.weight": torch.zeros(4)})
 
 
+class _Recorded(_Stacked):
+    """A stand-in for vLLM 0.34's StackedColumnParallelLinear: the loader records the shards
+    each parameter received; `pop_missing_shards` names the rest and forgets the record."""
+
+    def __init__(self, rows: dict[str, int], cols: int) -> None:
+        super().__init__(rows, cols)
+        self.loaded: dict[str, set[str]] = {}
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
+        super()._load(param, tensor, shard)
+        self.loaded.setdefault("weight", set()).add(shard)
+
+    def pop_missing_shards(self) -> list[str]:
+        loaded, self.loaded = self.loaded, {}
+        return [f"{n}.{s}" for n, got in loaded.items() for s in self.offsets if s not in got]
+
+
+def test_a_fused_weight_missing_a_shard_is_named_as_vllm_0_34_names_it():
+    """vLLM 0.34's loader rule: a fused weight that got some shards but not all is a load
+    error. Without the rule the half-filled weight passes the parameter-level check (it did
+    receive a tensor) and keeps NaN rows."""
+    model, originals, copies, mapping = _rewritten()
+    model.ab = _Recorded({"a": 3, "b": 2}, 4)
+    del copies["b.weight"], originals["b.weight"]  # the checkpoint lacks b
+    vllm_apply._load(model, originals, copies, mapping)  # passes the parameter-level check
+    assert torch.isnan(model.ab.weight[3:]).all()
+    assert vllm_apply.missing_shards(model) == ["ab.weight.b"]
+    assert vllm_apply.missing_shards(model) == []  # the record is cleared, as vLLM's is
+    whole, originals, copies, mapping = _rewritten()
+    whole.ab = _Recorded({"a": 3, "b": 2}, 4)
+    vllm_apply._load(whole, originals, copies, mapping)
+    assert vllm_apply.missing_shards(whole) == []
+    assert vllm_apply.missing_shards(_rewritten()[0]) == []  # 0.33's layers: no record
+
+
 def test_a_replaced_module_without_a_loader_is_copied_into():
     model = _Pair()
     originals = dict(model.state_dict(keep_vars=True))
@@ -239,6 +277,24 @@ def test_without_vllm_the_runtime_says_where_it_runs(monkeypatch):
         vllm_apply.VllmRuntime().modules()
 
 
+def test_a_vllm_that_will_not_make_its_config_here_makes_the_system_unavailable(monkeypatch):
+    """vLLM 0.34 on an x86 CPU without triton-cpu raises from VllmConfig: the `vllm` system
+    is then refused with vLLM's reason, not failed architecture by architecture."""
+
+    def refuse(**kwargs):
+        raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")
+
+    fake = SimpleNamespace(
+        config=SimpleNamespace(VllmConfig=refuse, CompilationConfig=lambda **kwargs: None)
+    )
+    runtime = vllm_apply.VllmRuntime()
+    runtime._vllm = fake
+    with pytest.raises(vllm_apply.PeerUnavailable, match=r"requires Triton .*triton-cpu wheel"):
+        runtime.config()
+    monkeypatch.setattr(vllm_apply, "RUNTIME", runtime)
+    assert "vLLM cannot make its config on this machine" in systems.unavailable("vllm")
+
+
 def test_the_cli_refuses_the_vllm_system_where_vllm_does_not_import(monkeypatch, capsys):
     monkeypatch.setattr(
         systems, "unavailable", lambda name: "vLLM does not import here" if name else None
@@ -289,3 +345,23 @@ def test_vllm_s_rewrite_of_llama_is_bit_identical_in_float32():
     ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, unfused(ids).logits, rtol=0, atol=0)
+
+
+@needs_vllm
+def test_a_shard_missing_from_the_checkpoint_fails_the_apply(monkeypatch):
+    """vLLM 0.34 (where its layers record loaded shards): a q/k/v weight whose k never
+    arrives is an ApplyError naming the shard, not a model with uninitialised rows."""
+    load = vllm_apply._load
+
+    def without_k(model, originals, copies, mapping, unsaved=None):
+        key = "model.layers.0.self_attn.k_proj.weight"
+        copies = {k: v for k, v in copies.items() if k != key}
+        return load(model, originals, copies, mapping, unsaved)
+
+    monkeypatch.setattr(vllm_apply, "_load", without_k)
+    model = _llama().eval()
+    linear = importlib.import_module("vllm.model_executor.layers.linear")
+    if not hasattr(linear, "StackedColumnParallelLinear"):
+        pytest.skip("this vLLM (before 0.34) records no loaded shards")
+    with pytest.raises(ApplyError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight\.k"):
+        vllm_apply.apply(model)

@@ -159,6 +159,15 @@ def test_our_details_are_parsed_from_the_descriptions(family, description, detai
             "",
             "reach-gap-peer",
         ),
+        (
+            "moe",
+            "differ",
+            "AriaTextMoELayer",
+            "experts | experts: silu(gate) * up, transposed -> FusedExperts (experts alone; the "
+            "block: experts is_transposed=True (need False))",
+            "block | MoEBlockFuser(gate_name='router', scoring_func='softmax')",
+            "reach-gap-ours",
+        ),
         ("qkv", "peer-only", "NewAttention", "qkv: refused", "k+q+v", "unclassified"),
     ],
 )
@@ -202,8 +211,32 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def test_the_script_and_the_tox_env_install_the_same_pinned_packages():
-    """scripts/vllm_peer.sh and tox -e vllm-peer: one package list, every package pinned."""
+def _pins(path: Path) -> dict[str, str]:
+    """{package (PEP 503 name): version} of a constraints file."""
+    return {
+        _normal(line.split("==")[0]): line.split("==")[1].strip()
+        for line in path.read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+@pytest.mark.parametrize(
+    ("env_name", "constraints", "vllm", "newest_transformers"),
+    [
+        ("vllm-peer", "vllm-peer.txt", "0.34.0", "5.22"),  # 0.34.0: transformers <5.23
+        ("vllm-peer-033", "vllm-peer-0.33.txt", "0.33.0", "5.20"),  # 0.33.0: <5.21
+    ],
+)
+def test_the_script_and_the_tox_env_install_the_same_pinned_packages(
+    env_name, constraints, vllm, newest_transformers
+):
+    """scripts/vllm_peer.sh and tox -e vllm-peer(-033): one package list, every package
+    pinned by the env's constraints file, which alone names the vLLM release and a
+    Transformers that release accepts."""
     repo = Path(__file__).resolve().parents[2]
     script = (repo / "scripts" / "vllm_peer.sh").read_text()
     block = re.search(r"PEER_DEPS=\(\n(.*?)\n\)", script, re.S)
@@ -211,15 +244,17 @@ def test_the_script_and_the_tox_env_install_the_same_pinned_packages():
     from_script = set(block.group(1).split()) | {"torch==2.13.0"}
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(repo / "tox.ini")
-    env = tox["testenv:vllm-peer"]
-    assert set(env["deps"].split()) == from_script
-    assert "--no-deps vllm==0.33.0" in env["commands_pre"] and "vllm==0.33.0" in script
-    assert "constraints/vllm-peer.txt" in env["setenv"]
-    pins = {
-        _normal(line.split("==")[0])
-        for line in (repo / "constraints" / "vllm-peer.txt").read_text().splitlines()
-        if "==" in line and not line.startswith("#")
-    }
+    env = tox[f"testenv:{env_name}"]
+    deps = tox["testenv:vllm-peer"]["deps"] if "{[" in env["deps"] else env["deps"]
+    assert set(deps.split()) == from_script
+    assert f"constraints/{constraints}" in env["setenv"]
+    pre = tox["testenv:vllm-peer"]["commands_pre"]
+    assert "--no-deps vllm" in pre and "--no-deps vllm" in script
+    assert "vllm-peer.txt" in script and "VLLM_PEER_CONSTRAINTS" in script
+    pins = _pins(repo / "constraints" / constraints)
+    assert pins["vllm"] == vllm
+    line = ".".join(pins["transformers"].split(".")[:2])
+    assert _version(line) <= _version(newest_transformers), pins["transformers"]
     for package in from_script:
         assert _normal(package.split("==")[0]) in pins, package
 
@@ -329,4 +364,5 @@ def test_hazard_experts_with_their_own_gating_under_a_plain_silu_kernel():
     if HAS_VLLM:  # vLLM's own kernel, native path, where the peer environment has it
         from vllm.model_executor.layers.activation import SiluAndMul
 
-        assert torch.allclose(SiluAndMul().forward_native(large), _silu_and_mul(large))
+        # a staticmethod: no CustomOp built (vLLM 0.34 builds one only under a VllmConfig)
+        assert torch.allclose(SiluAndMul.forward_native(large), _silu_and_mul(large))

@@ -7,6 +7,7 @@ subprocess, so its stand-in `vllm` never reaches this process's imports."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import tarfile
@@ -88,6 +89,15 @@ def test_fused_norm_computes_the_same():
     torch.testing.assert_close(built(x), module(x))
 
 
+def test_a_plain_norm_is_not_zero_centred():
+    assert get_fuser(Norm(), RMSNormFuser).zero_centered is False
+
+
+def test_the_built_norm_reads_eps_as_vllm_names_it():
+    module = Norm(eps=1e-5)
+    assert get_fuser(module, RMSNormFuser).fuse(module, "norm", None).variance_epsilon == 1e-5
+
+
 def test_builds_the_vllm_class():
     module = Norm()
     assert isinstance(get_fuser(module, RMSNormFuser).fuse(module, "n", None), VLLMRMSNorm)
@@ -118,6 +128,10 @@ def test_each_test_ends_pass_fail_or_not_mapped_and_fails_are_classified(tmp_pat
         "test_detects_a_norm": "pass",
         "test_a_centred_norm_is_not_matched": "pass",
         "test_fused_norm_computes_the_same": "pass",
+        # the norm fused as a kept module with fusion's installed forward (NormForward) still
+        # answers vLLM's questions: its variant's offset, eps where its forward reads it
+        "test_a_plain_norm_is_not_zero_centred": "pass",
+        "test_the_built_norm_reads_eps_as_vllm_names_it": "pass",
         "test_builds_the_vllm_class": "not-mapped",
         "test_a_custom_experts_block_is_matched": "fail",
         "test_wants_a_config": "pass",
@@ -130,7 +144,7 @@ def test_each_test_ends_pass_fail_or_not_mapped_and_fails_are_classified(tmp_pat
     assert "Experts is not a Transformers experts-interface" in experts["ours"]
     assert experts["category"] == "ours refuses by design"
     lines = vllm_tests.table(outcomes)
-    assert lines[1].split() == ["test_norms.py", "4", "1", "1", "0"]
+    assert lines[1].split() == ["test_norms.py", "6", "1", "1", "0"]
 
 
 def test_an_unmatched_fail_is_unclassified_and_fails_the_run():
@@ -170,17 +184,31 @@ def test_only_the_fuser_tests_and_their_package_inits_are_read(tmp_path):
     ]
 
 
-def test_an_archive_with_another_hash_is_refused_and_nothing_cached(tmp_path, monkeypatch):
+def test_an_archive_with_another_hash_is_refused_and_nothing_cached(tmp_path):
     members = {f"vllm-{vllm_tests.VERSION}/{vllm_tests.TEST_DIR}/test_a.py": b"x = 1\n"}
     fake = _archive(tmp_path, members)
 
-    def download(dest: Path) -> Path:
+    def download(dest: Path, sdist: vllm_tests.Sdist) -> Path:
         return Path(dest / fake.name).write_bytes(fake.read_bytes()) and dest / fake.name
 
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="sha256"):
         vllm_tests.ensure_tests(cache, download=download)
     assert not (cache / f"vllm-{vllm_tests.VERSION}").exists()
-    monkeypatch.setattr(vllm_tests, "SDIST_SHA256", hashlib.sha256(fake.read_bytes()).hexdigest())
-    tree = vllm_tests.ensure_tests(cache, download=download)
+    digest = hashlib.sha256(fake.read_bytes()).hexdigest()
+    sdist = dataclasses.replace(vllm_tests.SDISTS[vllm_tests.VERSION], sha256=digest)
+    tree = vllm_tests.ensure_tests(cache, download=download, sdist=sdist)
     assert (tree / vllm_tests.TEST_DIR / "test_a.py").read_text() == "x = 1\n"
+
+
+def test_the_default_release_is_the_pinned_peer_and_every_release_names_its_archive():
+    """The tests run by default are those of the vLLM that constraints/vllm-peer.txt pins;
+    every release's URL ends in its own archive name and carries a full sha256."""
+    repo = Path(__file__).resolve().parents[2]
+    pins = (repo / "constraints" / "vllm-peer.txt").read_text().splitlines()
+    assert f"vllm=={vllm_tests.VERSION}" in pins
+    assert {"0.33.0", "0.34.0"} <= set(vllm_tests.SDISTS)
+    for version, sdist in vllm_tests.SDISTS.items():
+        assert sdist.version == version
+        assert sdist.url.endswith(f"/vllm-{version}.tar.gz")
+        assert len(sdist.sha256) == 64 and int(sdist.sha256, 16) >= 0
