@@ -95,6 +95,19 @@ class ThroughView(Attention):
         return self.o_proj(out)
 
 
+class AsStridedRead(Attention):
+    """`as_strided` reads the storage from the piece's offset with the strides given: on a
+    strided piece, other values (the replay saw it, yet called the piece a plain view)."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        q = q.as_strided(q.shape, (q.shape[-2] * q.shape[-1], q.shape[-1], 1))
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
 class ClipBranch(Attention):
     """OLMo's spelling: the in-place clamp sits in a branch the trace need not take."""
 
@@ -165,7 +178,7 @@ def _layouts(rewritten: str) -> list[str]:
     return list(ast.literal_eval(found[1]))
 
 
-@pytest.mark.parametrize("cls", [AugAssign, InplaceMethod, ItemAssign, ThroughView])
+@pytest.mark.parametrize("cls", [AugAssign, InplaceMethod, ItemAssign, ThroughView, AsStridedRead])
 @pytest.mark.parametrize("shape", [(2, 3, 8), (1, 1, 8)], ids=["prefill", "decode"])
 def test_written_piece_is_cloned(cls: type[nn.Module], shape: tuple[int, ...]) -> None:
     registry.clear_cache()
