@@ -760,19 +760,17 @@ def attention_part(
         if shadow and p == order[0]:
             body.append(f"_z_shadow = self.shadowed({x})")
         body += part.add(draw_statements(draw, x, slot, projections, safe, busy))
-    # A layout-sensitive use of a raw output on a branch the trace need not take (issue 43):
-    # a flag the second instance sets, or no mask where the trace passed one.
+    # A layout-sensitive use of the raw value output on a branch the trace need not take
+    # (issue 43): a flag the second instance sets, or no mask where the trace passed one.
+    # On v, which little else writes (a written piece is a copy of its own anyway).
     flat = draw(weighted([(None, 6), ("flag", 1), ("mask", 1)]))
-    raw = [p for p in order if styles[p] == "separate"]
-    if flat and raw:
-        p = draw(st.sampled_from(raw))
-        n = names[p]
-        test = f"self.flatten_{p}" if flat == "flag" else "attention_mask is None"
+    if flat and styles["v"] == "separate":
+        test = "self.flatten_v" if flat == "flag" else "attention_mask is None"
         if flat == "flag":
-            init.append(f"self.flatten_{p} = False")
-            part.tweaks.append(f"{{m}}.flatten_{p} = True")
-        body += [f"if {test}:", f"    {n} = {n}.view(-1).view({n}.shape)"]
-        part.features.append(f"flat_branch:{p}:{flat}")
+            init.append("self.flatten_v = False")
+            part.tweaks.append("{m}.flatten_v = True")
+        body += [f"if {test}:", "    value_states = value_states.view(-1).view(value_states.shape)"]
+        part.features.append(f"flat_branch:{flat}")
     for p in order:
         if styles[p] == "separate":
             body.append(f"{names[p]} = {shaped(p, names[p])}")
