@@ -76,7 +76,7 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
         keywords=[k for k in call.keywords if k.arg not in (None, "out")],
     )
     in_place = alias.writes_through_args(spelled)
-    if not in_place and not outs and _trusted_call(call, scope):
+    if not in_place and not outs and trusted_call(call, scope):
         return set(), []
     if in_place or outs or (splat and resolve_callee(call, scope) is None):
         written = set().union(*(roots(out, scope) for out in outs))
@@ -117,14 +117,14 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
         isinstance(func, ast.Attribute)
         and func.attr in CONTAINER_METHODS
         and not is_self_call(func)
-        and _is_box(func.value, scope)
+        and is_box(func.value, scope)
     ):
         return set(), [unknown]  # `kwargs.pop(...)`, `box.append(q)`: holds, never writes
     resolved = resolve_callee(call, scope)
     if resolved is None:
         return unknown, [unknown]
     fn, module, bound = resolved
-    summary = _summary(fn, module, scope)
+    summary = summarise(fn, module, scope)
     # A summary read presuming tensors does not hold for a numpy view or a module argument.
     readable = not summary.opaque and not arguments_foreign(call, scope)
     binding = bind_arguments(call, fn, bound, scope) if readable else None
@@ -137,7 +137,7 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
     return written, [group for group in groups if group]
 
 
-def _trusted_call(call: ast.Call, scope: Scope) -> bool:
+def trusted_call(call: ast.Call, scope: Scope) -> bool:
     """Is `call` an attention interface looked up at run time, or a KV-cache update?
 
     Both are trusted, not read, as the rest of fusion already trusts them: the tracer
@@ -166,7 +166,25 @@ def _trusted_call(call: ast.Call, scope: Scope) -> bool:
     return is_attention_lookup(call, scope, set()) or is_attention_lookup(func, scope, set())
 
 
-def _summary(fn: Any, module: nn.Module | None, caller: Scope) -> Summary:
+def read_function(fn: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The parsed definition of the Python function `fn`, or None where the source cannot
+    be read or may not show what runs: no source, not a plain `def`, no code object, or a
+    closure (its free variables are not in the source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    funcdef = tree.body[0] if tree.body else None
+    if (
+        not isinstance(funcdef, (ast.FunctionDef, ast.AsyncFunctionDef))
+        or getattr(fn, "__code__", None) is None
+        or fn.__code__.co_freevars
+    ):
+        return None
+    return funcdef
+
+
+def summarise(fn: Any, module: nn.Module | None, caller: Scope) -> Summary:
     """What calling the Python function `fn` (with `self` = `module`) may do to its
     parameters, read from its source; `OPAQUE` when the source cannot be read, the function
     is a closure, or the call chain is deeper than MAX_CALL_DEPTH."""
@@ -178,23 +196,15 @@ def _summary(fn: Any, module: nn.Module | None, caller: Scope) -> Summary:
     if caller.depth >= MAX_CALL_DEPTH:
         return OPAQUE
     caller.memo[key] = OPAQUE  # a recursive call is not read twice: unknown until done
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
+    funcdef = read_function(fn)
+    if funcdef is None:
         return OPAQUE
-    funcdef = tree.body[0] if tree.body else None
-    if (
-        not isinstance(funcdef, (ast.FunctionDef, ast.AsyncFunctionDef))
-        or getattr(fn, "__code__", None) is None
-        or fn.__code__.co_freevars
-    ):
-        return OPAQUE
-    scope = Scope(funcdef, module, fn.__globals__, caller.depth + 1, caller.memo, _summary)
+    scope = Scope(funcdef, module, fn.__globals__, caller.depth + 1, caller.memo, summarise)
     written = _written(scope)
     arguments = funcdef.args
     params = [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
     params += [a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None]
-    held = {param: _holders(scope, param) for param in params}
+    held = {param: holders_of(scope, param) for param in params}
     returned: set[str] = set()
     generator = False
     for node in ast.walk(funcdef):
@@ -223,11 +233,11 @@ def _summary(fn: Any, module: nn.Module | None, caller: Scope) -> Summary:
     return summary
 
 
-def _binding_pairs(scope: Scope) -> list[tuple[set[str], set[str]]]:
-    """(names that may come to hold the value, roots of the value) for every binding form,
-    stores into containers and objects included (`box[0] = q` makes `box` hold `q`), and for
-    every call that may make its arguments or receiver hold one another (`lst.append(q)`):
-    those join both ways."""
+def binding_pairs(scope: Scope, root: ast.AST | None = None) -> list[tuple[set[str], set[str]]]:
+    """(names that may come to hold the value, roots of the value) for every binding form in
+    `root` (the whole function by default), stores into containers and objects included
+    (`box[0] = q` makes `box` hold `q`), and for every call that may make its arguments or
+    receiver hold one another (`lst.append(q)`): those join both ways."""
     pairs: list[tuple[set[str], set[str]]] = []
 
     def holders(target: ast.AST) -> set[str]:
@@ -239,7 +249,7 @@ def _binding_pairs(scope: Scope) -> list[tuple[set[str], set[str]]]:
                 names |= roots(node.value, scope)
         return names
 
-    for node in ast.walk(scope.funcdef):
+    for node in ast.walk(scope.funcdef if root is None else root):
         if isinstance(node, ast.Assign):
             stores = set().union(*(holders(target) for target in node.targets))
             pairs.append((stores, roots(node.value, scope)))
@@ -266,11 +276,11 @@ def _binding_pairs(scope: Scope) -> list[tuple[set[str], set[str]]]:
     return pairs
 
 
-def _holders(scope: Scope, seed: str) -> set[str]:
+def holders_of(scope: Scope, seed: str) -> set[str]:
     """`seed` and every name of the function that may hold (a view of) its value, to a
     fixed point. Flow-insensitive: a name that holds it anywhere holds it everywhere."""
     names = {seed}
-    pairs = _binding_pairs(scope)
+    pairs = binding_pairs(scope)
     changed = True
     while changed:
         changed = False
@@ -307,14 +317,14 @@ def _written(scope: Scope) -> set[str]:
         elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(
             node.ctx, (ast.Store, ast.Del)
         ):
-            if not _is_box(node.value, scope):
+            if not is_box(node.value, scope):
                 written |= roots(node.value, scope)
         elif isinstance(node, ast.Call):
             written |= _call_effects(node, scope)[0]
     return written
 
 
-def _is_box(node: ast.expr, scope: Scope) -> bool:
+def is_box(node: ast.expr, scope: Scope) -> bool:
     """Can a store into `node` (`node[k] = v`, `node.a = v`) only replace what it holds,
     never write a piece's storage? True for a parameter the forward never rebinds (it is an
     object from before the call, so neither a piece nor a view of one: `self`, a dict of
@@ -375,7 +385,7 @@ def written_pieces(
     took that path (or be asked its layout, or be returned: then, too, only a copy of its
     own behaves like the projection's output)?
 
-    True when a name that may hold the piece (`_holders`: through views, casts, ternaries,
+    True when a name that may hold the piece (`holders_of`: through views, casts, ternaries,
     containers, objects, loop variables, closures, calls) is written through by any spelling
     (`_written`), and for every piece when the forward can reach locals by name (`exec`,
     `locals()`). `module` and `namespace` (the forward's globals) let calls of `self`'s
@@ -384,11 +394,11 @@ def written_pieces(
     be a fused forward that autograd rejects where the original ran.
     """
     try:
-        scope = Scope(funcdef, module, namespace or {}, 0, {}, _summary)
+        scope = Scope(funcdef, module, namespace or {}, 0, {}, summarise)
         written = _written(scope) | _asked_or_returned(scope)
         if EVERYTHING in written:
             return (True,) * len(temps)
-        return tuple(bool(_holders(scope, temp) & written) for temp in temps)
+        return tuple(bool(holders_of(scope, temp) & written) for temp in temps)
     except (RecursionError, ValueError, TypeError, AttributeError):
         # Code this analysis cannot take apart (a signature inspect cannot read, an AST too
         # deep): fail closed, every piece its own copy.

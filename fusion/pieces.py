@@ -19,6 +19,10 @@ contiguous strides, like the projection's. So does a piece whose layout is asked
 piece itself where it already counts as contiguous (size-1 leading dimensions), merged
 strides and storage included.
 
+The replay is exact on the path the trace took, and only there: a layout-sensitive use on
+a branch it did not take (`if self.flatten: q = q.view(-1)`, `if mask is None:`, a helper's
+own branch) is found in the source by `fusion.piece_paths`, which makes that piece fresh.
+
 Writes are found twice, because neither view is complete: this replay sees every traced
 write (an in-place op bumps the merged tensor's version counter, even on meta), and
 `fusion.piece_writes.written_pieces` reads the rewritten source for the writes fx cannot
@@ -39,8 +43,10 @@ from fusion.trace import META_VALUE
 
 LAYOUT_QUESTIONS = frozenset(
     {"is_contiguous", "data_ptr", "stride", "storage", "untyped_storage", "numpy", "storage_offset"}
+    | {"as_strided"}
 )
-"""Methods whose answer differs between a contiguous tensor and a strided piece."""
+"""Methods whose answer differs between a contiguous tensor and a strided piece (`as_strided`
+reads the storage from the piece's offset with the strides it is given: other values)."""
 
 
 VIEW_OPS = frozenset(

@@ -28,6 +28,7 @@ from fusion.fusers.pure_calls import check_input_stable_reading_calls, self_call
 from fusion.graph import is_linear, linear_calls, output_value
 from fusion.guards import attribute_guard
 from fusion.modules import MergedLinear, restack_refusal
+from fusion.piece_paths import unreplayed_layout_pieces
 from fusion.piece_writes import written_pieces
 from fusion.pieces import CONTIGUOUS, FRESH, OK, piece_verdicts
 from fusion.trace import trace
@@ -131,7 +132,9 @@ def rewrite_stacked(
     or that the rewritten source may write in place by any spelling, on any path, through
     any view or holder (`fusion.piece_writes.written_pieces`, which reads the helpers, methods and
     children the forward calls, and presumes a write where it cannot), or that it asks
-    for their layout or returns, become copies of their own (`settle_layouts`, which has
+    for their layout or returns, or that may meet a layout-sensitive use on a path the trace
+    did not replay (`fusion.piece_paths.unreplayed_layout_pieces`: a `.view` under
+    `if self.flag:`), become copies of their own (`settle_layouts`, which has
     the merged module hand out every piece laid out as needed).
 
     Returns the `StackedRewrite`. Refuses unless: each shard is called exactly once as
@@ -189,10 +192,17 @@ def rewrite_stacked(
     )
     # Read with `module` and the forward's globals, so the calls it makes (helpers, q/k
     # norms, methods) are followed rather than presumed to write what they are passed.
-    written = written_pieces(funcdef, temps, module, getattr(fn, "__globals__", {}))
+    namespace = getattr(fn, "__globals__", {})
+    written = written_pieces(funcdef, temps, module, namespace)
+    # A layout the replay chose holds on the traced path only: a piece that may meet a
+    # layout-sensitive use elsewhere (`if self.flatten: q = q.view(-1)`) is a copy of its own.
+    unreplayed = unreplayed_layout_pieces(funcdef, temps, module, namespace)
     flags = list(fresh) + [False] * (len(temps) - len(fresh))
     settle_layouts(
-        funcdef, merged_name, temps, {t for t, f, w in zip(temps, flags, written) if f or w}
+        funcdef,
+        merged_name,
+        temps,
+        {t for t, f, w, u in zip(temps, flags, written, unreplayed) if f or w or u},
     )
     compiled = source.compile_forward(funcdef, fn)
     return StackedRewrite(compiled, original, source.unparse(funcdef), relied, state_relied)

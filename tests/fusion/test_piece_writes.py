@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import copy
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -94,6 +95,19 @@ class ThroughView(Attention):
         return self.o_proj(out)
 
 
+class AsStridedRead(Attention):
+    """`as_strided` reads the storage from the piece's offset with the strides given: on a
+    strided piece, other values (the replay saw it, yet called the piece a plain view)."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        q = q.as_strided(q.shape, (q.shape[-2] * q.shape[-1], q.shape[-1], 1))
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
 class ClipBranch(Attention):
     """OLMo's spelling: the in-place clamp sits in a branch the trace need not take."""
 
@@ -125,13 +139,20 @@ class InplaceActivationMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
-    """Fuse a copy; with autograd on (shards computed apart), the forward, the input and
-    the input's gradient must agree with the original's; without (one stacked product,
-    split into pieces), the forward must. Returns the rewritten source."""
+def _check_same(
+    module: nn.Module, shape: tuple[int, ...], after_fuse: Callable[[nn.Module], None] | None = None
+) -> str:
+    """Fuse a copy (then apply `after_fuse` to both, an edit a user makes after fusing);
+    with autograd on (shards computed apart), the forward, the input and the input's
+    gradient must agree with the original's; without, the forward must, both where the
+    policy computes each shard apart (the reference) and where it takes the stacked product,
+    split into pieces. Returns the rewritten source."""
     fused = copy.deepcopy(module)
     report = fusion.fuse(fused)
     assert report.applied, report.skipped
+    if after_fuse is not None:
+        after_fuse(module)
+        after_fuse(fused)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     a_in, b_in = x.clone().requires_grad_(), x.clone().requires_grad_()
     a, b = module(a_in), fused(b_in)
@@ -139,6 +160,8 @@ def _check_same(module: nn.Module, shape: tuple[int, ...]) -> str:
     a.sum().backward()
     b.sum().backward()
     torch.testing.assert_close(a_in.grad, b_in.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), fused(x), rtol=1e-5, atol=1e-6)
     merged = [m for m in fused.modules() if isinstance(m, MergedLinear)]
     before = sum(m.stacked_calls for m in merged)
     with torch.no_grad(), stacked_products():
@@ -155,7 +178,7 @@ def _layouts(rewritten: str) -> list[str]:
     return list(ast.literal_eval(found[1]))
 
 
-@pytest.mark.parametrize("cls", [AugAssign, InplaceMethod, ItemAssign, ThroughView])
+@pytest.mark.parametrize("cls", [AugAssign, InplaceMethod, ItemAssign, ThroughView, AsStridedRead])
 @pytest.mark.parametrize("shape", [(2, 3, 8), (1, 1, 8)], ids=["prefill", "decode"])
 def test_written_piece_is_cloned(cls: type[nn.Module], shape: tuple[int, ...]) -> None:
     registry.clear_cache()
@@ -242,3 +265,146 @@ def test_a_piece_written_through_another_object_than_self(cls: type[Attention]) 
     assert fusion.fuse(copy.deepcopy(cls())).applied  # matched where the branch is not taken
     rewritten = _check_same(cls(clip=1.0), (2, 3, 8))
     assert "fresh" in _layouts(rewritten), rewritten
+
+
+def flatten_tokens(t):
+    """A helper whose own branch the trace decides, on its own input."""
+    if len(t.shape) == 2:
+        return t.view(-1).view(t.shape)
+    return t
+
+
+class FlattenBranch(Attention):
+    """`q.view(-1)` merges the split dimension: right on the projection's contiguous output,
+    an error on a strided piece. It sits under a flag the trace read as False (issue 43)."""
+
+    def __init__(self, flatten: bool = False) -> None:
+        super().__init__()
+        self.flatten = flatten
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if self.flatten:
+            q = q.view(-1).view(q.shape)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class FlattenInMethod(FlattenBranch):
+    """The flag is read by a method the forward calls on every path."""
+
+    def maybe_flatten(self, t):
+        if self.flatten:
+            return t.view(-1).view(t.shape)
+        return t
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        q = self.maybe_flatten(q)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class FlattenShapeFromBranch(FlattenBranch):
+    """The view runs on every path; its shape is what the branch decides."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        shape = (-1,) if self.flatten else q.shape
+        q = q.view(shape).view(q.shape)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class FlattenWithoutMask(Attention):
+    """The trace passes a proxy for `mask`, so it takes the other side of `mask is None`."""
+
+    def forward(self, x, mask=None):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if mask is None:
+            q = q.view(-1).view(q.shape)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class FlattenTokensOnly(Attention):
+    """The trace's input has three dimensions; a serving engine's has two."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if len(x.shape) == 2:
+            q = q.view(-1).view(q.shape)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class FlattenTokensInHelper(Attention):
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        q = flatten_tokens(q)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+class ScaleBranch(FlattenBranch):
+    """A flag around uses any strides serve: the pieces stay views."""
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        if self.flatten:
+            q = torch.softmax(q * 2.0, -1)
+        out, _ = eager_attention_forward(self, q, k, v)
+        return self.o_proj(out)
+
+
+def _flatten(module: nn.Module) -> None:
+    module.flatten = True
+
+
+@pytest.mark.parametrize("cls", [FlattenBranch, FlattenInMethod, FlattenShapeFromBranch])
+@pytest.mark.parametrize("shape", [(2, 3, 8), (1, 1, 8)], ids=["prefill", "decode"])
+def test_a_layout_sensitive_branch_flipped_after_fusing(cls: type[nn.Module], shape) -> None:
+    registry.clear_cache()
+    rewritten = _check_same(cls(), shape, after_fuse=_flatten)
+    assert _layouts(rewritten) == ["fresh", "view", "view"], rewritten
+
+
+def test_a_layout_sensitive_branch_another_instance_takes() -> None:
+    registry.clear_cache()
+    assert fusion.fuse(copy.deepcopy(FlattenBranch())).applied  # matched with the flag off
+    rewritten = _check_same(FlattenBranch(flatten=True), (2, 3, 8))
+    assert _layouts(rewritten) == ["fresh", "view", "view"], rewritten
+
+
+@pytest.mark.parametrize(
+    ("cls", "shape"),
+    [
+        (FlattenWithoutMask, (2, 3, 8)),
+        (FlattenTokensOnly, (5, 8)),
+        (FlattenTokensInHelper, (5, 8)),
+    ],
+)
+def test_a_layout_sensitive_branch_taken_by_input(cls: type[nn.Module], shape) -> None:
+    registry.clear_cache()
+    rewritten = _check_same(cls(), shape)
+    assert _layouts(rewritten) == ["fresh", "view", "view"], rewritten
+
+
+def test_a_branch_any_strides_serve_keeps_the_views() -> None:
+    registry.clear_cache()
+    rewritten = _check_same(ScaleBranch(), (2, 3, 8), after_fuse=_flatten)
+    assert "fresh" not in _layouts(rewritten), rewritten

@@ -83,3 +83,15 @@ def test_a_partial_trace_makes_every_piece_contiguous() -> None:
     assert graph is not None
     nodes = [n for n in graph.nodes if n.op == "call_module"]
     assert piece_verdicts(graph, module, nodes) == (CONTIGUOUS,) * len(nodes)
+
+
+class ReadsThroughAsStrided(_Projections):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # `as_strided` reads the storage as told: a strided piece gives other values.
+        flat = q.as_strided((q.numel(),), (1,))
+        return flat.sum() + (k + v).sum()
+
+
+def test_as_strided_on_a_piece_needs_a_copy_of_its_own() -> None:
+    assert _verdicts(ReadsThroughAsStrided()) == (FRESH, OK, OK)

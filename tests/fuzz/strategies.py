@@ -12,8 +12,9 @@ The text is written to a file and imported (`tests.fuzz.oracle.load`), so fusion
 with `inspect.getsource` exactly as it reads Transformers: rewriting sees real source.
 
 Forwards are drawn from a grammar of variations a fuser must get right (widths, GQA ratios,
-biases, q/k norms, existence guards, flag branches, KV-cache updates, attention-interface
-calls, activation choices, operand order) and of statements interleaved between the
+biases, q/k norms, existence guards, flag branches, layout-sensitive views on branches the
+trace need not take, KV-cache updates, attention-interface calls, activation choices,
+operand order) and of statements interleaved between the
 projection calls. Every statement carries a label; statements and module features that can
 change what a fused forward computes (writes to the projection input, rebinding it, hooks,
 `nn.Linear` subclasses with their own call path) are *hazards*. A module without hazards is
@@ -759,6 +760,17 @@ def attention_part(
         if shadow and p == order[0]:
             body.append(f"_z_shadow = self.shadowed({x})")
         body += part.add(draw_statements(draw, x, slot, projections, safe, busy))
+    # A layout-sensitive use of the raw value output on a branch the trace need not take
+    # (issue 43): a flag the second instance sets, or no mask where the trace passed one.
+    # On v, which little else writes (a written piece is a copy of its own anyway).
+    flat = draw(weighted([(None, 6), ("flag", 1), ("mask", 1)]))
+    if flat and styles["v"] == "separate":
+        test = "self.flatten_v" if flat == "flag" else "attention_mask is None"
+        if flat == "flag":
+            init.append("self.flatten_v = False")
+            part.tweaks.append("{m}.flatten_v = True")
+        body += [f"if {test}:", "    value_states = value_states.view(-1).view(value_states.shape)"]
+        part.features.append(f"flat_branch:{flat}")
     for p in order:
         if styles[p] == "separate":
             body.append(f"{names[p]} = {shaped(p, names[p])}")
