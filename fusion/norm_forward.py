@@ -89,6 +89,7 @@ class NormForward:
         self.backend = backend
         self.reads = reads
         self.globals_guard = GlobalsGuard.of(inspect.unwrap(self.proven_forward))
+        self._class_dicts = tuple(vars(klass) for klass in self.cls.__mro__)
         self.float32_aten = uses_float32_aten(variant)
         self.guard_failures = 0
         self.last_failure: str | None = None
@@ -119,9 +120,10 @@ class NormForward:
         name = self.eps_attr
         return state[name] if name in state else getattr(self.module, name, _MISSING)
 
-    def failure(self, x: Any, weight: Any, eps: Any) -> str | None:
+    def failure(self, x: Any, weight: Any, eps: Any, compiling: bool = False) -> str | None:
         """Why the proven variant may not compute this call (the first failed premise), or
-        None. Reads nothing it does not compare; caches nothing between calls."""
+        None. Reads nothing it does not compare; caches nothing between calls. `compiling`:
+        Dynamo is tracing (the caller asked once)."""
         if self.disabled is not None:
             return self.disabled
         module = self.module
@@ -130,13 +132,18 @@ class NormForward:
             return f"the norm became a {cls.__name__}"
         if cls.forward is not self.proven_forward:
             return f"{cls.__name__}.forward was replaced"
-        if self.weight_name is not None and getattr(cls, self.weight_name, None) is not None:
-            return f"{cls.__name__}.{self.weight_name} is a class attribute"
+        name = self.weight_name
+        if name is not None:
+            # a class attribute of the weight's name (a property added later) is found
+            # before the instance's parameter; the class dicts are live views
+            for namespace in self._class_dicts:
+                if name in namespace:
+                    return f"{cls.__name__}.{name} is a class attribute"
         changed = self.reads.failure() if self.reads.checks else None
         if changed is not None:
             return f"{changed}, which the norm's forward read, changed"
         # While Dynamo traces, the globals are left to its own guards (as `BoundForward`).
-        reason = None if torch.compiler.is_compiling() else self.globals_guard.failure()
+        reason = None if compiling else self.globals_guard.failure()
         if reason is not None:
             return reason
         if not isinstance(x, torch.Tensor):
@@ -148,20 +155,22 @@ class NormForward:
             return f"{self.eps_attr} is a {type(eps).__name__}"
         if weight is not None:
             if weight is _MISSING or not isinstance(weight, torch.Tensor):
-                return f"{self.weight_name} is not a tensor"
-            if weight.dim() != 1 or weight.shape[0] != (x.shape[-1] if x.dim() else -1):
-                return f"{self.weight_name} is not a per-channel weight of the input's width"
+                return f"{name} is not a tensor"
+            shape, width = weight.shape, x.shape
+            if len(shape) != 1 or not width or shape[0] != width[-1]:
+                return f"{name} is not a per-channel weight of the input's width"
         pair = (x.dtype, None if weight is None else weight.dtype)
         if pair not in self.verified:
             return f"dtypes {pair} were not proven"
-        return plain_dense(x.device.type, x, weight, matmul=False)
+        return plain_dense("cpu" if x.is_cpu else x.device.type, x, weight, matmul=False)
 
     # -- calls ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) != 1 or kwargs:
             return self._original(*args, **kwargs)
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             # first, before any tensor is asked anything: a mode would record the question
             reason = mode_reason()
             if reason is not None:
@@ -169,7 +178,7 @@ class NormForward:
                 return self._original(*args)
         x = args[0]
         weight, eps = self._weight(), self._eps()
-        reason = self.failure(x, weight, eps)
+        reason = self.failure(x, weight, eps, compiling)
         if reason is not None:
             self._fell_back(reason)
             return self._original(x)
@@ -189,7 +198,11 @@ class NormForward:
             and a.shape == b.shape
         ):
             weight, eps = self._weight(), self._eps()
-            if self.failure(a, weight, eps) is None and plain_dense(a.device.type, b) is None:
+            compiling = torch.compiler.is_compiling()
+            if (
+                self.failure(a, weight, eps, compiling) is None
+                and plain_dense(a.device.type, b) is None
+            ):
                 return norm_pair_kernel(a, b, weight, eps, self.variant, self.backend)
         total = a + b
         return total, self.module(total)
