@@ -99,6 +99,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import gc
 import inspect
 import io
 import re
@@ -238,7 +239,9 @@ def check(
             verdict = OpVerdict("n/a", NOT_COMPILED)
         else:
             verdict = _run(operation, ctx)
+            gc.collect()  # an operation's copies (reference cycles) go before the next one's
         results[name] = verdict.record()
+    ctx.shared.clear()
     return results
 
 
@@ -1203,7 +1206,9 @@ def _guard_round_trip(ctx: Context) -> str:
     sites = guarded_children(ctx.fused)
     if not sites:
         raise _NotApplicable("no rewritten forward guards a child in this model")
+    unfused = fused = None
     for qualname, name in sites[:8]:
+        unfused = fused = None  # the last site's twins go before the next pair is made
         unfused, fused = _twins(ctx)
         children = double_child((unfused, fused), qualname, name)
         if children is None:
