@@ -16,8 +16,9 @@
 
 Exit status: 0 success; 1 a fusion failure (run, merge: parity of the logits, a fused module
 or a lifecycle operation, a fused-only error, a fuse error, a crashed or timed-out worker) or a
-reproducing failure (repro); 3 (run, merge) no fusion failure, but the corpus could not build
-or run an unfused model (build-error, forward-error; 1 with --strict-corpus); 2 bad usage or
+reproducing failure (repro); 3 (run, merge, check, list, show) no fusion failure, but the
+corpus could not build or run an unfused model (build-error, forward-error; 1 with
+--strict-corpus); 2 bad usage or
 unusable input or output (unknown architecture, malformed bundle, unusable or unwritable
 results file, shards that do not merge, an output that could not be written); 4 (run, merge
 with --fail-on-drift-loss) no fusion failure, but fusions were lost against the golden plan
@@ -42,9 +43,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.argtypes import Parser, non_negative_int, positive_float, positive_int
 from harness.results import ResultsError
 
 EXIT_USAGE = 2
+EXIT_CORPUS = 3
+"""A corpus problem and no fusion failure (see the module docstring)."""
 EXIT_INTERRUPTED = 130
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -83,7 +87,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         help="dtype of the unfused and fused models (the reference is always float64)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the weights and inputs (default 0)"
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="seed of the weights and inputs (default 0)",
     )
 
 
@@ -99,7 +106,7 @@ def _add_arch_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fusion-harness",
         description="Differential testing of fused vs unfused Transformers models: every "
         "causal-LM architecture as a tiny random model, fused with fusion.fuse and compared "
@@ -141,14 +148,14 @@ def _add_run_parser(commands: Any) -> None:
     run.add_argument(
         "-j",
         "--jobs",
-        type=int,
+        type=positive_int,
         default=os.cpu_count() or 1,
         metavar="N",
         help="worker processes (default: number of CPUs)",
     )
     run.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="S",
         help="seconds one architecture may take before its worker is killed (default 120; "
@@ -263,10 +270,15 @@ def _add_other_parsers(commands: Any) -> None:
     _add_arch_option(listing)
     _add_model_options(listing)
     listing.add_argument(
-        "-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="worker processes"
+        "-j",
+        "--jobs",
+        type=positive_int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="worker processes",
     )
     listing.add_argument(
-        "--timeout", type=float, default=120.0, metavar="S", help="seconds per build"
+        "--timeout", type=positive_float, default=120.0, metavar="S", help="seconds per build"
     )
     listing.set_defaults(handler=cmd_list)
 
@@ -840,6 +852,11 @@ def _update_expected(results, options) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """`fusion-harness list`: every selected architecture with its build status, in name
+    order, each line printed as soon as it and every name before it are known (the builds
+    run in workers, dispatched in that order), so `list | head` shows its lines at once.
+    Returns 0 when every buildable one built, 3 (a corpus problem, as `run`) otherwise; a
+    reader that stops reading ends the listing quietly (the workers are stopped, exit 0)."""
     from harness import architectures, pool, sweep
 
     pool.start_server()
@@ -849,7 +866,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         args.arch, [*architectures.available(options.plugins), *unbuildable]
     )
     names = [n for n in chosen if n not in unbuildable]
-    statuses: dict[str, str] = {}
+    statuses = {name: f"unbuildable: {unbuildable[name]}" for name in chosen if name in unbuildable}
     outcomes = pool.run_tasks(
         [(name, (name, options)) for name in names],
         sweep.build_task,
@@ -858,21 +875,42 @@ def cmd_list(args: argparse.Namespace) -> int:
         setup=sweep.setup_worker,
         setup_args=(options.plugins,),
     )
-    with contextlib.closing(outcomes):
-        for outcome in outcomes:
-            failed = f"{outcome.status}: {outcome.detail}"
-            statuses[outcome.key] = outcome.value if outcome.status == "done" else failed
     width = max((len(n) for n in chosen), default=0)
-    for name in chosen:
-        status = statuses.get(name) or f"unbuildable: {unbuildable[name]}"
-        print(f"{name:<{width}}  {status}")
-    built = sum(s.startswith("ok") for s in statuses.values())
+    printer = _InOrder(chosen, width)
+    with contextlib.closing(outcomes):
+        try:
+            printer.flush(statuses)
+            for outcome in outcomes:
+                failed = f"{outcome.status}: {outcome.detail}"
+                statuses[outcome.key] = outcome.value if outcome.status == "done" else failed
+                printer.flush(statuses)
+        except BrokenPipeError:
+            _stdout_closed()
+            return 0
+    built = sum(statuses[n].startswith("ok") for n in names)
     print(
         f"\n{len(names)} in the corpus, {built} built; "
         f"{len(chosen) - len(names)} known unbuildable",
         file=sys.stderr,
     )
-    return 0 if built == len(names) else 1
+    return 0 if built == len(names) else EXIT_CORPUS
+
+
+@dataclasses.dataclass
+class _InOrder:
+    """Prints `names` in their order, each as soon as it and all before it have a status."""
+
+    names: Sequence[str]
+    width: int
+    printed: int = 0
+
+    def flush(self, statuses: dict[str, str]) -> None:
+        """Print every not yet printed name whose status (and every earlier one's) is known;
+        BrokenPipeError when the reader of stdout went away."""
+        while self.printed < len(self.names) and self.names[self.printed] in statuses:
+            name = self.names[self.printed]
+            print(f"{name:<{self.width}}  {statuses[name]}", flush=True)
+            self.printed += 1
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -885,7 +923,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     unbuildable = architectures.unbuildable()
     if args.arch in unbuildable:
         print(f"fusion-harness: {args.arch} is known unbuildable: {unbuildable[args.arch]}")
-        return 1
+        return EXIT_CORPUS
     names = architectures.available(options.plugins)
     if args.arch not in names:
         try:
@@ -908,7 +946,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         )
     except Exception as exc:
         print(f"fusion-harness: cannot build {args.arch}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_CORPUS
     print(fusion.plan(model))
     report = fusion.fuse(model)
     rewritten = [r for r in report.applied if r.original_source is not None]
@@ -1049,6 +1087,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             "is a results file"
         )
     results = read_results(args.results)
+    if not results:
+        raise UsageError(f"{args.results} holds no results (an empty file); nothing to report")
     comparison, note = _golden_comparison(results, args.expected)
     found = None if comparison or args.expected else _report_drift(results)
     text = report_md.render(
@@ -1171,6 +1211,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.json is not None:
         _probe_file(args.json, "--json")
     merged = shard.merge([(path, read_results(path)) for path in args.inputs])
+    if not merged.results:
+        raise UsageError(
+            f"{' '.join(map(str, args.inputs))}: no results in any file (empty); nothing to merge"
+        )
     first = merged.results[0] if merged.results else None
     options = {
         "dtype": getattr(first, "dtype", None),

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers.utils import logging as hf_logging
 
@@ -190,6 +191,11 @@ def resolve_source(text: str, *, tiny: bool = False) -> Source:
         if not config_file.is_file():
             raise OwnModelError(f"{path} has no config.json; {NEVER_DOWNLOADS}")
         weights = tuple(sorted(path.glob("*.safetensors")))
+        if not tiny:
+            for file in weights:
+                problem = safetensors_problem(file)
+                if problem:
+                    raise OwnModelError(f"{file}: {problem}; is the checkpoint complete?")
         pickled = any(any(path.glob(pattern)) for pattern in PICKLE_WEIGHTS)
         if pickled and not weights and not tiny:
             raise OwnModelError(
@@ -201,6 +207,49 @@ def resolve_source(text: str, *, tiny: bool = False) -> Source:
     if path.is_file() and path.suffix == ".json":
         return Source(path, path)
     raise OwnModelError(f"{path} is neither a checkpoint directory nor a .json config file")
+
+
+SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
+"""Largest safetensors header read (the format's own bound; real ones are kilobytes)."""
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why `file` is not a whole safetensors file, or None when it is.
+
+    Reads only the header (an 8-byte little-endian length, then that much JSON mapping each
+    tensor to its byte range in the data that follows) and the file's size: a file cut short
+    (an interrupted copy or download) holds less data than its header's largest end offset.
+    Checked before loading, so the user is told which file is damaged rather than that the
+    model "cannot build"."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                return f"truncated: {size} bytes, not even a safetensors header"
+            length = int.from_bytes(prefix, "little")
+            if length > min(SAFETENSORS_MAX_HEADER, size - 8):
+                return f"not a safetensors file (header of {length} bytes in a {size}-byte file)"
+            header = json.loads(handle.read(length).decode("utf-8"))
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__"
+        and isinstance(entry, dict)
+        and isinstance(entry.get("data_offsets"), list)
+        and len(entry["data_offsets"]) == 2
+        and isinstance(entry["data_offsets"][1], int)
+    ]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        return f"truncated: {size:,} bytes where its header describes {needed:,}"
+    return None
 
 
 def read_config_dict(file: Path) -> dict[str, Any]:
@@ -257,7 +306,8 @@ def load_config(data: Mapping[str, Any]) -> tuple[Any, str]:
         config = corpus.config_from_dict(model_type, dict(data))
     except KeyError:
         raise OwnModelError(
-            f"model_type {model_type!r} is unknown to the installed Transformers"
+            f"model_type {printable_name(model_type)} is unknown to the installed Transformers "
+            f"{transformers.__version__} (`fusion-harness list` lists its causal-LM types)"
         ) from None
     except Exception as exc:
         raise OwnModelError(f"Transformers rejects this config: {localise.one_line(exc)}") from None
@@ -269,6 +319,13 @@ def load_config(data: Mapping[str, Any]) -> tuple[Any, str]:
             "the check runs causal language models"
         ) from None
     return _with_pad_token(config), architecture
+
+
+def printable_name(text: str, limit: int = 60) -> str:
+    """`text` quoted for a one-line message, cut to `limit` characters (a config's
+    model_type is the user's file, not ours: it may be anything)."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
 
 
 def _with_pad_token(config: Any) -> Any:
