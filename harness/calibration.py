@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+import corpus
 import fusion
 from fusion.kernels import calibration
 from fusion.kernels.policy import POLICY
-import corpus
 from harness import localise, own_model
 from harness.argtypes import Parser, positive_float, positive_int, positive_ints
 from harness.bench.cases import END_TO_END

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -418,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return calibration.main(argv[1:])
         args = build_parser().parse_args(argv)
+        args.argv = argv
         return args.handler(args)
     except Exception as exc:
         if not isinstance(exc, _usage_errors()):
@@ -586,15 +588,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(_explain(verdict, run.results, found), file=sys.stderr)
     if run.interrupted:
         missing = len(names) - len(run.results)
+        again = resume_command(getattr(args, "argv", None), results_path)
         print(
-            f"interrupted: {missing} architectures not run; continue with "
-            f"`fusion-harness run --resume {results_path}` (same options)",
+            f"interrupted: {missing} architectures not run; continue with `{again}`",
             file=sys.stderr,
         )
         return status
     if args.update_expected:
         _update_expected(run.results, options)
     return status
+
+
+def resume_command(argv: Sequence[str] | None, results: Path) -> str:
+    """The command line that continues an interrupted `run`: its own arguments (`argv`,
+    starting with "run") with --results and --resume (argparse's abbreviations of them too)
+    replaced by `--resume RESULTS`, quoted for a POSIX shell, so a sweep of ten architectures
+    resumes as those ten under the same options, not as the whole corpus. Without `argv` (a
+    caller that parsed none), the bare resume."""
+    kept: list[str] = []
+    skip = False
+    for arg in list(argv or ["run"])[1:]:
+        if skip:
+            skip = False
+            continue
+        name, equals, _ = arg.partition("=")
+        if len(name) > 3 and any(o.startswith(name) for o in ("--results", "--resume")):
+            skip = not equals
+            continue
+        kept.append(arg)
+    return shlex.join(["fusion-harness", "run", *kept, "--resume", str(results)])
 
 
 def _stdout_closed() -> None:
@@ -644,6 +666,8 @@ def _print_summary(
     if problems:
         print("\n" + problems)
     print("\n" + summary.format_totals(summary.totals(results), wall=wall, jobs=jobs))
+    for reason in summary.not_run_reasons(results):
+        print(f"note: {reason}")
     if ours:
         print(reach.format_reach(reach.reach(results)))
 
@@ -1016,7 +1040,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         _probe_file(args.json, "--json")
     repro_dir = _repro_dir(args)
 
-    from harness import own_model, summary
+    from harness import own_model, progress, summary
 
     options = dataclasses.replace(
         _check_options(args), lifecycle="all" if args.lifecycle == "full" else args.lifecycle
@@ -1028,7 +1052,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         estimate = own_model.estimate_memory(prepared.parameters, options.dtype, options.lifecycle)
     available = own_model.available_memory(options.device)
     print(own_model.check_memory(estimate, available, force=args.force), flush=True)
-    outcome = own_model.run_check(prepared, options, repro_dir=repro_dir)
+    steps = progress.Steps("check")
+    try:
+        outcome = own_model.run_check(prepared, options, repro_dir=repro_dir, progress=steps)
+    finally:
+        steps.close()
     results = [outcome.result]
     verdict = summary.exit_status(results, strict_corpus=args.strict_corpus)
     status = verdict
@@ -1050,7 +1078,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if problems:
             print("\n" + problems)
         print("\n" + summary.format_totals(summary.totals(results)))
-        for note in outcome.notes:
+        for note in [*summary.not_run_reasons(results), *outcome.notes]:
             print(f"note: {note}")
         sys.stdout.flush()
     except BrokenPipeError:

@@ -32,7 +32,7 @@ import json
 import re
 import stat
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,12 @@ class Prepared:
     def checkpoint_weights(self) -> bool:
         """True when the check loads the checkpoint's weights (real size, safetensors present)."""
         return not self.tiny and bool(self.source.weights)
+
+    def loading(self) -> str:
+        """The build step in words, for progress ("loading the checkpoint's weights")."""
+        if self.checkpoint_weights:
+            return "loading the checkpoint's weights"
+        return "building the model with seeded random weights"
 
     def describe(self) -> str:
         """One line: architecture, class, size and where the weights come from."""
@@ -546,15 +552,22 @@ class Outcome:
 
 
 def run_check(
-    prepared: Prepared, options: check.CheckOptions, *, repro_dir: Path | None
+    prepared: Prepared,
+    options: check.CheckOptions,
+    *,
+    repro_dir: Path | None,
+    progress: Callable[[str], None] | None = None,
 ) -> Outcome:
     """Build `prepared` and check it with harness.check.check_model; returns the result record
     (stamped with the versions that judged it, as the sweep's are), with a repro bundle under
     `repro_dir` for each failure. Never raises for a model-side problem: a model that does not
     build is the `build-error` status (a corpus-style problem, exit 3), as in the sweep.
-    Transformers' logger is kept below errors during the check, as in the sweep's workers."""
+    Transformers' logger is kept below errors during the check, as in the sweep's workers.
+    `progress` is told each step as it starts (harness.check.check_model's, and the build)."""
     started = time.perf_counter()
     name = prepared.architecture
+    if progress is not None:
+        progress(prepared.loading())
     try:
         model, notes = build_model(prepared, options)
         inputs = check.make_inputs(model, options)
@@ -574,7 +587,9 @@ def run_check(
         )
     with quiet_transformers():  # as the sweep's workers: the harness's own generate with
         # right-padded inputs would print Transformers' padding advice, which is not the user's
-        checked = check.check_model(name, model, inputs, options, started=started)
+        checked = check.check_model(
+            name, model, inputs, options, started=started, progress=progress
+        )
     result = checked.result
     if repro_dir is not None and result.failures and checked.subject is not None:
         result = repro.write_bundles(result, checked.subject, repro_dir)

@@ -17,6 +17,7 @@ import torch
 
 from fusion.kernels import policy
 from fusion.kernels.calibration import stream_bytes
+from harness.argtypes import Parser, positive_float, positive_int
 from harness.bench.cases import KERNELS, MODELS, Case, end_to_end_cases, kernel_cases, model_cases
 from harness.bench.table import Row, compiled_ratios, format_table, machine_info, run_case
 from harness.bench.timers import (
@@ -27,7 +28,6 @@ from harness.bench.timers import (
     malloc_env_set,
     read_bandwidth,
 )
-from harness.argtypes import Parser, positive_float, positive_int
 from harness.check import DTYPES
 
 
