@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import re
 import stat
@@ -89,10 +90,15 @@ class Source:
     """What PATH names: the config file and, for a checkpoint directory, its weight files."""
 
     path: Path
-    """PATH as resolved (absolute, symlinks followed)."""
+    """PATH as resolved (absolute, symlinks followed; a Hub snapshot's folder as chosen)."""
     config_file: Path
+    """config.json, or for a GGUF source the .gguf file (whose metadata holds the config)."""
     weights: tuple[Path, ...] = ()
-    """The directory's safetensors files (empty: a bare config, or a directory without weights)."""
+    """The directory's safetensors files (empty: a bare config, or a directory without
+    weights), or the one .gguf file."""
+    gguf: Path | None = None
+    """The GGUF file the weights (and config) come from, loaded through Transformers' own
+    GGUF support and dequantized; None for every other source."""
 
     @property
     def directory(self) -> Path | None:
@@ -145,6 +151,8 @@ class Prepared:
 
     def loading(self) -> str:
         """The build step in words, for progress ("loading the checkpoint's weights")."""
+        if self.checkpoint_weights and self.source.gguf is not None:
+            return f"loading and dequantizing {self.source.gguf.name} (GGUF)"
         if self.checkpoint_weights:
             return "loading the checkpoint's weights"
         return "building the model with seeded random weights"
@@ -153,7 +161,9 @@ class Prepared:
         """One line: architecture, class, size and where the weights come from."""
         size = f"{self.parameters:,} parameters" if self.parameters is not None else "size unknown"
         shrunk = ", shrunk with the corpus rules (--tiny)" if self.tiny else ""
-        if self.checkpoint_weights:
+        if self.checkpoint_weights and self.source.gguf is not None:
+            weights = f"weights from GGUF ({self.source.gguf.name}), dequantized by Transformers"
+        elif self.checkpoint_weights:
             names = ", ".join(p.name for p in self.source.weights[:3])
             more = (
                 f" and {len(self.source.weights) - 3} more" if len(self.source.weights) > 3 else ""
@@ -178,13 +188,16 @@ def human_bytes(size: float) -> str:
 
 def resolve_source(text: str, *, tiny: bool = False) -> Source:
     """The Source that PATH names; OwnModelError unless it is an existing local directory with
-    a config.json or a JSON config file.
+    a config.json (a checkpoint), a Hub cache folder (`models--ORG--NAME`, its snapshot chosen
+    by `refs/main` or as the only one), a directory holding one .gguf file, a .gguf file or a
+    JSON config file.
 
     Safe because nothing but the local file system is consulted: a name that does not exist
     here (a Hub id included) is refused with a message saying that the check never downloads.
     A directory whose only weights are pickles (`.bin`, `.pt`) is refused too unless `tiny`
     (which loads no weights), rather than checked with random weights the user did not ask
-    for (the check loads safetensors only).
+    for (the check loads safetensors and GGUF only), and so is a safetensors file that is not
+    whole (`safetensors_problem`) or a .gguf file without GGUF's magic, naming the file.
     """
     path = Path(text).expanduser()
     if not path.exists():
@@ -192,27 +205,80 @@ def resolve_source(text: str, *, tiny: bool = False) -> Source:
         what = "looks like a Hub model id and is not a local path" if hub else "does not exist"
         raise OwnModelError(f"{text!r} {what}; {NEVER_DOWNLOADS}")
     path = path.resolve()
+    if path.is_dir() and not (path / "config.json").is_file():
+        snapshot = hub_snapshot(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if snapshot is not None:
+            path = snapshot
+        elif len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            more = f" but {len(ggufs)} .gguf files (name one)" if ggufs else ""
+            raise OwnModelError(f"{path} has no config.json{more}; {NEVER_DOWNLOADS}")
     if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise OwnModelError(f"{path} has no config.json; {NEVER_DOWNLOADS}")
-        weights = tuple(sorted(path.glob("*.safetensors")))
-        if not tiny:
-            for file in weights:
-                problem = safetensors_problem(file)
-                if problem:
-                    raise OwnModelError(f"{file}: {problem}; is the checkpoint complete?")
-        pickled = any(any(path.glob(pattern)) for pattern in PICKLE_WEIGHTS)
-        if pickled and not weights and not tiny:
-            raise OwnModelError(
-                f"{path} holds weights only as pickles (.bin/.pt), which the check does not "
-                "load (unpickling can run code); convert them to safetensors (save_pretrained "
-                "does), or use --tiny to check the architecture with random weights"
-            )
-        return Source(path, config_file, weights)
+        return _checkpoint_directory(path, tiny=tiny)
+    if path.is_file() and path.suffix == ".gguf":
+        problem = gguf_problem(path)
+        if problem:
+            raise OwnModelError(f"{path}: {problem}")
+        return Source(path, path, (path,), gguf=path)
     if path.is_file() and path.suffix == ".json":
         return Source(path, path)
-    raise OwnModelError(f"{path} is neither a checkpoint directory nor a .json config file")
+    raise OwnModelError(
+        f"{path} is neither a checkpoint directory, a .gguf file nor a .json config file"
+    )
+
+
+def _checkpoint_directory(path: Path, *, tiny: bool) -> Source:
+    """The Source of a directory holding config.json (see resolve_source)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise OwnModelError(f"{path} has no config.json; {NEVER_DOWNLOADS}")
+    weights = tuple(sorted(path.glob("*.safetensors")))
+    if not tiny:
+        for file in weights:
+            problem = safetensors_problem(file)
+            if problem:
+                raise OwnModelError(f"{file}: {problem}; is the checkpoint complete?")
+    pickled = any(any(path.glob(pattern)) for pattern in PICKLE_WEIGHTS)
+    if pickled and not weights and not tiny:
+        raise OwnModelError(
+            f"{path} holds weights only as pickles (.bin/.pt), which the check does not "
+            "load (unpickling can run code); convert them to safetensors (save_pretrained "
+            "does), or use --tiny to check the architecture with random weights"
+        )
+    return Source(path, config_file, weights)
+
+
+def hub_snapshot(path: Path) -> Path | None:
+    """The snapshot folder of a Hub cache folder (`models--ORG--NAME/snapshots/HASH`): the
+    one `refs/main` names, else the only one; None when `path` is no such folder (or holds
+    several snapshots and no ref to choose between them: the caller refuses it)."""
+    snapshots = path / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = path / "refs" / "main"
+    if ref.is_file():
+        chosen = snapshots / ref.read_text(encoding="ascii", errors="replace").strip()
+        if chosen.is_dir():
+            return chosen
+    found = [p for p in snapshots.iterdir() if p.is_dir()]
+    return found[0] if len(found) == 1 else None
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_problem(file: Path) -> str | None:
+    """Why `file` cannot be a GGUF file (no GGUF magic, unreadable), or None."""
+    try:
+        with file.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if magic != GGUF_MAGIC:
+        return "not a GGUF file (it does not start with GGUF's magic bytes)"
+    return None
 
 
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
@@ -334,6 +400,36 @@ def printable_name(text: str, limit: int = 60) -> str:
     return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
 
 
+GGUF_EXTRA = "pip install 'fusion-harness[gguf]' (or pip install gguf)"
+
+
+def load_gguf_config(file: Path) -> tuple[Any, str]:
+    """(Transformers config, corpus architecture) from a GGUF file's metadata, read by
+    Transformers' own GGUF support (`AutoConfig.from_pretrained(dir, gguf_file=...)`, local
+    files only). The resulting config passes the same safety and causal-LM checks as a
+    config.json's. OwnModelError without the `gguf` package, or where Transformers cannot
+    read the file or does not support its architecture."""
+    from transformers import AutoConfig
+
+    if importlib.util.find_spec("gguf") is None:
+        raise OwnModelError(f"{file}: reading GGUF needs the gguf package: {GGUF_EXTRA}")
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(
+                str(file.parent), gguf_file=file.name, local_files_only=True
+            )
+    except Exception as exc:
+        raise OwnModelError(
+            f"{file}: Transformers cannot read this GGUF file: {localise.one_line(exc)}"
+        ) from None
+    data = config.to_dict()
+    try:
+        repro.check_config_safety(data, where=str(file))
+    except repro.BundleError as exc:
+        raise OwnModelError(str(exc)) from None
+    return load_config(data)
+
+
 def _with_pad_token(config: Any) -> Any:
     """`config`, given `pad_token_id = None` where it lacks the attribute: some 5.0 configs
     dropped it while their models still read it (what `corpus.tiny_config` does too)."""
@@ -383,7 +479,10 @@ def prepare(text: str, *, tiny: bool) -> Prepared:
     """PATH validated, its config loaded (and shrunk with `tiny`) and its model counted;
     OwnModelError for anything the check refuses. Reads only local files; builds nothing."""
     source = resolve_source(text, tiny=tiny)
-    config, architecture = load_config(read_config_dict(source.config_file))
+    if source.gguf is not None:
+        config, architecture = load_gguf_config(source.gguf)
+    else:
+        config, architecture = load_config(read_config_dict(source.config_file))
     if tiny:
         config = shrink_config(config, architecture)
     return Prepared(source, config, architecture, tiny, count_parameters(config, architecture))
@@ -497,7 +596,9 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
     With checkpoint weights: the causal-LM class's `from_pretrained` of the directory with the
     validated config object (config.json is not read again), `local_files_only=True`,
     `use_safetensors=True` and no remote code, so nothing is downloaded, unpickled or run; a
-    weight the checkpoint lacks is named in the notes (Transformers initialises it). Otherwise
+    weight the checkpoint lacks is named in the notes (Transformers initialises it). A GGUF
+    source loads through Transformers' own GGUF support (`gguf_file=`), which dequantizes every
+    tensor to `options.dtype`: the model checked is that dequantized float model. Otherwise
     `corpus.build_from_config`: seeded random weights, bit-identical for the same config and
     seed. Raises whatever the build raises; the caller records it as a build error.
     """
@@ -511,23 +612,26 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
         )
         return model, []
     cls = model_class(prepared.architecture)
-    load = dict(
+    load: dict[str, Any] = dict(
         config=copy.deepcopy(prepared.config),
         local_files_only=True,
-        use_safetensors=True,
         trust_remote_code=False,
         output_loading_info=True,
     )
+    directory = prepared.source.path
+    if prepared.source.gguf is not None:
+        directory = prepared.source.gguf.parent
+        load["gguf_file"] = prepared.source.gguf.name
+    else:
+        load["use_safetensors"] = True
     with _quiet_loading():
         try:
-            model, info = cls.from_pretrained(
-                str(prepared.source.path), dtype=options.torch_dtype, **load
-            )
+            model, info = cls.from_pretrained(str(directory), dtype=options.torch_dtype, **load)
         except TypeError as exc:  # Transformers < 4.56 takes torch_dtype only
             if "dtype" not in str(exc):
                 raise
             model, info = cls.from_pretrained(
-                str(prepared.source.path), torch_dtype=options.torch_dtype, **load
+                str(directory), torch_dtype=options.torch_dtype, **load
             )
     model = model.to(options.device).eval()
     notes = []
@@ -628,6 +732,13 @@ def source_options(prepared: Prepared) -> dict[str, Any]:
         "path": str(prepared.source.path),
         "architecture": prepared.architecture,
         "tiny": prepared.tiny,
-        "weights": "checkpoint" if prepared.checkpoint_weights else "random",
+        "weights": _weights_word(prepared),
         "parameters": prepared.parameters,
     }
+
+
+def _weights_word(prepared: Prepared) -> str:
+    """Where the checked weights came from, for the --json document."""
+    if not prepared.checkpoint_weights:
+        return "random"
+    return "gguf (dequantized)" if prepared.source.gguf is not None else "checkpoint"

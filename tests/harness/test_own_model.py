@@ -368,3 +368,53 @@ def test_check_with_the_lifecycle_passes_a_saved_llama(checkpoints, tmp_path, mo
     ran = [op for op, v in result["lifecycle"].items() if v["detail"] != lifecycle.NOT_COMPILED]
     assert [s.split()[2] for s in steps if s.startswith("check: lifecycle ")] == ran
     assert not any(line.startswith("check: ") for line in out.splitlines())
+
+
+# --- what users hold: Hub snapshot folders and GGUF files ---------------------------------------
+
+
+def test_a_hub_cache_folder_checks_its_snapshot(checkpoints, tmp_path):
+    """A `models--ORG--NAME` folder as the Hub cache lays it out: the snapshot `refs/main`
+    names (symlinked files, as the cache has them), else the only one."""
+    cache = tmp_path / "models--me--tiny-llama"
+    snapshot = cache / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for file in checkpoints["llama"].iterdir():
+        (snapshot / file.name).symlink_to(file)
+    assert own_model.resolve_source(str(cache)).path == snapshot.resolve()
+    (cache / "snapshots" / "def456").mkdir()
+    with pytest.raises(OwnModelError, match=r"has no config\.json"):
+        own_model.resolve_source(str(cache))  # two snapshots, no ref: which one?
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("abc123")
+    source = own_model.resolve_source(str(cache))
+    assert source.path == snapshot.resolve() and [w.name for w in source.weights] == [
+        "model.safetensors"
+    ]
+
+
+def test_a_file_named_gguf_that_is_not_gguf_is_refused_naming_it(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 a zip, not a model")
+    assert cli.main(["check", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"fusion-harness: error: {fake}: not a GGUF file (it does not start with GGUF's magic bytes)\n"
+    )
+    # a directory holding one .gguf file means that file
+    assert cli.main(["check", str(tmp_path)]) == 2
+    assert "not a GGUF file" in capsys.readouterr().err
+
+
+def test_gguf_without_the_gguf_package_says_how_to_install_it(tmp_path, monkeypatch):
+    real = tmp_path / "model.gguf"
+    real.write_bytes(b"GGUF\x03\x00\x00\x00")
+    find_spec = own_model.importlib.util.find_spec
+    monkeypatch.setattr(
+        own_model.importlib.util, "find_spec", lambda n: None if n == "gguf" else find_spec(n)
+    )
+    with pytest.raises(
+        OwnModelError, match=r"needs the gguf package: pip install 'fusion-harness\[gguf\]'"
+    ):
+        own_model.prepare(str(real), tiny=False)
