@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import io
 import json
 import re
 import stat
@@ -400,7 +401,7 @@ def printable_name(text: str, limit: int = 60) -> str:
     return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
 
 
-GGUF_EXTRA = "pip install 'fusion-harness[gguf]' (or pip install gguf)"
+GGUF_EXTRA = "pip install 'fusion-harness[gguf]' (or pip install gguf accelerate)"
 
 
 def load_gguf_config(file: Path) -> tuple[Any, str]:
@@ -411,8 +412,11 @@ def load_gguf_config(file: Path) -> tuple[Any, str]:
     read the file or does not support its architecture."""
     from transformers import AutoConfig
 
-    if importlib.util.find_spec("gguf") is None:
-        raise OwnModelError(f"{file}: reading GGUF needs the gguf package: {GGUF_EXTRA}")
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise OwnModelError(
+            f"{file}: loading GGUF needs the {' and '.join(missing)} package(s): {GGUF_EXTRA}"
+        )
     try:
         with quiet_transformers():
             config = AutoConfig.from_pretrained(
@@ -422,7 +426,7 @@ def load_gguf_config(file: Path) -> tuple[Any, str]:
         raise OwnModelError(
             f"{file}: Transformers cannot read this GGUF file: {localise.one_line(exc)}"
         ) from None
-    data = config.to_dict()
+    data = json.loads(config.to_json_string(use_diff=False))  # plain JSON, as config.json
     try:
         repro.check_config_safety(data, where=str(file))
     except repro.BundleError as exc:
@@ -619,12 +623,15 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
         output_loading_info=True,
     )
     directory = prepared.source.path
+    quiet: Any = contextlib.nullcontext()
     if prepared.source.gguf is not None:
         directory = prepared.source.gguf.parent
-        load["gguf_file"] = prepared.source.gguf.name
+        load.update(gguf_file=prepared.source.gguf.name, **_dequantized())
+        # its own tqdm bar ("de-quantizing GGUF tensors"), which the logging switch misses
+        quiet = contextlib.redirect_stderr(io.StringIO())
     else:
         load["use_safetensors"] = True
-    with _quiet_loading():
+    with _quiet_loading(), quiet:
         try:
             model, info = cls.from_pretrained(str(directory), dtype=options.torch_dtype, **load)
         except TypeError as exc:  # Transformers < 4.56 takes torch_dtype only
@@ -635,6 +642,8 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
             )
     model = model.to(options.device).eval()
     notes = []
+    if prepared.source.gguf is not None:
+        notes.append(gguf_note(model, prepared.source.gguf, options.dtype))
     for key, what in (
         ("missing_keys", "missing from the checkpoint, initialised by Transformers"),
         ("mismatched_keys", "of another shape in the checkpoint, initialised by Transformers"),
@@ -645,6 +654,35 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             notes.append(f"{len(names)} weight(s) {what}: {shown}")
     return model, notes
+
+
+def gguf_note(model: nn.Module, file: Path, dtype: str) -> str:
+    """The note that says the verdict is about GGUF weights dequantized by Transformers;
+    ValueError (the check's build error) when the model did not come out as a plain dense
+    one (a quantizer kept, a parameter that is not floating point): that is not a model the
+    check can judge as a checkpoint's."""
+    packed = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+    if getattr(model, "hf_quantizer", None) is not None or packed:
+        raise ValueError(
+            f"{file.name}: Transformers kept GGUF weights quantized ({', '.join(packed[:3])}); "
+            "the check judges dequantized models only"
+        )
+    return (
+        f"weights from GGUF ({file.name}), dequantized to {dtype} by Transformers: the verdict "
+        "is about that dequantized model"
+    )
+
+
+def _dequantized() -> dict[str, Any]:
+    """from_pretrained's arguments that load a GGUF file as a plain dense model: Transformers
+    lines with GGUF blocks kept packed (`GgufConfig`) would otherwise keep them so, running
+    kernels fetched from the Hub where the `kernels` package is installed; older lines always
+    dequantize and take no such option."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 @dataclass(frozen=True)

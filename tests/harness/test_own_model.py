@@ -415,6 +415,6 @@ def test_gguf_without_the_gguf_package_says_how_to_install_it(tmp_path, monkeypa
         own_model.importlib.util, "find_spec", lambda n: None if n == "gguf" else find_spec(n)
     )
     with pytest.raises(
-        OwnModelError, match=r"needs the gguf package: pip install 'fusion-harness\[gguf\]'"
+        OwnModelError, match=r"needs the gguf package\(s\): pip install 'fusion-harness\[gguf\]'"
     ):
         own_model.prepare(str(real), tiny=False)
