@@ -990,8 +990,9 @@ def _add_check_parser(commands: Any) -> None:
         description="Check a model of your own with the oracles the sweep runs on the corpus: "
         "the fusion plan, fused vs unfused parity against a float64 reference, the lifecycle "
         "checks and a repro bundle for each failure. PATH is a local directory written by "
-        "save_pretrained (config.json + safetensors) or a config.json file; nothing is ever "
-        "downloaded, and a config naming custom code (auto_map, trust_remote_code) is refused. "
+        "save_pretrained (config.json + safetensors), a Hub cache folder (its snapshot), a "
+        ".gguf file loaded and dequantized by Transformers (the [gguf] extra), or a config.json "
+        "file; nothing is ever downloaded, and a config naming custom code (auto_map, trust_remote_code) is refused. "
         "With --tiny the config is shrunk by the corpus's rules and the weights are random "
         "(seconds); without it the model runs at its real size with the checkpoint's weights "
         "(random ones for a bare config), after a memory estimate that refuses what would not "
@@ -999,7 +1000,11 @@ def _add_check_parser(commands: Any) -> None:
         "model could not be built or run (1 with --strict-corpus); 2 bad usage or a refused "
         "PATH; 130 interrupted.",
     )
-    own.add_argument("path", metavar="PATH", help="checkpoint directory or config.json")
+    own.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint directory, Hub cache folder, .gguf file (the [gguf] extra) or config.json",
+    )
     _add_model_options(own)
     own.add_argument(
         "--tiny",

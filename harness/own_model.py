@@ -77,7 +77,8 @@ LIFECYCLE_DISK_COPIES = 2
 
 NEVER_DOWNLOADS = (
     "fusion-harness check never downloads: give a local directory written by "
-    "save_pretrained (config.json + safetensors) or a config.json file"
+    "save_pretrained (config.json + safetensors), a Hub cache folder (models--ORG--NAME), "
+    "a .gguf file or a config.json file"
 )
 
 
