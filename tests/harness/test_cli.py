@@ -397,3 +397,17 @@ def test_the_resume_hint_repeats_the_original_arguments(argv, expected):
     """Before: the hint was `run --resume FILE`, which resumed a 10-architecture sweep as the
     whole corpus."""
     assert cli.resume_command(argv, Path("r.jsonl")) == f"fusion-harness {expected}"
+
+
+def test_list_into_a_closed_pipe_stops_quietly():
+    """Before: `fusion-harness list | head` built every model first, then exited 1 with no
+    word why. Now each line is printed once known (in name order) and a reader that stops
+    reading ends the listing: exit 0, nothing on stderr, the remaining builds not waited for."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "harness", "list", "-j", "1", "--arch", "llama", "gpt2", "qwen*"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline().decode()
+    proc.stdout.close()  # `head -1`
+    _, err = proc.communicate(timeout=120)
+    assert first.split()[:2] == ["gpt2", "ok"]
+    assert proc.returncode == 0 and err == b"", err
