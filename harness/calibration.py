@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import corpus
 import fusion
 from fusion.kernels import calibration
 from fusion.kernels.policy import POLICY
+from harness import localise, own_model
+from harness.argtypes import Parser, positive_float, positive_int, positive_ints
 from harness.bench.cases import END_TO_END
 
 MODELS = {name: (arch, config) for name, arch, config in END_TO_END}
@@ -38,7 +40,7 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of `fusion-harness calibrate`."""
-    parser = argparse.ArgumentParser(prog="fusion-harness calibrate", description=DESCRIPTION)
+    parser = Parser(prog="fusion-harness calibrate", description=DESCRIPTION)
     parser.add_argument(
         "--model",
         action="append",
@@ -54,21 +56,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="a config.json, or a checkpoint directory holding one: calibrate for that "
         "model's widths (weights are random; nothing is downloaded)",
     )
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers built (default 2)")
+    parser.add_argument(
+        "--layers", type=positive_int, default=2, help="decoder layers built (default 2)"
+    )
     parser.add_argument(
         "--tokens",
-        default="1,16,128",
+        type=positive_ints,
+        default=(1, 16, 128),
         help="comma-separated token counts to run the model at (default 1,16,128)",
     )
     parser.add_argument(
         "--threads",
+        type=positive_ints,
         default=None,
         help="comma-separated torch thread counts to measure at (default: torch's current)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--refresh", action="store_true", help="measure again what is measured")
     parser.add_argument(
-        "--budget", type=float, default=calibration.BUDGET_S, help="seconds of calls per product"
+        "--budget",
+        type=positive_float,
+        default=calibration.BUDGET_S,
+        help="seconds of calls per product",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="build even when the memory estimate exceeds the available memory",
     )
     parser.add_argument("--show", action="store_true", help="print this machine's table and exit")
     parser.add_argument("--forget", action="store_true", help="delete this machine's table")
@@ -86,39 +100,71 @@ def main(argv: list[str]) -> int:
         return 2
 
 
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise ValueError(f"{option} {text!r}: expected comma-separated positive integers")
-    return values
-
-
 def _load_config(path: Path) -> Any:
-    """A Transformers config from a config.json or a directory holding one (local only)."""
-    from transformers import AutoConfig
+    """A Transformers config from a config.json or a directory holding one (local only).
 
+    Read as `check` reads one (`harness.own_model.read_config_dict` and `load_config`: strict
+    JSON, no custom code, a causal-LM model type the installed Transformers knows), so a bad
+    file is one ValueError line naming it (exit 2), never a traceback.
+    """
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"--config {path}: no config.json there")
-    data = json.loads(file.read_text())
-    model_type = data.pop("model_type", None)
-    if not model_type:
-        raise ValueError(f"--config {path}: config.json has no model_type")
-    return AutoConfig.for_model(model_type, **data)
+    try:
+        config, _ = own_model.load_config(own_model.read_config_dict(file))
+    except own_model.OwnModelError as exc:
+        message = str(exc)
+        raise ValueError(
+            message if str(file) in message else f"--config {file}: {message}"
+        ) from None
+    return config
+
+
+def _memory_line(name: str, config: Any, layers: int, dtype: str, *, force: bool) -> str:
+    """The memory estimate of building `config` cut to `layers` layers (the model and the
+    fused copy's merged weights) against the available memory, in `check`'s words; ValueError
+    (exit 2) where it would not fit, unless `force`. Counted on the meta device, so a config
+    of absurd widths is refused before anything is allocated; a model that does not construct
+    there refuses too, unless `force`, as `check` does."""
+    cut = _cut_layers(config, layers)
+    parameters = own_model.count_parameters(cut, corpus.arch_for_config(cut))
+    if parameters is None:
+        if force:
+            return (
+                "memory: not estimated (the model does not construct on the meta device); --force"
+            )
+        raise ValueError(
+            f"{name}: cannot estimate the memory this model needs (it does not construct on "
+            "the meta device: sizes too large to count?); --force builds it anyway"
+        )
+    size = parameters * own_model.dtype_bytes(getattr(torch, dtype))
+    estimate = own_model.MemoryEstimate(parameters, dtype, (("model", size), ("fused", size)))
+    available = own_model.available_memory("cpu")
+    if available is None:
+        return f"{estimate.format()}; available memory unknown"
+    free, where = available
+    line = f"{estimate.format()}; {where} {own_model.human_bytes(free)}"
+    if estimate.total <= free or force:
+        return line + ("; over it, --force" if estimate.total > free else "")
+    raise ValueError(
+        f"{name}: {line}: it would not fit; try fewer --layers, or --force to build it anyway"
+    )
 
 
 def _build(config: Any, layers: int, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_cut_layers(config, layers), dtype=dtype).eval()
+
+
+def _cut_layers(config: Any, layers: int) -> Any:
+    """A copy of `config` with at most `layers` decoder layers (`config` untouched)."""
     config = copy.deepcopy(config)
     for name in ("num_hidden_layers", "n_layer", "num_layers"):
         if hasattr(config, name):
             setattr(config, name, min(layers, getattr(config, name)))
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return config
 
 
 def _targets(args: argparse.Namespace) -> list[tuple[str, Any]]:
@@ -151,12 +197,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             shape = "x".join(map(str, entry.shape))
             print(f"  {entry.op} {shape} {entry.dtype}: {entry.summary(tuple(entry.ratios))}")
         return 0
-    tokens = _ints(args.tokens, "--tokens")
-    threads = _ints(args.threads, "--threads") if args.threads else None
+    tokens = args.tokens
+    threads = args.threads
     dtype = getattr(torch, args.dtype)
     for name, config in _targets(args):
+        memory = _memory_line(name, config, args.layers, args.dtype, force=args.force)
+        print(f"{name}: {memory}", flush=True)
         print(f"{name}: building {args.layers} layers at real widths ({args.dtype})", flush=True)
-        fused = _build(config, args.layers, dtype)
+        try:
+            fused = _build(config, args.layers, dtype)
+        except Exception as exc:  # the user's config (or --force): one line, exit 2
+            raise ValueError(f"{name}: cannot build the model: {localise.one_line(exc)}") from None
         report = fusion.fuse(fused)
         if not report.applied:
             print(f"{name}: fusion.fuse applied nothing; nothing to calibrate")

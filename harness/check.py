@@ -136,6 +136,10 @@ def make_inputs(model: nn.Module, options: CheckOptions) -> dict[str, Any]:
     )
 
 
+def _silent(step: str) -> None:
+    """The progress of a check nobody watches (the sweep's workers)."""
+
+
 def check_model(
     name: str,
     model: nn.Module,
@@ -144,19 +148,25 @@ def check_model(
     *,
     fuse: FuseFn | None = None,
     started: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Checked:
     """Check an already built model on `inputs` (see the module docstring for the steps).
 
     `model` is left unfused (the fused model and the float64 reference are deep copies), so a
     caller may inspect it afterwards. `options.system` names the system under test; `fuse`
     replaces `fusion.fuse` for the `fusion` system (ValueError for another system).
+    `progress` is told each step as it starts (fusing, the forwards, each lifecycle operation):
+    a real-size check takes minutes.
     """
     started = time.perf_counter() if started is None else started
+    progress = progress or _silent
+    progress("copying the model (fused copy, float64 reference)")
     system = systems.get(options.system, fuse=fuse)
     model.eval()
     subject = _subject(name, model, options)
     fused = copy.deepcopy(model)
     reference = float64_reference(model)
+    progress(f"applying {system.name}")
     try:
         with warned.capture() as fusing_warnings:
             prepared = system.apply(fused)
@@ -181,6 +191,7 @@ def check_model(
     elif prepared.applied:
         fusion_fields = {"applied": dict(prepared.applied)}
 
+    progress("forwards: unfused, float64 reference, fused")
     runs = _Forwards()
     alone = localise.block_children(model) if system.localise_alone else []
     try:
@@ -198,6 +209,7 @@ def check_model(
     runs.alone_calls = {q: recorded[q] for q in alone}
     _run_reference_and_fused(runs, reference, fused, inputs, options.torch_dtype)
     note = system.note()  # before a localisation applies the system again
+    progress("judging the logits and every fused module")
     judged = _judge(runs, model, fused, reference, inputs, options, applied, system)
     status, message = judged.status, judged.message
     cycle: dict[str, dict[str, str]] = {}
@@ -214,6 +226,7 @@ def check_model(
             parity.logits_of(runs.fused),
             mode=options.lifecycle,
             fuse=lambda model: system.apply(model).report,
+            progress=progress,
         )
         status, message = _with_lifecycle(status, message, cycle, judged.failures)
     warnings_record = _warnings(runs, fusing_warnings, system.diagnostics)

@@ -16,8 +16,9 @@
 
 Exit status: 0 success; 1 a fusion failure (run, merge: parity of the logits, a fused module
 or a lifecycle operation, a fused-only error, a fuse error, a crashed or timed-out worker) or a
-reproducing failure (repro); 3 (run, merge) no fusion failure, but the corpus could not build
-or run an unfused model (build-error, forward-error; 1 with --strict-corpus); 2 bad usage or
+reproducing failure (repro); 3 (run, merge, check, list, show) no fusion failure, but the
+corpus could not build or run an unfused model (build-error, forward-error; 1 with
+--strict-corpus); 2 bad usage or
 unusable input or output (unknown architecture, malformed bundle, unusable or unwritable
 results file, shards that do not merge, an output that could not be written); 4 (run, merge
 with --fail-on-drift-loss) no fusion failure, but fusions were lost against the golden plan
@@ -35,6 +36,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -42,9 +44,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.argtypes import Parser, non_negative_int, positive_float, positive_int
 from harness.results import ResultsError
 
 EXIT_USAGE = 2
+EXIT_CORPUS = 3
+"""A corpus problem and no fusion failure (see the module docstring)."""
 EXIT_INTERRUPTED = 130
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -83,7 +88,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         help="dtype of the unfused and fused models (the reference is always float64)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the weights and inputs (default 0)"
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="seed of the weights and inputs (default 0)",
     )
 
 
@@ -99,7 +107,7 @@ def _add_arch_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fusion-harness",
         description="Differential testing of fused vs unfused Transformers models: every "
         "causal-LM architecture as a tiny random model, fused with fusion.fuse and compared "
@@ -141,14 +149,14 @@ def _add_run_parser(commands: Any) -> None:
     run.add_argument(
         "-j",
         "--jobs",
-        type=int,
+        type=positive_int,
         default=os.cpu_count() or 1,
         metavar="N",
         help="worker processes (default: number of CPUs)",
     )
     run.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="S",
         help="seconds one architecture may take before its worker is killed (default 120; "
@@ -263,10 +271,15 @@ def _add_other_parsers(commands: Any) -> None:
     _add_arch_option(listing)
     _add_model_options(listing)
     listing.add_argument(
-        "-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="worker processes"
+        "-j",
+        "--jobs",
+        type=positive_int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="worker processes",
     )
     listing.add_argument(
-        "--timeout", type=float, default=120.0, metavar="S", help="seconds per build"
+        "--timeout", type=positive_float, default=120.0, metavar="S", help="seconds per build"
     )
     listing.set_defaults(handler=cmd_list)
 
@@ -406,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return calibration.main(argv[1:])
         args = build_parser().parse_args(argv)
+        args.argv = argv
         return args.handler(args)
     except Exception as exc:
         if not isinstance(exc, _usage_errors()):
@@ -574,15 +588,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(_explain(verdict, run.results, found), file=sys.stderr)
     if run.interrupted:
         missing = len(names) - len(run.results)
+        again = resume_command(getattr(args, "argv", None), results_path)
         print(
-            f"interrupted: {missing} architectures not run; continue with "
-            f"`fusion-harness run --resume {results_path}` (same options)",
+            f"interrupted: {missing} architectures not run; continue with `{again}`",
             file=sys.stderr,
         )
         return status
     if args.update_expected:
         _update_expected(run.results, options)
     return status
+
+
+def resume_command(argv: Sequence[str] | None, results: Path) -> str:
+    """The command line that continues an interrupted `run`: its own arguments (`argv`,
+    starting with "run") with --results and --resume (argparse's abbreviations of them too)
+    replaced by `--resume RESULTS`, quoted for a POSIX shell, so a sweep of ten architectures
+    resumes as those ten under the same options, not as the whole corpus. Without `argv` (a
+    caller that parsed none), the bare resume."""
+    kept: list[str] = []
+    skip = False
+    for arg in list(argv or ["run"])[1:]:
+        if skip:
+            skip = False
+            continue
+        name, equals, _ = arg.partition("=")
+        if len(name) > 3 and any(o.startswith(name) for o in ("--results", "--resume")):
+            skip = not equals
+            continue
+        kept.append(arg)
+    return shlex.join(["fusion-harness", "run", *kept, "--resume", str(results)])
 
 
 def _stdout_closed() -> None:
@@ -632,6 +666,8 @@ def _print_summary(
     if problems:
         print("\n" + problems)
     print("\n" + summary.format_totals(summary.totals(results), wall=wall, jobs=jobs))
+    for reason in summary.not_run_reasons(results):
+        print(f"note: {reason}")
     if ours:
         print(reach.format_reach(reach.reach(results)))
 
@@ -840,6 +876,11 @@ def _update_expected(results, options) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """`fusion-harness list`: every selected architecture with its build status, in name
+    order, each line printed as soon as it and every name before it are known (the builds
+    run in workers, dispatched in that order), so `list | head` shows its lines at once.
+    Returns 0 when every buildable one built, 3 (a corpus problem, as `run`) otherwise; a
+    reader that stops reading ends the listing quietly (the workers are stopped, exit 0)."""
     from harness import architectures, pool, sweep
 
     pool.start_server()
@@ -849,7 +890,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         args.arch, [*architectures.available(options.plugins), *unbuildable]
     )
     names = [n for n in chosen if n not in unbuildable]
-    statuses: dict[str, str] = {}
+    statuses = {name: f"unbuildable: {unbuildable[name]}" for name in chosen if name in unbuildable}
     outcomes = pool.run_tasks(
         [(name, (name, options)) for name in names],
         sweep.build_task,
@@ -858,21 +899,42 @@ def cmd_list(args: argparse.Namespace) -> int:
         setup=sweep.setup_worker,
         setup_args=(options.plugins,),
     )
-    with contextlib.closing(outcomes):
-        for outcome in outcomes:
-            failed = f"{outcome.status}: {outcome.detail}"
-            statuses[outcome.key] = outcome.value if outcome.status == "done" else failed
     width = max((len(n) for n in chosen), default=0)
-    for name in chosen:
-        status = statuses.get(name) or f"unbuildable: {unbuildable[name]}"
-        print(f"{name:<{width}}  {status}")
-    built = sum(s.startswith("ok") for s in statuses.values())
+    printer = _InOrder(chosen, width)
+    with contextlib.closing(outcomes):
+        try:
+            printer.flush(statuses)
+            for outcome in outcomes:
+                failed = f"{outcome.status}: {outcome.detail}"
+                statuses[outcome.key] = outcome.value if outcome.status == "done" else failed
+                printer.flush(statuses)
+        except BrokenPipeError:
+            _stdout_closed()
+            return 0
+    built = sum(statuses[n].startswith("ok") for n in names)
     print(
         f"\n{len(names)} in the corpus, {built} built; "
         f"{len(chosen) - len(names)} known unbuildable",
         file=sys.stderr,
     )
-    return 0 if built == len(names) else 1
+    return 0 if built == len(names) else EXIT_CORPUS
+
+
+@dataclasses.dataclass
+class _InOrder:
+    """Prints `names` in their order, each as soon as it and all before it have a status."""
+
+    names: Sequence[str]
+    width: int
+    printed: int = 0
+
+    def flush(self, statuses: dict[str, str]) -> None:
+        """Print every not yet printed name whose status (and every earlier one's) is known;
+        BrokenPipeError when the reader of stdout went away."""
+        while self.printed < len(self.names) and self.names[self.printed] in statuses:
+            name = self.names[self.printed]
+            print(f"{name:<{self.width}}  {statuses[name]}", flush=True)
+            self.printed += 1
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -885,7 +947,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     unbuildable = architectures.unbuildable()
     if args.arch in unbuildable:
         print(f"fusion-harness: {args.arch} is known unbuildable: {unbuildable[args.arch]}")
-        return 1
+        return EXIT_CORPUS
     names = architectures.available(options.plugins)
     if args.arch not in names:
         try:
@@ -908,7 +970,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         )
     except Exception as exc:
         print(f"fusion-harness: cannot build {args.arch}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_CORPUS
     print(fusion.plan(model))
     report = fusion.fuse(model)
     rewritten = [r for r in report.applied if r.original_source is not None]
@@ -928,8 +990,9 @@ def _add_check_parser(commands: Any) -> None:
         description="Check a model of your own with the oracles the sweep runs on the corpus: "
         "the fusion plan, fused vs unfused parity against a float64 reference, the lifecycle "
         "checks and a repro bundle for each failure. PATH is a local directory written by "
-        "save_pretrained (config.json + safetensors) or a config.json file; nothing is ever "
-        "downloaded, and a config naming custom code (auto_map, trust_remote_code) is refused. "
+        "save_pretrained (config.json + safetensors), a Hub cache folder (its snapshot), a "
+        ".gguf file loaded and dequantized by Transformers (the [gguf] extra), or a config.json "
+        "file; nothing is ever downloaded, and a config naming custom code (auto_map, trust_remote_code) is refused. "
         "With --tiny the config is shrunk by the corpus's rules and the weights are random "
         "(seconds); without it the model runs at its real size with the checkpoint's weights "
         "(random ones for a bare config), after a memory estimate that refuses what would not "
@@ -937,7 +1000,11 @@ def _add_check_parser(commands: Any) -> None:
         "model could not be built or run (1 with --strict-corpus); 2 bad usage or a refused "
         "PATH; 130 interrupted.",
     )
-    own.add_argument("path", metavar="PATH", help="checkpoint directory or config.json")
+    own.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint directory, Hub cache folder, .gguf file (the [gguf] extra) or config.json",
+    )
     _add_model_options(own)
     own.add_argument(
         "--tiny",
@@ -978,7 +1045,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         _probe_file(args.json, "--json")
     repro_dir = _repro_dir(args)
 
-    from harness import own_model, summary
+    from harness import own_model, progress, summary
 
     options = dataclasses.replace(
         _check_options(args), lifecycle="all" if args.lifecycle == "full" else args.lifecycle
@@ -990,7 +1057,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         estimate = own_model.estimate_memory(prepared.parameters, options.dtype, options.lifecycle)
     available = own_model.available_memory(options.device)
     print(own_model.check_memory(estimate, available, force=args.force), flush=True)
-    outcome = own_model.run_check(prepared, options, repro_dir=repro_dir)
+    steps = progress.Steps("check")
+    try:
+        outcome = own_model.run_check(prepared, options, repro_dir=repro_dir, progress=steps)
+    finally:
+        steps.close()
     results = [outcome.result]
     verdict = summary.exit_status(results, strict_corpus=args.strict_corpus)
     status = verdict
@@ -1012,7 +1083,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if problems:
             print("\n" + problems)
         print("\n" + summary.format_totals(summary.totals(results)))
-        for note in outcome.notes:
+        for note in [*summary.not_run_reasons(results), *outcome.notes]:
             print(f"note: {note}")
         sys.stdout.flush()
     except BrokenPipeError:
@@ -1049,6 +1120,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             "is a results file"
         )
     results = read_results(args.results)
+    if not results:
+        raise UsageError(f"{args.results} holds no results (an empty file); nothing to report")
     comparison, note = _golden_comparison(results, args.expected)
     found = None if comparison or args.expected else _report_drift(results)
     text = report_md.render(
@@ -1171,6 +1244,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.json is not None:
         _probe_file(args.json, "--json")
     merged = shard.merge([(path, read_results(path)) for path in args.inputs])
+    if not merged.results:
+        raise UsageError(
+            f"{' '.join(map(str, args.inputs))}: no results in any file (empty); nothing to merge"
+        )
     first = merged.results[0] if merged.results else None
     options = {
         "dtype": getattr(first, "dtype", None),

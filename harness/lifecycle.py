@@ -214,11 +214,13 @@ def check(
     *,
     mode: str = "quick",
     fuse: Callable[[nn.Module], Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, str]]:
     """{operation: {"verdict", "detail"}} for every operation of `OPERATIONS` (empty when
     `mode` is `off`). Never raises for a model-side problem; `unfused` and `fused` are left as
     they were (every operation works on deep copies). `fuse` is how `fused` was made from
-    `unfused` (default `fusion.fuse`), for the operations that fuse a copy themselves."""
+    `unfused` (default `fusion.fuse`), for the operations that fuse a copy themselves.
+    `progress` is told each operation as it starts ("lifecycle train (2/15)")."""
     if mode not in MODES:
         raise ValueError(f"lifecycle mode {mode!r} is not one of {MODES}")
     if mode == "off":
@@ -234,10 +236,12 @@ def check(
         fusion.fuse if fuse is None else fuse,
     )
     results: dict[str, dict[str, str]] = {}
-    for name, operation in _OPERATIONS.items():
+    for number, (name, operation) in enumerate(_OPERATIONS.items(), start=1):
         if name == "compile" and not _compiles(mode, architecture):
             verdict = OpVerdict("n/a", NOT_COMPILED)
         else:
+            if progress is not None:
+                progress(f"lifecycle {name} ({number}/{len(_OPERATIONS)})")
             verdict = _run(operation, ctx)
             gc.collect()  # an operation's copies (reference cycles) go before the next one's
         results[name] = verdict.record()
@@ -247,6 +251,17 @@ def check(
 
 NOT_COMPILED = "not run in this mode (`--lifecycle full` compiles a selection, `all` every model)"
 """The detail of a `compile` verdict the mode skipped (`harness.plans` ignores it)."""
+
+NOT_INSTALLED = "not installed: "
+"""How the detail of an operation that needs a missing optional package starts ("not
+installed: peft (pip install peft)"): recorded `n/a` (results files and golden plans keep their
+format), shown "not run" with that reason (`harness.summary.shown_verdict`), since nothing was
+tried and the unfused model may well be able to do it."""
+
+
+def not_installed(package: str) -> str:
+    """The n/a detail of an operation whose optional `package` does not import here."""
+    return f"{NOT_INSTALLED}{package} (pip install {package})"
 
 
 def _compiles(mode: str, architecture: str) -> bool:
@@ -1363,7 +1378,7 @@ def _lora_after_fuse(ctx: Context) -> str:
     try:
         import peft
     except ImportError as exc:
-        raise _NotApplicable("peft is not installed (pip install peft)") from exc
+        raise _NotApplicable(not_installed("peft")) from exc
     targets = _lora_targets(ctx.fused)
     if not targets:
         raise _NotApplicable("no merged projection for a LoRA adapter to target")

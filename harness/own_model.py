@@ -28,16 +28,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib.util
+import io
 import json
 import re
 import stat
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers.utils import logging as hf_logging
 
@@ -74,7 +77,8 @@ LIFECYCLE_DISK_COPIES = 2
 
 NEVER_DOWNLOADS = (
     "fusion-harness check never downloads: give a local directory written by "
-    "save_pretrained (config.json + safetensors) or a config.json file"
+    "save_pretrained (config.json + safetensors), a Hub cache folder (models--ORG--NAME), "
+    "a .gguf file or a config.json file"
 )
 
 
@@ -88,10 +92,15 @@ class Source:
     """What PATH names: the config file and, for a checkpoint directory, its weight files."""
 
     path: Path
-    """PATH as resolved (absolute, symlinks followed)."""
+    """PATH as resolved (absolute, symlinks followed; a Hub snapshot's folder as chosen)."""
     config_file: Path
+    """config.json, or for a GGUF source the .gguf file (whose metadata holds the config)."""
     weights: tuple[Path, ...] = ()
-    """The directory's safetensors files (empty: a bare config, or a directory without weights)."""
+    """The directory's safetensors files (empty: a bare config, or a directory without
+    weights), or the one .gguf file."""
+    gguf: Path | None = None
+    """The GGUF file the weights (and config) come from, loaded through Transformers' own
+    GGUF support and dequantized; None for every other source."""
 
     @property
     def directory(self) -> Path | None:
@@ -142,11 +151,21 @@ class Prepared:
         """True when the check loads the checkpoint's weights (real size, safetensors present)."""
         return not self.tiny and bool(self.source.weights)
 
+    def loading(self) -> str:
+        """The build step in words, for progress ("loading the checkpoint's weights")."""
+        if self.checkpoint_weights and self.source.gguf is not None:
+            return f"loading and dequantizing {self.source.gguf.name} (GGUF)"
+        if self.checkpoint_weights:
+            return "loading the checkpoint's weights"
+        return "building the model with seeded random weights"
+
     def describe(self) -> str:
         """One line: architecture, class, size and where the weights come from."""
         size = f"{self.parameters:,} parameters" if self.parameters is not None else "size unknown"
         shrunk = ", shrunk with the corpus rules (--tiny)" if self.tiny else ""
-        if self.checkpoint_weights:
+        if self.checkpoint_weights and self.source.gguf is not None:
+            weights = f"weights from GGUF ({self.source.gguf.name}), dequantized by Transformers"
+        elif self.checkpoint_weights:
             names = ", ".join(p.name for p in self.source.weights[:3])
             more = (
                 f" and {len(self.source.weights) - 3} more" if len(self.source.weights) > 3 else ""
@@ -171,13 +190,16 @@ def human_bytes(size: float) -> str:
 
 def resolve_source(text: str, *, tiny: bool = False) -> Source:
     """The Source that PATH names; OwnModelError unless it is an existing local directory with
-    a config.json or a JSON config file.
+    a config.json (a checkpoint), a Hub cache folder (`models--ORG--NAME`, its snapshot chosen
+    by `refs/main` or as the only one), a directory holding one .gguf file, a .gguf file or a
+    JSON config file.
 
     Safe because nothing but the local file system is consulted: a name that does not exist
     here (a Hub id included) is refused with a message saying that the check never downloads.
     A directory whose only weights are pickles (`.bin`, `.pt`) is refused too unless `tiny`
     (which loads no weights), rather than checked with random weights the user did not ask
-    for (the check loads safetensors only).
+    for (the check loads safetensors and GGUF only), and so is a safetensors file that is not
+    whole (`safetensors_problem`) or a .gguf file without GGUF's magic, naming the file.
     """
     path = Path(text).expanduser()
     if not path.exists():
@@ -185,22 +207,123 @@ def resolve_source(text: str, *, tiny: bool = False) -> Source:
         what = "looks like a Hub model id and is not a local path" if hub else "does not exist"
         raise OwnModelError(f"{text!r} {what}; {NEVER_DOWNLOADS}")
     path = path.resolve()
+    if path.is_dir() and not (path / "config.json").is_file():
+        snapshot = hub_snapshot(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if snapshot is not None:
+            path = snapshot
+        elif len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            more = f" but {len(ggufs)} .gguf files (name one)" if ggufs else ""
+            raise OwnModelError(f"{path} has no config.json{more}; {NEVER_DOWNLOADS}")
     if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise OwnModelError(f"{path} has no config.json; {NEVER_DOWNLOADS}")
-        weights = tuple(sorted(path.glob("*.safetensors")))
-        pickled = any(any(path.glob(pattern)) for pattern in PICKLE_WEIGHTS)
-        if pickled and not weights and not tiny:
-            raise OwnModelError(
-                f"{path} holds weights only as pickles (.bin/.pt), which the check does not "
-                "load (unpickling can run code); convert them to safetensors (save_pretrained "
-                "does), or use --tiny to check the architecture with random weights"
-            )
-        return Source(path, config_file, weights)
+        return _checkpoint_directory(path, tiny=tiny)
+    if path.is_file() and path.suffix == ".gguf":
+        problem = gguf_problem(path)
+        if problem:
+            raise OwnModelError(f"{path}: {problem}")
+        return Source(path, path, (path,), gguf=path)
     if path.is_file() and path.suffix == ".json":
         return Source(path, path)
-    raise OwnModelError(f"{path} is neither a checkpoint directory nor a .json config file")
+    raise OwnModelError(
+        f"{path} is neither a checkpoint directory, a .gguf file nor a .json config file"
+    )
+
+
+def _checkpoint_directory(path: Path, *, tiny: bool) -> Source:
+    """The Source of a directory holding config.json (see resolve_source)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise OwnModelError(f"{path} has no config.json; {NEVER_DOWNLOADS}")
+    weights = tuple(sorted(path.glob("*.safetensors")))
+    if not tiny:
+        for file in weights:
+            problem = safetensors_problem(file)
+            if problem:
+                raise OwnModelError(f"{file}: {problem}; is the checkpoint complete?")
+    pickled = any(any(path.glob(pattern)) for pattern in PICKLE_WEIGHTS)
+    if pickled and not weights and not tiny:
+        raise OwnModelError(
+            f"{path} holds weights only as pickles (.bin/.pt), which the check does not "
+            "load (unpickling can run code); convert them to safetensors (save_pretrained "
+            "does), or use --tiny to check the architecture with random weights"
+        )
+    return Source(path, config_file, weights)
+
+
+def hub_snapshot(path: Path) -> Path | None:
+    """The snapshot folder of a Hub cache folder (`models--ORG--NAME/snapshots/HASH`): the
+    one `refs/main` names, else the only one; None when `path` is no such folder (or holds
+    several snapshots and no ref to choose between them: the caller refuses it)."""
+    snapshots = path / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = path / "refs" / "main"
+    if ref.is_file():
+        chosen = snapshots / ref.read_text(encoding="ascii", errors="replace").strip()
+        if chosen.is_dir():
+            return chosen
+    found = [p for p in snapshots.iterdir() if p.is_dir()]
+    return found[0] if len(found) == 1 else None
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_problem(file: Path) -> str | None:
+    """Why `file` cannot be a GGUF file (no GGUF magic, unreadable), or None."""
+    try:
+        with file.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if magic != GGUF_MAGIC:
+        return "not a GGUF file (it does not start with GGUF's magic bytes)"
+    return None
+
+
+SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
+"""Largest safetensors header read (the format's own bound; real ones are kilobytes)."""
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why `file` is not a whole safetensors file, or None when it is.
+
+    Reads only the header (an 8-byte little-endian length, then that much JSON mapping each
+    tensor to its byte range in the data that follows) and the file's size: a file cut short
+    (an interrupted copy or download) holds less data than its header's largest end offset.
+    Checked before loading, so the user is told which file is damaged rather than that the
+    model "cannot build"."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                return f"truncated: {size} bytes, not even a safetensors header"
+            length = int.from_bytes(prefix, "little")
+            if length > min(SAFETENSORS_MAX_HEADER, size - 8):
+                return f"not a safetensors file (header of {length} bytes in a {size}-byte file)"
+            header = json.loads(handle.read(length).decode("utf-8"))
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__"
+        and isinstance(entry, dict)
+        and isinstance(entry.get("data_offsets"), list)
+        and len(entry["data_offsets"]) == 2
+        and isinstance(entry["data_offsets"][1], int)
+    ]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        return f"truncated: {size:,} bytes where its header describes {needed:,}"
+    return None
 
 
 def read_config_dict(file: Path) -> dict[str, Any]:
@@ -257,7 +380,8 @@ def load_config(data: Mapping[str, Any]) -> tuple[Any, str]:
         config = corpus.config_from_dict(model_type, dict(data))
     except KeyError:
         raise OwnModelError(
-            f"model_type {model_type!r} is unknown to the installed Transformers"
+            f"model_type {printable_name(model_type)} is unknown to the installed Transformers "
+            f"{transformers.__version__} (`fusion-harness list` lists its causal-LM types)"
         ) from None
     except Exception as exc:
         raise OwnModelError(f"Transformers rejects this config: {localise.one_line(exc)}") from None
@@ -269,6 +393,46 @@ def load_config(data: Mapping[str, Any]) -> tuple[Any, str]:
             "the check runs causal language models"
         ) from None
     return _with_pad_token(config), architecture
+
+
+def printable_name(text: str, limit: int = 60) -> str:
+    """`text` quoted for a one-line message, cut to `limit` characters (a config's
+    model_type is the user's file, not ours: it may be anything)."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
+
+
+GGUF_EXTRA = "pip install 'fusion-harness[gguf]' (or pip install gguf accelerate)"
+
+
+def load_gguf_config(file: Path) -> tuple[Any, str]:
+    """(Transformers config, corpus architecture) from a GGUF file's metadata, read by
+    Transformers' own GGUF support (`AutoConfig.from_pretrained(dir, gguf_file=...)`, local
+    files only). The resulting config passes the same safety and causal-LM checks as a
+    config.json's. OwnModelError without the `gguf` package, or where Transformers cannot
+    read the file or does not support its architecture."""
+    from transformers import AutoConfig
+
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise OwnModelError(
+            f"{file}: loading GGUF needs the {' and '.join(missing)} package(s): {GGUF_EXTRA}"
+        )
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(
+                str(file.parent), gguf_file=file.name, local_files_only=True
+            )
+    except Exception as exc:
+        raise OwnModelError(
+            f"{file}: Transformers cannot read this GGUF file: {localise.one_line(exc)}"
+        ) from None
+    data = json.loads(config.to_json_string(use_diff=False))  # plain JSON, as config.json
+    try:
+        repro.check_config_safety(data, where=str(file))
+    except repro.BundleError as exc:
+        raise OwnModelError(str(exc)) from None
+    return load_config(data)
 
 
 def _with_pad_token(config: Any) -> Any:
@@ -320,7 +484,10 @@ def prepare(text: str, *, tiny: bool) -> Prepared:
     """PATH validated, its config loaded (and shrunk with `tiny`) and its model counted;
     OwnModelError for anything the check refuses. Reads only local files; builds nothing."""
     source = resolve_source(text, tiny=tiny)
-    config, architecture = load_config(read_config_dict(source.config_file))
+    if source.gguf is not None:
+        config, architecture = load_gguf_config(source.gguf)
+    else:
+        config, architecture = load_config(read_config_dict(source.config_file))
     if tiny:
         config = shrink_config(config, architecture)
     return Prepared(source, config, architecture, tiny, count_parameters(config, architecture))
@@ -434,7 +601,9 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
     With checkpoint weights: the causal-LM class's `from_pretrained` of the directory with the
     validated config object (config.json is not read again), `local_files_only=True`,
     `use_safetensors=True` and no remote code, so nothing is downloaded, unpickled or run; a
-    weight the checkpoint lacks is named in the notes (Transformers initialises it). Otherwise
+    weight the checkpoint lacks is named in the notes (Transformers initialises it). A GGUF
+    source loads through Transformers' own GGUF support (`gguf_file=`), which dequantizes every
+    tensor to `options.dtype`: the model checked is that dequantized float model. Otherwise
     `corpus.build_from_config`: seeded random weights, bit-identical for the same config and
     seed. Raises whatever the build raises; the caller records it as a build error.
     """
@@ -448,26 +617,34 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
         )
         return model, []
     cls = model_class(prepared.architecture)
-    load = dict(
+    load: dict[str, Any] = dict(
         config=copy.deepcopy(prepared.config),
         local_files_only=True,
-        use_safetensors=True,
         trust_remote_code=False,
         output_loading_info=True,
     )
-    with _quiet_loading():
+    directory = prepared.source.path
+    quiet: Any = contextlib.nullcontext()
+    if prepared.source.gguf is not None:
+        directory = prepared.source.gguf.parent
+        load.update(gguf_file=prepared.source.gguf.name, **_dequantized())
+        # its own tqdm bar ("de-quantizing GGUF tensors"), which the logging switch misses
+        quiet = contextlib.redirect_stderr(io.StringIO())
+    else:
+        load["use_safetensors"] = True
+    with _quiet_loading(), quiet:
         try:
-            model, info = cls.from_pretrained(
-                str(prepared.source.path), dtype=options.torch_dtype, **load
-            )
+            model, info = cls.from_pretrained(str(directory), dtype=options.torch_dtype, **load)
         except TypeError as exc:  # Transformers < 4.56 takes torch_dtype only
             if "dtype" not in str(exc):
                 raise
             model, info = cls.from_pretrained(
-                str(prepared.source.path), torch_dtype=options.torch_dtype, **load
+                str(directory), torch_dtype=options.torch_dtype, **load
             )
     model = model.to(options.device).eval()
     notes = []
+    if prepared.source.gguf is not None:
+        notes.append(gguf_note(model, prepared.source.gguf, options.dtype))
     for key, what in (
         ("missing_keys", "missing from the checkpoint, initialised by Transformers"),
         ("mismatched_keys", "of another shape in the checkpoint, initialised by Transformers"),
@@ -480,6 +657,35 @@ def build_model(prepared: Prepared, options: check.CheckOptions) -> tuple[nn.Mod
     return model, notes
 
 
+def gguf_note(model: nn.Module, file: Path, dtype: str) -> str:
+    """The note that says the verdict is about GGUF weights dequantized by Transformers;
+    ValueError (the check's build error) when the model did not come out as a plain dense
+    one (a quantizer kept, a parameter that is not floating point): that is not a model the
+    check can judge as a checkpoint's."""
+    packed = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+    if getattr(model, "hf_quantizer", None) is not None or packed:
+        raise ValueError(
+            f"{file.name}: Transformers kept GGUF weights quantized ({', '.join(packed[:3])}); "
+            "the check judges dequantized models only"
+        )
+    return (
+        f"weights from GGUF ({file.name}), dequantized to {dtype} by Transformers: the verdict "
+        "is about that dequantized model"
+    )
+
+
+def _dequantized() -> dict[str, Any]:
+    """from_pretrained's arguments that load a GGUF file as a plain dense model: Transformers
+    lines with GGUF blocks kept packed (`GgufConfig`) would otherwise keep them so, running
+    kernels fetched from the Hub where the `kernels` package is installed; older lines always
+    dequantize and take no such option."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 @dataclass(frozen=True)
 class Outcome:
     """A finished check: the result record and the notes to print with it."""
@@ -489,15 +695,22 @@ class Outcome:
 
 
 def run_check(
-    prepared: Prepared, options: check.CheckOptions, *, repro_dir: Path | None
+    prepared: Prepared,
+    options: check.CheckOptions,
+    *,
+    repro_dir: Path | None,
+    progress: Callable[[str], None] | None = None,
 ) -> Outcome:
     """Build `prepared` and check it with harness.check.check_model; returns the result record
     (stamped with the versions that judged it, as the sweep's are), with a repro bundle under
     `repro_dir` for each failure. Never raises for a model-side problem: a model that does not
     build is the `build-error` status (a corpus-style problem, exit 3), as in the sweep.
-    Transformers' logger is kept below errors during the check, as in the sweep's workers."""
+    Transformers' logger is kept below errors during the check, as in the sweep's workers.
+    `progress` is told each step as it starts (harness.check.check_model's, and the build)."""
     started = time.perf_counter()
     name = prepared.architecture
+    if progress is not None:
+        progress(prepared.loading())
     try:
         model, notes = build_model(prepared, options)
         inputs = check.make_inputs(model, options)
@@ -517,7 +730,9 @@ def run_check(
         )
     with quiet_transformers():  # as the sweep's workers: the harness's own generate with
         # right-padded inputs would print Transformers' padding advice, which is not the user's
-        checked = check.check_model(name, model, inputs, options, started=started)
+        checked = check.check_model(
+            name, model, inputs, options, started=started, progress=progress
+        )
     result = checked.result
     if repro_dir is not None and result.failures and checked.subject is not None:
         result = repro.write_bundles(result, checked.subject, repro_dir)
@@ -556,6 +771,13 @@ def source_options(prepared: Prepared) -> dict[str, Any]:
         "path": str(prepared.source.path),
         "architecture": prepared.architecture,
         "tiny": prepared.tiny,
-        "weights": "checkpoint" if prepared.checkpoint_weights else "random",
+        "weights": _weights_word(prepared),
         "parameters": prepared.parameters,
     }
+
+
+def _weights_word(prepared: Prepared) -> str:
+    """Where the checked weights came from, for the --json document."""
+    if not prepared.checkpoint_weights:
+        return "random"
+    return "gguf (dequantized)" if prepared.source.gguf is not None else "checkpoint"

@@ -48,6 +48,7 @@ from corpus.inputs import make_inputs
 from corpus.overrides import deep_merge, override
 from corpus.tiny import config_values, is_config
 from harness import architectures
+from harness.argtypes import Parser, positive_float, positive_int
 from harness.bench.table import machine_info
 from harness.bench.timers import MALLOC_ENV, iqr, malloc_env_set, measure, time_cpu_interleaved
 
@@ -514,7 +515,7 @@ def document(records: Sequence[ArchPerf], options: PerfOptions) -> dict[str, Any
 def build_parser() -> argparse.ArgumentParser:
     """The options of `fusion-harness perf` (the `--perf-*` spellings are those of
     `fusion-harness run --perf`)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fusion-harness perf",
         description="Performance verdict per architecture: build it at its real default "
         "widths (LAYERS layers, a small vocabulary, random weights), fuse and calibrate a "
@@ -533,21 +534,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="architectures: names or globs (default: every corpus architecture)",
     )
     parser.add_argument("--tokens", "--perf-tokens", default=",".join(map(str, TOKENS)))
-    parser.add_argument("--layers", "--perf-layers", type=int, default=LAYERS)
+    parser.add_argument("--layers", "--perf-layers", type=positive_int, default=LAYERS)
     parser.add_argument(
         "--max-gb",
         "--perf-max-gb",
-        type=float,
+        type=positive_float,
         default=MAX_GB,
         help=f"skip an architecture whose two models need more (default {MAX_GB})",
     )
     parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary cap ({VOCAB})")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and ids (0)")
     parser.add_argument(
-        "--budget", type=float, default=BUDGET_S, help="seconds of calls per variant and count"
+        "--budget",
+        type=positive_float,
+        default=BUDGET_S,
+        help="seconds of calls per variant and count",
     )
     parser.add_argument("--clock", choices=("wall", "process"), default="wall")
     parser.add_argument("--no-calibrate", action="store_true", help="time uncalibrated")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import TextIO
 
 from harness.results import ArchResult
@@ -48,3 +49,37 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class Steps:
+    """Reports the steps of one long command (`check`'s build, forwards and lifecycle
+    operations) on `stream` (stderr): called with each step as it starts.
+
+    On a terminal one status line is rewritten in place ("check: lifecycle train (2/15),
+    41 s") and erased by `close`, so the command's own output stays as it was; elsewhere
+    (a CI log, a file) each step is one plain line, nothing more. Never writes to stdout.
+    """
+
+    def __init__(self, label: str, stream: TextIO | None = None) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.started = time.perf_counter()
+        self._shown = False
+
+    def __call__(self, step: str) -> None:
+        elapsed = time.perf_counter() - self.started
+        line = f"{self.label}: {step}, {elapsed:.0f} s"
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{line}")
+            self._shown = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Erase the status line on a terminal (nothing to do elsewhere)."""
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness import drift, plans, reach, summary
-from harness.lifecycle import NOT_COMPILED, OPERATIONS
+from harness.lifecycle import OPERATIONS
 from harness.results import STATUSES, ArchResult
 
 LIFECYCLE_COLUMNS = ("pass", "fail", "n/a", "not run")
@@ -104,7 +104,8 @@ def lifecycle_counts(results: Sequence[ArchResult]) -> dict[str, dict[str, int]]
 
     Each operation's counts add up to the number of results: an operation a result has no
     verdict for, or a `compile` its mode skipped, is "not run" (never "n/a", which says the
-    unfused model cannot do it). Operations in harness.lifecycle's order; none when no result
+    unfused model cannot do it), and so is one whose optional package is not installed
+    (harness.summary.shown_verdict). Operations in harness.lifecycle's order; none when no result
     has any lifecycle verdict.
     """
     seen = {op for r in results for op in r.lifecycle}
@@ -113,10 +114,7 @@ def lifecycle_counts(results: Sequence[ArchResult]) -> dict[str, dict[str, int]]
     for result in results:
         for op in order:
             entry = result.lifecycle.get(op)
-            if entry is None or entry.get("detail") == NOT_COMPILED:
-                column = "not run"
-            else:
-                column = entry["verdict"] if entry["verdict"] in LIFECYCLE_COLUMNS else "n/a"
+            column = "not run" if entry is None else summary.shown_verdict(op, entry)
             counts[op][column] += 1
     return counts
 
@@ -210,11 +208,16 @@ def _lifecycle(results: Sequence[ArchResult]) -> list[str]:
     if not counts:
         return ["Not run (`--lifecycle off`, or no model ran)."]
     rows = [[op, *(str(c[col]) for col in LIFECYCLE_COLUMNS)] for op, c in counts.items()]
+    reasons = [
+        f"- {code(line.split(':', 1)[0])}:{line.split(':', 1)[1]}"
+        for line in summary.not_run_reasons(results)
+    ]
     return [
         table(["operation", *LIFECYCLE_COLUMNS], rows, right=[1, 2, 3, 4]),
         "",
-        "n/a: the unfused model cannot do it; not run: not tried (the lifecycle mode, or a "
-        "model that did not run).",
+        "n/a: the unfused model cannot do it; not run: not tried (the lifecycle mode, an "
+        "optional package not installed, or a model that did not run).",
+        *(["", *reasons] if reasons else []),
     ]
 
 

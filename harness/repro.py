@@ -582,7 +582,8 @@ def replay(bundle: Bundle, *, fuse: check.FuseFn | None = None) -> Replay:
 
     "Same" means the same kind at the same qualname by the same fuser: the message may change
     (another observed error, a reworded exception) and it is still the bug the bundle is about.
-    Raises BundleError when the model cannot be rebuilt from the bundle.
+    Raises BundleError when the model cannot be rebuilt from the bundle, or has no module at
+    the bundle's qualname (then no replay could reproduce it: the bundle is malformed).
     """
     try:
         model, inputs = rebuild(bundle)
@@ -590,10 +591,27 @@ def replay(bundle: Bundle, *, fuse: check.FuseFn | None = None) -> Replay:
         raise
     except Exception as exc:
         raise BundleError(f"{bundle.path}: cannot rebuild the model: {exc}") from exc
+    qualname = bundle["qualname"]
+    if qualname is not None and not has_submodule(model, qualname):
+        raise BundleError(
+            f"{bundle.path / 'bundle.json'}: field 'qualname' {printable(qualname, 200)!r} "
+            f"names no module of the rebuilt {printable(bundle['architecture'], 80)} model"
+        )
     checked = check.check_model(bundle["architecture"], model, inputs, bundle.options, fuse=fuse)
     key = (bundle["kind"], bundle["qualname"], bundle["fuser"])
     match = [f for f in checked.result.failures if (f.kind, f.qualname, f.fuser) == key]
     return Replay(bundle, bool(match), match[0] if match else None, checked.result)
+
+
+def has_submodule(model: Any, qualname: str) -> bool:
+    """Whether `model` has a submodule at `qualname` ("" is the model itself): a bundle about
+    a module the rebuilt model lacks cannot reproduce, so it is malformed, not "does not
+    reproduce"."""
+    try:
+        model.get_submodule(qualname)
+    except AttributeError:
+        return False
+    return True
 
 
 def replay_main(path: Path, *, fuse: check.FuseFn | None = None) -> int:

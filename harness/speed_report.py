@@ -75,10 +75,10 @@ def read_speed_document(path: Path) -> SpeedDocument | None:
     single JSON value (a results JSONL file: the caller reads it as results). Raises
     OSError where the file cannot be read and `SpeedDocumentError` where it has a speed
     document's shape but malformed contents."""
-    text = path.read_text()
+    raw = path.read_bytes()
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError:  # not UTF-8 or not one JSON value: read_results says what it is
         return None
     if not is_speed_document(data):
         return None

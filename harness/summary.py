@@ -155,14 +155,42 @@ def shown_verdict(op: str, entry: Mapping[str, str]) -> str:
 
     Returns "not run" for a `compile` the mode skipped: it is recorded as `n/a` with the detail
     `harness.lifecycle.NOT_COMPILED` (so results files and golden plans keep their format), but
-    nothing was tried, and calling it `n/a` would say the unfused model cannot compile.
+    nothing was tried, and calling it `n/a` would say the unfused model cannot compile. The
+    same for an operation whose optional package is not installed (`lifecycle.NOT_INSTALLED`):
+    `not_run_reasons` says which package.
     """
     from harness.lifecycle import NOT_COMPILED  # torch: only once a lifecycle verdict exists
 
     if op == "compile" and entry.get("detail") == NOT_COMPILED:
         return "not run"
+    if entry.get("verdict") == "n/a" and _missing_package(entry):
+        return "not run"
     verdict = entry.get("verdict", "")
     return verdict if verdict in LIFECYCLE_SHOWN else "n/a"
+
+
+def _missing_package(entry: Mapping[str, str]) -> bool:
+    from harness.lifecycle import NOT_INSTALLED
+
+    return str(entry.get("detail", "")).startswith(NOT_INSTALLED)
+
+
+def not_run_reasons(results: Sequence[ArchResult]) -> list[str]:
+    """One line per lifecycle operation that did not run for a reason the harness knows and
+    the table cannot show ("lifecycle lora-after-fuse not run: not installed: peft (pip
+    install peft)", with how many architectures when more than one), in operation order:
+    what turns a bare count into something the user can act on."""
+    found: dict[str, tuple[str, int]] = {}
+    for result in results:
+        for op, entry in result.lifecycle.items():
+            if entry.get("verdict") == "n/a" and _missing_package(entry):
+                detail, count = found.get(op, (str(entry["detail"]), 0))
+                found[op] = (detail, count + 1)
+    lines = []
+    for op, (detail, count) in found.items():
+        where = f" ({count} architectures)" if count > 1 else ""
+        lines.append(f"lifecycle {op} not run{where}: {detail}")
+    return lines
 
 
 def _lifecycle(result: ArchResult, *, wide: bool = False) -> str:
@@ -260,7 +288,8 @@ def format_legend(*, wide: bool = False) -> str:
         f"  {errors}: worst relative error of the unfused / fused logits against float64",
         "  lifecycle: counts of operations after fusing (generate, train, compile, ...): pass;",
         "    fail (named); n/a: the unfused model cannot do it; not run: not tried in this",
-        "    --lifecycle mode (compile: `full` compiles a selection, `all` every model)",
+        "    --lifecycle mode (compile: `full` compiles a selection, `all` every model) or",
+        "    without its optional package (a note under the table names it)",
         f"  {seconds}: wall time of the check; -: nothing to show (not measured, nothing ran)",
     ]
     if wide:

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,15 +143,22 @@ def result_of(outcome: pool.Outcome, options: check.CheckOptions) -> ArchResult:
 
 
 def previous_results(
-    path: Path, options: check.CheckOptions, results: Sequence[ArchResult]
+    path: Path,
+    options: check.CheckOptions,
+    results: Sequence[ArchResult],
+    versions: Mapping[str, str] | None = None,
 ) -> dict[str, ArchResult]:
     """`results` (read from `path`) by architecture.
 
     Raises ResultsError if they were computed with another dtype, device, seed or system under
-    test: mixing them into one table would compare unlike with unlike.
+    test, or (given this run's `versions`, harness.plans.versions) under another Transformers
+    or torch, or records no versions at all: mixing them into one table would compare unlike
+    with unlike, and `merge` refuses the same mix.
     """
     done = {}
     for result in results:
+        if versions is not None:
+            _check_versions(path, result, versions)
         ours = (options.dtype, options.device, options.seed)
         theirs = (result.dtype, result.device, result.seed)
         if theirs != ours:
@@ -167,6 +174,21 @@ def previous_results(
             )
         done[result.architecture] = result
     return done
+
+
+def _check_versions(path: Path, result: ArchResult, versions: Mapping[str, str]) -> None:
+    """ResultsError unless `result` was judged under the same Transformers and torch as
+    `versions`, both named."""
+    theirs = {lib: result.versions.get(lib) for lib in ("transformers", "torch")}
+    ours = {lib: versions.get(lib) for lib in ("transformers", "torch")}
+    if theirs == ours:
+        return
+    words = ", ".join(f"{lib} {v or 'unrecorded'}" for lib, v in theirs.items())
+    now = ", ".join(f"{lib} {v}" for lib, v in ours.items())
+    raise ResultsError(
+        f"{path} holds {result.architecture} judged under {words}; this run has {now}: "
+        "resume under the same versions or start a fresh file with --results"
+    )
 
 
 def sweep(
@@ -188,7 +210,8 @@ def sweep(
     write_error: str | None = None
     # Lock first, read second: another sweep cannot add lines between the two.
     with ResultsWriter(options.results, append=options.resume) as writer:
-        done = previous_results(options.results, options.check, writer.previous)
+        stamp = plans.versions()  # every record says what judged it (merge checks it)
+        done = previous_results(options.results, options.check, writer.previous, stamp)
         todo = [name for name in options.architectures if name not in done]
         if on_start is not None:
             on_start(len(options.architectures), len(options.architectures) - len(todo))
@@ -203,7 +226,6 @@ def sweep(
             setup_args=(tuple(options.check.plugins),),
         )
         unwritten = 0
-        stamp = plans.versions()  # every record says what judged it (merge checks it)
         machine = policy.describe()  # ...and what chose its kernels
         try:
             with contextlib.closing(outcomes):

@@ -17,6 +17,7 @@ import torch
 
 from fusion.kernels import policy
 from fusion.kernels.calibration import stream_bytes
+from harness.argtypes import Parser, positive_float, positive_int
 from harness.bench.cases import KERNELS, MODELS, Case, end_to_end_cases, kernel_cases, model_cases
 from harness.bench.table import Row, compiled_ratios, format_table, machine_info, run_case
 from harness.bench.timers import (
@@ -61,7 +62,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"what to time (repeatable; default all): {', '.join((*KERNELS, *MODELS))}",
     )
     parser.add_argument(
-        "--tokens", action="append", type=int, metavar="N", help="token counts (repeatable)"
+        "--tokens",
+        action="append",
+        type=positive_int,
+        metavar="N",
+        help="token counts (repeatable)",
     )
     parser.add_argument("--full", action="store_true", help="the full grid (long on CPU)")
     parser.add_argument(
@@ -77,7 +82,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "minutes on a CPU), printing fused+compiled vs compiled",
     )
     parser.add_argument(
-        "--budget", type=float, default=0.3, metavar="S", help="seconds per variant (default 0.3)"
+        "--budget",
+        type=positive_float,
+        default=0.3,
+        metavar="S",
+        help="seconds per variant (default 0.3)",
     )
     parser.add_argument(
         "--no-calibrate",
@@ -89,7 +98,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--copies",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="model cases: time N separate copies of the unfused and of the fused model, "
@@ -107,18 +116,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="torch CPU threads (default: torch's; 1 gives steadier numbers on a busy machine)",
     )
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
@@ -241,9 +243,7 @@ def _run_and_print(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`fusion-harness bench` as a standalone command (`python -m harness.bench`)."""
-    parser = argparse.ArgumentParser(
-        prog="fusion-harness bench", description=__doc__.split("\n")[0]
-    )
+    parser = Parser(prog="fusion-harness bench", description=__doc__.split("\n")[0])
     _add_arguments(parser)
     if argv is None:  # started as a command: may restart itself with MALLOC_ENV
         argv = sys.argv[1:]

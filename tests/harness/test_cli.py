@@ -156,13 +156,13 @@ def test_show_takes_exactly_one_known_architecture(capsys):
     assert "show takes one architecture; 'qwen*' matches qwen2" in capsys.readouterr().err
     unbuildable = sorted(architectures.unbuildable())
     if unbuildable:
-        assert cli.main(["show", unbuildable[0]]) == 1
+        assert cli.main(["show", unbuildable[0]]) == 3
         assert "is known unbuildable" in capsys.readouterr().out
 
 
 def test_show_of_an_unbuildable_architecture_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setenv("FUSION_HARNESS_TEST_PLUGINS", "tests.harness.plugin_archs")
-    assert cli.main(["show", "harness-test-unbuildable"]) == 1
+    assert cli.main(["show", "harness-test-unbuildable"]) == 3
     assert "cannot build harness-test-unbuildable" in capsys.readouterr().err
 
 
@@ -175,7 +175,7 @@ def test_list_shows_build_status(capsys):
 
 def test_list_reports_a_build_failure(capsys, monkeypatch):
     monkeypatch.setenv("FUSION_HARNESS_TEST_PLUGINS", "tests.harness.plugin_archs")
-    assert cli.main(["list", "--arch", "harness-test-unbuildable", "llama", "-j", "1"]) == 1
+    assert cli.main(["list", "--arch", "harness-test-unbuildable", "llama", "-j", "1"]) == 3
     out = capsys.readouterr().out
     assert "harness-test-unbuildable  error: ValueError: this test architecture never builds" in out
 
@@ -375,3 +375,39 @@ def test_a_closed_stdout_costs_neither_the_json_nor_the_exit_status(tmp_path):
     assert process.returncode == 0, stderr.decode()
     assert b"Traceback" not in stderr and b"BrokenPipeError" not in stderr
     assert json.loads(summary.read_text())["results"][0]["architecture"] == "llama"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["run", "--arch", "llama", "gpt2", "-j", "2"],
+            "run --arch llama gpt2 -j 2 --resume r.jsonl",
+        ),
+        (
+            ["run", "--results", "old.jsonl", "--dtype", "bfloat16"],
+            "run --dtype bfloat16 --resume r.jsonl",
+        ),
+        (["run", "--resume=r.jsonl", "--arch", "qwen*"], "run --arch 'qwen*' --resume r.jsonl"),
+        (["run", "--resu", "r.jsonl", "--wide"], "run --wide --resume r.jsonl"),  # abbreviated
+        (None, "run --resume r.jsonl"),
+    ],
+)
+def test_the_resume_hint_repeats_the_original_arguments(argv, expected):
+    """Before: the hint was `run --resume FILE`, which resumed a 10-architecture sweep as the
+    whole corpus."""
+    assert cli.resume_command(argv, Path("r.jsonl")) == f"fusion-harness {expected}"
+
+
+def test_list_into_a_closed_pipe_stops_quietly():
+    """Before: `fusion-harness list | head` built every model first, then exited 1 with no
+    word why. Now each line is printed once known (in name order) and a reader that stops
+    reading ends the listing: exit 0, nothing on stderr, the remaining builds not waited for."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "harness", "list", "-j", "1", "--arch", "llama", "gpt2", "qwen*"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline().decode()
+    proc.stdout.close()  # `head -1`
+    _, err = proc.communicate(timeout=120)
+    assert first.split()[:2] == ["gpt2", "ok"]
+    assert proc.returncode == 0 and err == b"", err

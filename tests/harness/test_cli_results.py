@@ -48,7 +48,7 @@ def test_run_help_documents_every_exit_status(capsys):
         cli.main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "3 no fusion failure but a corpus problem" in text and "--strict-corpus" in text
-    assert "3 (run, merge)" in cli.__doc__
+    assert "3 (run, merge, check, list, show)" in " ".join(cli.__doc__.split())
 
 
 # --------------------------------------------------------------------------------- report

@@ -11,7 +11,7 @@ import torch
 
 import corpus
 import fusion
-from harness import cli, own_model
+from harness import cli, lifecycle, own_model
 from harness.check import CheckOptions
 from harness.own_model import OwnModelError
 from tests.harness.fakes import faulty_fuse
@@ -307,16 +307,42 @@ def test_a_fusion_failure_exits_1_with_a_repro_bundle(checkpoints, tmp_path, mon
     assert "exit 1: fusion failure(s) in llama" in err
 
 
-def test_a_checkpoint_that_does_not_load_is_a_corpus_style_problem(checkpoints, tmp_path, capsys):
+def test_a_damaged_safetensors_file_is_named_with_its_problem(checkpoints, tmp_path, capsys):
+    """Before: exit 3, blaming "the corpus cannot build ... llama", the reason only in stdout
+    after the legend. A file that is not whole safetensors is unusable input: exit 2, one line
+    naming it, before anything is built."""
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_bytes((checkpoints["llama"] / "config.json").read_bytes())
-    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
-    assert cli.main(["check", str(broken), "--lifecycle", "off"]) == 3
+    weights = broken / "model.safetensors"
+    for data, problem in (
+        (b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage", "not a safetensors file (its header"),
+        ((checkpoints["llama"] / "model.safetensors").read_bytes()[:-100], "truncated: "),
+        (b"\x01\x02", "truncated: 2 bytes, not even a safetensors header"),
+    ):
+        weights.write_bytes(data)
+        assert cli.main(["check", str(broken), "--lifecycle", "off"]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith(f"fusion-harness: error: {weights.resolve()}: {problem}"), err
+        assert err.count("\n") == 1 and not out
+    assert own_model.safetensors_problem(checkpoints["llama"] / "model.safetensors") is None
+    # --tiny loads no weights: the damaged file does not matter there
+    assert cli.main(["check", str(broken), "--tiny", "--lifecycle", "off"]) == 0
+
+
+def test_a_checkpoint_that_does_not_load_is_a_corpus_style_problem(
+    checkpoints, capsys, monkeypatch
+):
+    def refuse(*args, **kwargs):
+        raise ValueError("this model does not load")
+
+    monkeypatch.setattr(own_model, "build_model", refuse)
+    assert cli.main(["check", str(checkpoints["llama"]), "--lifecycle", "off"]) == 3
     out, err = capsys.readouterr()
     assert "llama: build-error" in out
     assert "exit 3: no fusion failure" in err
-    assert cli.main(["check", str(broken), "--lifecycle", "off", "--strict-corpus"]) == 1
+    argv = ["check", str(checkpoints["llama"]), "--lifecycle", "off", "--strict-corpus"]
+    assert cli.main(argv) == 1
 
 
 def test_check_explains_itself(capsys):
@@ -334,4 +360,61 @@ def test_check_with_the_lifecycle_passes_a_saved_llama(checkpoints, tmp_path, mo
     assert set(verdicts.values()) <= {"pass", "n/a"}, result["lifecycle"]
     assert all(verdicts[op] == "pass" for op in ("generate", "train", "save-pretrained"))
     assert verdicts["compile"] == "n/a"  # quick: not compiled
-    assert "lifecycle peak (14 model copies)" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "lifecycle peak (14 model copies)" in out
+    # progress: one stderr line per step (not a terminal), every lifecycle operation run
+    steps = [line.rsplit(", ", 1)[0] for line in err.splitlines() if line.startswith("check: ")]
+    assert steps[0] == "check: loading the checkpoint's weights"
+    ran = [op for op, v in result["lifecycle"].items() if v["detail"] != lifecycle.NOT_COMPILED]
+    assert [s.split()[2] for s in steps if s.startswith("check: lifecycle ")] == ran
+    assert not any(line.startswith("check: ") for line in out.splitlines())
+
+
+# --- what users hold: Hub snapshot folders and GGUF files ---------------------------------------
+
+
+def test_a_hub_cache_folder_checks_its_snapshot(checkpoints, tmp_path):
+    """A `models--ORG--NAME` folder as the Hub cache lays it out: the snapshot `refs/main`
+    names (symlinked files, as the cache has them), else the only one."""
+    cache = tmp_path / "models--me--tiny-llama"
+    snapshot = cache / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for file in checkpoints["llama"].iterdir():
+        (snapshot / file.name).symlink_to(file)
+    assert own_model.resolve_source(str(cache)).path == snapshot.resolve()
+    (cache / "snapshots" / "def456").mkdir()
+    with pytest.raises(OwnModelError, match=r"has no config\.json"):
+        own_model.resolve_source(str(cache))  # two snapshots, no ref: which one?
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("abc123")
+    source = own_model.resolve_source(str(cache))
+    assert source.path == snapshot.resolve() and [w.name for w in source.weights] == [
+        "model.safetensors"
+    ]
+
+
+def test_a_file_named_gguf_that_is_not_gguf_is_refused_naming_it(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 a zip, not a model")
+    assert cli.main(["check", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"fusion-harness: error: {fake}: not a GGUF file (it does not start with GGUF's magic bytes)\n"
+    )
+    # a directory holding one .gguf file means that file
+    assert cli.main(["check", str(tmp_path)]) == 2
+    assert "not a GGUF file" in capsys.readouterr().err
+
+
+def test_gguf_without_the_gguf_package_says_how_to_install_it(tmp_path, monkeypatch):
+    real = tmp_path / "model.gguf"
+    real.write_bytes(b"GGUF\x03\x00\x00\x00")
+    find_spec = own_model.importlib.util.find_spec
+    monkeypatch.setattr(
+        own_model.importlib.util, "find_spec", lambda n: None if n == "gguf" else find_spec(n)
+    )
+    with pytest.raises(
+        OwnModelError, match=r"needs the gguf package\(s\): pip install 'fusion-harness\[gguf\]'"
+    ):
+        own_model.prepare(str(real), tiny=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from harness.progress import Progress
+from harness.progress import Progress, Steps
 from harness.results import ArchResult
 
 
@@ -41,3 +41,27 @@ def test_a_bar_on_a_terminal_still_prints_problems():
     assert "gpt2: crashed (0.25 s): worker killed by SIGABRT" in text
     assert "llama: pass" not in text  # passes only move the bar
     assert "2/2" in text
+
+
+def test_steps_are_one_line_each_off_a_terminal():
+    stream = io.StringIO()
+    steps = Steps("check", stream)
+    steps("loading the checkpoint's weights")
+    steps("lifecycle train (2/15)")
+    steps.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.rsplit(", ", 1)[0] for line in lines] == [
+        "check: loading the checkpoint's weights",
+        "check: lifecycle train (2/15)",
+    ]
+    assert all(line.endswith(" s") for line in lines) and "\r" not in stream.getvalue()
+
+
+def test_steps_rewrite_one_status_line_on_a_terminal_and_erase_it():
+    stream = _Terminal()
+    steps = Steps("check", stream)
+    steps("forwards")
+    steps("lifecycle generate (1/15)")
+    steps.close()
+    text = stream.getvalue()
+    assert "\n" not in text and text.count("\r\x1b[K") == 3 and text.endswith("\r\x1b[K")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,22 @@ def _names(tree: str) -> set[str]:
     return names
 
 
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Iterator[None]:
+    """A calibration cache of the test's own (the Quick start calls fusion.calibrate), and the
+    process's kernel policy as it was afterwards: the measured table must not reach the next
+    test in this worker."""
+    from fusion.kernels.policy import POLICY
+
+    monkeypatch.setenv("FUSION_HARNESS_CACHE", str(tmp_path / "cache"))
+    POLICY.reset()
+    yield
+    monkeypatch.undo()
+    POLICY.reset()
+
+
 @pytest.mark.parametrize("code", _blocks("python"))
-def test_python_examples_run_as_written(code, tmp_path, monkeypatch):
+def test_python_examples_run_as_written(code, tmp_path, monkeypatch, own_cache):
     """Before: the Usage snippet used `model`, `fused` and `unfused_checkpoint` undefined."""
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})

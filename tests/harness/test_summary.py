@@ -305,3 +305,28 @@ def test_merge_prints_the_narrow_table_with_its_legend_and_wide_on_request(tmp_p
     assert cli.main(["merge", str(path), "--wide"]) == 3
     wide = capsys.readouterr().out
     assert "vision_text_dual_encoder_with_a_really_long_name" in wide and "tol:" in wide
+
+
+def test_a_missing_optional_package_is_not_run_with_its_reason():
+    """Before: lora-after-fuse without PEFT showed `n/a` ("the unfused model cannot do it")."""
+    from harness import report_md
+    from harness.lifecycle import not_installed
+
+    ok = {"verdict": "pass", "detail": ""}
+    missing = {"verdict": "n/a", "detail": not_installed("peft")}
+    results = [
+        _r("llama", lifecycle={"generate": ok, "lora-after-fuse": missing}),
+        _r("qwen3", lifecycle={"generate": ok, "lora-after-fuse": missing}),
+        _r(
+            "gpt2", lifecycle={"generate": ok, "lora-after-fuse": {"verdict": "n/a", "detail": "x"}}
+        ),
+    ]
+    assert summary.shown_verdict("lora-after-fuse", missing) == "not run"
+    assert "1 pass, 1 not run" in summary.format_table(results[:1])
+    assert summary.not_run_reasons(results) == [
+        "lifecycle lora-after-fuse not run (2 architectures): not installed: peft "
+        "(pip install peft)"
+    ]
+    assert summary.not_run_reasons(results[2:]) == []  # a real n/a keeps its word
+    counts = report_md.lifecycle_counts(results)["lora-after-fuse"]
+    assert (counts["n/a"], counts["not run"]) == (1, 2)

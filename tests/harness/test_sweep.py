@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import transformers
 
 from harness import sweep
 from harness.check import CheckOptions
@@ -81,6 +82,32 @@ def test_resume_refuses_results_of_another_dtype(tmp_path):
         sweep.sweep(options)
 
 
+@pytest.mark.parametrize(
+    ("versions", "named"),
+    [
+        ({"transformers": "4.57.1", "torch": None}, "transformers 4.57.1"),
+        ({"torch": "2.9.0"}, "torch 2.9.0"),
+        (None, "transformers unrecorded, torch unrecorded"),
+    ],
+)
+def test_resume_refuses_results_of_other_versions(tmp_path, versions, named):
+    """Before: a resume mixed results judged under two Transformers versions into one green
+    table (merge refused the same mix)."""
+    results = tmp_path / "results.jsonl"
+    sweep.sweep(_options(tmp_path, ["llama"], jobs=1))
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    if versions is None:
+        record.pop("versions")
+    else:
+        record["versions"].update({k: v for k, v in versions.items() if v is not None})
+    results.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ResultsError) as refused:
+        sweep.sweep(_options(tmp_path, ["llama", "gpt2"], jobs=1, resume=True))
+    message = str(refused.value)
+    assert named in message and f"this run has transformers {transformers.__version__}" in message
+    assert results.read_text() == json.dumps(record) + "\n"  # untouched
+
+
 def test_failures_get_deduplicated_repro_bundles(tmp_path):
     bundles = tmp_path / "bundles"
     options = _options(tmp_path, ["llama"], plugins=(FAULTY,), jobs=1, repro_dir=bundles)
@@ -134,7 +161,8 @@ def test_ctrl_c_keeps_finished_results_and_resume_finishes(tmp_path):
     proc.send_signal(signal.SIGINT)  # to the parent only, as a terminal's Ctrl-C would reach it
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert f"--resume {results}" in err
+    hint = f"fusion-harness run -j 1 --arch llama gpt2 harness-test-hang --resume {results}"
+    assert hint in err  # the same sweep, not the whole corpus
     assert sorted(r.architecture for r in read_results(results)) == ["gpt2", "llama"]
     assert "llama" in out  # the partial table is printed
 
