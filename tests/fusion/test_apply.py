@@ -15,7 +15,7 @@ from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import outputs_match
 from tests.fusion.fusers.test_moe import SparseMoeV4, randomized
 from tests.fusion.merged_paths import stacked_products
-from tests.fusion.tiny_models import tiny_model, token_ids
+from tests.fusion.tiny_models import relative_error, tiny_model, token_ids
 
 
 def test_fuse_rejects_misuse() -> None:
@@ -300,7 +300,8 @@ def test_fusing_inside_inference_mode_then_training_is_fusing_outside(arch) -> N
     report = fusion.fuse(outside)
     with torch.inference_mode():
         assert fusion.fuse(inside).counts() == report.counts()
-        assert torch.equal(inside(ids).logits, unfused(ids).logits)
+        # fused vs unfused: rounding only (bit-equal on AVX-512 ATen, not under AVX2)
+        assert relative_error(inside(ids).logits, unfused(ids).logits) <= 1e-5
     assert not any(t.is_inference() for t in (*inside.parameters(), *inside.buffers()))
     loss_in, grads_in = _loss_and_grads(inside, ids)
     loss_out, grads_out = _loss_and_grads(outside, ids)

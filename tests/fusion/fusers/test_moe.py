@@ -811,7 +811,8 @@ def test_router_edited_after_fusing_runs_the_original_block(model_type, edit, mo
     ids = token_ids()
     with torch.no_grad():
         before = unfused(ids).logits
-        assert torch.equal(before, fused(ids).logits)
+        # fused experts round as grouped GEMMs (bit-equal on AVX-512 ATen, not under AVX2)
+        assert relative_error(before, fused(ids).logits) <= 1e-5
         edit(unfused)
         edit(fused)
         expected, actual = unfused(ids).logits, fused(ids).logits

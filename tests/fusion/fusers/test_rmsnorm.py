@@ -264,8 +264,14 @@ def test_root_spellings_are_told_apart() -> None:
         with torch.no_grad():
             outs[name] = norm(x)
     assert not torch.equal(outs["rsqrt"], outs["x/sqrt"])
-    assert not torch.equal(outs["rsqrt"], outs["1/sqrt"])
     assert not torch.equal(outs["x/sqrt"], outs["1/sqrt"])
+    v = x.pow(2).mean(-1, keepdim=True) + 1e-6
+    if torch.equal(torch.rsqrt(v), 1 / torch.sqrt(v)):
+        pytest.skip(
+            "this CPU flavour computes rsqrt as 1/sqrt (ATen's AVX2 kernels): x * rsqrt(v) and "
+            "x * (1 / sqrt(v)) are the same function here; the other pairs were told apart"
+        )
+    assert not torch.equal(outs["rsqrt"], outs["1/sqrt"])
 
 
 def test_pow_minus_half_in_a_reduced_dtype_is_refused_with_reason() -> None:
