@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusion import apply, kernels
+from fusion import kernels
+from fusion.engine import apply
+from fusion.engine.tuning import calibrate, kernel_choices
 from fusion.errors import RewriteRefused
 from fusion.kernels import available_backends, ops
 from fusion.report import Applied, FusionReport, Skipped
-from fusion.tuning import calibrate, kernel_choices
 
 __all__ = [
     "Applied",

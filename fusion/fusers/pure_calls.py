@@ -1,6 +1,6 @@
 """Calls that provably write nothing, read from their source, for the input-stability proof.
 
-`fusion.alias` presumes that a call it cannot read (a q/k norm of the model's own class, a
+`fusion.analysis.alias` presumes that a call it cannot read (a q/k norm of the model's own class, a
 method, a module-level helper) writes every name its arguments and receiver may alias, and
 everything reachable from `self`. Between two sibling projections that presumption alone
 refuses most merges of DeepSeek-style and normed attention. Here the callee's source is
@@ -13,7 +13,7 @@ no in-place spelling to count: calls of torch functions that write what they are
 (`alias.namespace_call_writes`: `nn.init.constant`, `F.embedding(max_norm=)`), a numpy view
 made anywhere (`x.numpy()`: its `put` and `sort` write), and a tensor-named method of a
 module (`m.float()`) all fail the proof. `self.<name>` is what Python resolves it to
-(`fusion.name_resolution`: a method on the class wins over a child of the same name), and
+(`fusion.analysis.name_resolution`: a method on the class wins over a child of the same name), and
 nothing of `self` is known in a method that rebinds it.
 
 A proven call is shown to the alias analysis as a pure stand-in, `torch.<STAND_IN>(callee,
@@ -39,16 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion import alias, source
-from fusion.callpath import has_hooks, own_call_path
-from fusion.errors import RewriteRefused
-from fusion.name_resolution import (
+from fusion.analysis import alias, source
+from fusion.analysis.callpath import has_hooks, own_call_path
+from fusion.analysis.name_resolution import (
     Kind,
     resolve,
     resolve_chain,
     self_chain,
     self_is_bound_to_owner,
 )
+from fusion.errors import RewriteRefused
 
 MAX_DEPTH = 3
 """Deepest chain of callees read (a norm calling its `_norm` method calling a helper)."""
@@ -328,7 +328,7 @@ def _call_writes_nothing(call: ast.Call, scope: _Scope) -> bool:
 
 def _self_value(expr: ast.expr, scope: _Scope) -> object:
     """The tensor a `self.a.b` chain is on the owner (resolved as Python resolves it:
-    `fusion.name_resolution`), or None when it is not such a chain or not a tensor."""
+    `fusion.analysis.name_resolution`), or None when it is not such a chain or not a tensor."""
     names = self_chain(expr)
     if names is None or scope.owner is None:
         return None
@@ -338,7 +338,7 @@ def _self_value(expr: ast.expr, scope: _Scope) -> object:
 def _self_call_writes_nothing(owner: nn.Module, name: str, depth: int) -> bool:
     """Does `owner.<name>(...)` provably write nothing: a child module proven so, or a
     method of the class proven so on `owner` (a static one with no `self`)? `name` is
-    resolved as Python resolves it (`fusion.name_resolution.resolve`): a method on the class
+    resolved as Python resolves it (`fusion.analysis.name_resolution.resolve`): a method on the class
     beside a child of the same name is the method, and such an ambiguous name, an
     instance-level callable (another instance may differ) or a property proves nothing.
     A name that raises when called (absent, or None) writes nothing: nothing after it runs."""

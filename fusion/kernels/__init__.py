@@ -15,12 +15,12 @@ from typing import Protocol
 import torch
 
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
-from fusion.kernels.torch_ref import TorchKernels
+from fusion.kernels.reference import TorchKernels
 
 
 class Kernels(Protocol):
     """What a backend provides. Each method computes exactly the function documented on the
-    torch reference (`fusion.kernels.torch_ref`); backends differ only in speed and rounding."""
+    torch reference (`fusion.kernels.reference`); backends differ only in speed and rounding."""
 
     name: str
     interpreted: bool
@@ -88,19 +88,20 @@ def _triton() -> Kernels | None:
 
 
 def _onednn() -> Kernels | None:
-    from fusion.kernels import onednn_backend  # probes oneDNN only when first asked for
+    from fusion.kernels import onednn as onednn_backend  # probes oneDNN only when first asked for
 
     return onednn_backend.create()
 
 
 def _native() -> Kernels | None:
-    from fusion.kernels import native_backend  # builds the native kernel when first asked for
+    # builds the native kernel when first asked for
+    from fusion.kernels.native import backend as native_backend
 
     return native_backend.create()
 
 
 def _vllm() -> Kernels | None:
-    from fusion.kernels import vllm_backend  # imports vllm only when first asked for
+    from fusion.kernels import vllm as vllm_backend  # imports vllm only when first asked for
 
     return vllm_backend.create()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusion.kernels import torch_ref
+from fusion.kernels import reference as torch_ref
 from fusion.kernels.norm_variant import NormVariant
 
 GELU_APPROXIMATION = {"gelu": "none", "gelu_tanh": "tanh"}

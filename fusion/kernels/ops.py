@@ -41,9 +41,12 @@ import torch
 from torch import Tensor
 
 from fusion import kernels
-from fusion.kernels import autograd, contract, native_gemm, onednn_backend, policy, torch_ref
+from fusion.kernels import autograd, contract, policy
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels import reference as torch_ref
+from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
-from fusion.kernels.torch_ref import TorchKernels
+from fusion.kernels.reference import TorchKernels
 
 
 def _use_operator() -> bool:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fusion.fusers.rmsnorm.tracing import NormTrace, evaluate, trace_at
-from fusion.kernels import torch_ref
+from fusion.kernels import reference as torch_ref
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, RSQRT, NormVariant
 
 GRID = (torch.float32, torch.bfloat16, torch.float16)

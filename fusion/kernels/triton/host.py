@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fusion.kernels import torch_ref
+from fusion.kernels import reference as torch_ref
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.kernels.triton.jit import (
     ACTIVATION_CODES,

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusion
-from fusion.checkpoint import unfused_state_dict
-from fusion.experts_modules import FusedExperts
 from fusion.fusers.moe.fuser import MODULELIST_REFUSAL
-from fusion.kernels import ops, torch_ref
-from fusion.moe_modules import FusedMoE
+from fusion.kernels import ops
+from fusion.kernels import reference as torch_ref
+from fusion.runtime.checkpoint import unfused_state_dict
+from fusion.runtime.experts import FusedExperts
+from fusion.runtime.moe import FusedMoE
 from tests.fusion.fusers.helpers import reasons
 from tests.fusion.tiny_models import randomize_, relative_error, tiny_model, token_ids
 

@@ -22,9 +22,12 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from fusion import kernels
-from fusion.kernels import contract, native_gemm, onednn_backend, ops, torch_ref
-from fusion.modules import FusedRMSNorm, MergedLinear
-from fusion.trace import FP32_PRECISION_KEYS
+from fusion.kernels import contract, ops
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels import reference as torch_ref
+from fusion.kernels.native import gemm as native_gemm
+from fusion.runtime.merged import FusedRMSNorm, MergedLinear
+from fusion.trace.tracer import FP32_PRECISION_KEYS
 from tests.fusion.dynamo_graphs import compiled_call_targets
 from tests.fusion.kernels.native_helpers import (
     decode_linear,

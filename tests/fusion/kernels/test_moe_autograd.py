@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusion
-from fusion.kernels.torch_ref import moe_experts
+from fusion.kernels.reference import moe_experts
 from tests.fusion.fusers.test_moe import HIDDEN, qwen3_block
 
 
