@@ -24,8 +24,8 @@ from typing import Any
 
 from torch import nn
 
-from fusion.analysis import alias
-from fusion.analysis.alias import EVERYTHING
+from fusion.analysis import alias_terms, call_effects
+from fusion.analysis.alias_terms import EVERYTHING
 from fusion.analysis.value_roots import (
     CONTAINER_METHODS,
     MAX_CALL_DEPTH,
@@ -75,7 +75,7 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
         args=call.args,
         keywords=[k for k in call.keywords if k.arg not in (None, "out")],
     )
-    in_place = alias.writes_through_args(spelled)
+    in_place = call_effects.writes_through_args(spelled)
     if not in_place and not outs and trusted_call(call, scope):
         return set(), []
     if in_place or outs or (splat and resolve_callee(call, scope) is None):
@@ -95,11 +95,11 @@ def _compute_call_effects(call: ast.Call, scope: Scope) -> tuple[set[str], list[
             return written | unknown, [unknown]
         return written, []
     if namespace == "operator":
-        if getattr(func, "attr", "") in alias.MUTATING_OPERATORS:
+        if getattr(func, "attr", "") in alias_terms.MUTATING_OPERATORS:
             return (roots(call.args[0], scope) if call.args else every), [every]
         return set(), []
     if namespace is not None:
-        if alias.namespace_call_writes(call):
+        if call_effects.namespace_call_writes(call):
             # `torch.distributed.all_reduce(q)`, `nn.init.constant(q, v)`,
             # `F.embedding(ids, q, max_norm=m)`: spelled out of place, yet they write.
             return every, [every]
@@ -241,7 +241,7 @@ def binding_pairs(scope: Scope, root: ast.AST | None = None) -> list[tuple[set[s
     pairs: list[tuple[set[str], set[str]]] = []
 
     def holders(target: ast.AST) -> set[str]:
-        names = alias.store_names(target)
+        names = alias_terms.store_names(target)
         for node in ast.walk(target):
             if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(
                 node.ctx, (ast.Store, ast.Del)
@@ -257,14 +257,14 @@ def binding_pairs(scope: Scope, root: ast.AST | None = None) -> list[tuple[set[s
             # `lst += [q]` extends in place; `t += v` keeps `t`.
             pairs.append((holders(node.target), roots(node.value, scope)))
         elif isinstance(node, ast.NamedExpr):
-            pairs.append((alias.store_names(node.target), roots(node.value, scope)))
+            pairs.append((alias_terms.store_names(node.target), roots(node.value, scope)))
         elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
             pairs.append((holders(node.target), roots(node.iter, scope)))
         elif isinstance(node, ast.withitem) and node.optional_vars is not None:
             pairs.append((holders(node.optional_vars), roots(node.context_expr, scope)))
         elif isinstance(node, ast.Match):
             for case in node.cases:
-                pairs.append((alias.match_captures(case.pattern), roots(node.subject, scope)))
+                pairs.append((alias_terms.match_captures(case.pattern), roots(node.subject, scope)))
         elif (
             isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             and node is not scope.funcdef
@@ -298,7 +298,7 @@ def _reaches_locals(node: ast.AST, scope: Scope) -> bool:
         return True
     if isinstance(node, ast.Attribute) and namespace_of(node, scope) not in (None, "operator"):
         return False
-    return alias.is_opaque(node)
+    return alias_terms.is_opaque(node)
 
 
 def _written(scope: Scope) -> set[str]:

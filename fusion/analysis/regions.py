@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion.analysis import alias, source
+from fusion.analysis import alias_terms, source
 from fusion.analysis.callpath import has_hooks, own_call_path
 from fusion.analysis.name_resolution import Kind, resolve, self_is_bound_to_owner
 from fusion.errors import RewriteRefused
@@ -311,7 +311,7 @@ class StateProof:
         object's attribute, a local the proof cannot resolve."""
         if owner is not None and not self_is_bound_to_owner(funcdef):
             owner = None
-        local = alias.local_names(funcdef) - ({"self"} if owner is not None else set())
+        local = alias_terms.local_names(funcdef) - ({"self"} if owner is not None else set())
         proof = cls(owner, globals_, local, depth)
         proof.aliases = global_aliases(funcdef, proof)
         proof.instances = stateless_instances(funcdef, proof)
@@ -321,8 +321,8 @@ class StateProof:
         """(True, object) for a name or attribute chain rooted at a global or builtin name
         (not a local), each step looked up statically (no property or lazy import runs);
         (False, None) otherwise or when a step is missing."""
-        chain = alias.func_chain(func)
-        root = alias.chain_root(func)
+        chain = alias_terms.func_chain(func)
+        root = alias_terms.chain_root(func)
         if not isinstance(root, ast.Name) or root.id in self.local:
             return False, None
         missing = object()
@@ -346,16 +346,16 @@ class StateProof:
             found, target = self.resolve(func)
             if not found:
                 return False
-            if func.id in alias.PURE_BUILTINS and target is getattr(builtins, func.id, None):
+            if func.id in alias_terms.PURE_BUILTINS and target is getattr(builtins, func.id, None):
                 return not any(keyword.arg == "key" for keyword in call.keywords)
             return callable_keeps_state(target, self.depth + 1)
         if not isinstance(func, ast.Attribute):
             return False
-        root = alias.chain_root(func)
+        root = alias_terms.chain_root(func)
         if (
             isinstance(root, ast.Name)
             and root.id in self.instances
-            and len(alias.func_chain(func)) == 1
+            and len(alias_terms.func_chain(func)) == 1
         ):
             # `normal.icdf(p)` on a `torch.distributions` object the function made.
             method = inspect.getattr_static(self.instances[root.id], func.attr, None)
@@ -375,11 +375,11 @@ class StateProof:
     def held(self, expr: ast.expr) -> object:
         """The object a `self.a.b` chain reads on the owner, without running a property
         (None when the chain is anything else, or passes one)."""
-        root = alias.chain_root(expr)
+        root = alias_terms.chain_root(expr)
         if not (isinstance(root, ast.Name) and root.id == "self" and self.owner is not None):
             return None
         value: object = self.owner
-        for name in alias.func_chain(expr):
+        for name in alias_terms.func_chain(expr):
             if _is_descriptor(type(value), name):
                 return None
             value = getattr(value, name, None)
@@ -471,7 +471,7 @@ def global_aliases(funcdef: ast.FunctionDef, proof: StateProof) -> frozenset[str
             name
             for target, value in pairs
             if _may_hold_global(value, proof.local, found)
-            for name in alias.store_names(target)
+            for name in alias_terms.store_names(target)
         }
         if grown <= found:
             return frozenset(found)

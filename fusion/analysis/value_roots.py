@@ -12,7 +12,7 @@ norm does not make every piece alias every other. `self.<name>` is what Python r
 (`fusion.analysis.name_resolution`: a method on the class wins over a child of the same name, and a
 function that rebinds `self` knows nothing of it); a decorated callee is not read (its
 wrapper runs code its source does not show); and a callee's summary, read presuming tensors,
-is not applied to a call passing something that may be none (`alias.may_be_foreign`: a
+is not applied to a call passing something that may be none (`call_effects.may_be_foreign`: a
 numpy view, whose `put` and `sort` write in place).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion.analysis import alias
+from fusion.analysis import alias, alias_terms, call_effects
 from fusion.analysis.name_resolution import Kind, Resolution, self_is_bound_to_owner
 from fusion.trace.pieces import VIEW_OPS
 from fusion.trace.tensor_meta import METADATA_ATTRS, METADATA_METHODS
@@ -86,21 +86,21 @@ MAY_RETURN_INPUT = frozenset(
         "getitem",
         "itemgetter",
     }
-    | alias.FOREIGN_VIEWS
+    | alias_terms.FOREIGN_VIEWS
     | {"from_numpy", "from_dlpack", "frombuffer", "as_tensor", "asarray", "as_strided"}
 )
 """Calls besides `VIEW_OPS` and in-place ones that may hand back their receiver or first
 argument, or a view or element of it: a no-op cast or move (`x.cpu()` on a CPU tensor,
 `x.bool()` on a bool one), dropout outside training, an einsum that only permutes, container
 accessors, the memory of a tensor seen as something else (`x.numpy()`, `x.untyped_storage()`:
-`alias.FOREIGN_VIEWS`) and a tensor over memory it is given (`torch.from_numpy(a)`,
+`alias_terms.FOREIGN_VIEWS`) and a tensor over memory it is given (`torch.from_numpy(a)`,
 `torch.from_dlpack(x)`, `torch.asarray(x)`)."""
 
 RESULT_MAY_HOLD_ARGUMENT = frozenset({"tuple", "min", "max", "abs", "sum", "zip", "enumerate"})
-"""Builtins in `alias.PURE_BUILTINS` (they write no argument) whose result may still hold
+"""Builtins in `alias_terms.PURE_BUILTINS` (they write no argument) whose result may still hold
 one: `min(a, b)` is `a` or `b`, `tuple(xs)` holds the items."""
 
-PURE_NAME_BUILTINS = (alias.PURE_BUILTINS - RESULT_MAY_HOLD_ARGUMENT) | frozenset(
+PURE_NAME_BUILTINS = (alias_terms.PURE_BUILTINS - RESULT_MAY_HOLD_ARGUMENT) | frozenset(
     {"print", "repr", "id", "hash", "callable"}
 )
 """Builtins whose result holds no tensor storage and that neither write nor keep an argument."""
@@ -133,7 +133,7 @@ class Summary:
     opaque: bool = False
     """Unreadable: it may write and return every argument and make them hold one another."""
     foreign_return: bool = False
-    """Its result may be something no tensor (`alias.may_be_foreign`: a numpy view of an
+    """Its result may be something no tensor (`call_effects.may_be_foreign`: a numpy view of an
     argument, a module), whose methods named like tensor methods may write."""
 
 
@@ -172,7 +172,7 @@ class Scope:
         self.namespace = namespace
         self.depth = depth
         self.memo = memo
-        self.locals = alias.local_names(funcdef)  # type: ignore[arg-type]
+        self.locals = alias_terms.local_names(funcdef)  # type: ignore[arg-type]
         self.local_values: dict[str, list[ast.expr]] = {}
         for node in ast.walk(funcdef):
             if isinstance(node, ast.Assign):
@@ -194,7 +194,7 @@ class Scope:
         """May the value of `call` be something no tensor, for a callee this analysis reads
         (`resolve_callee`): when its summary is opaque or says so, or when an argument may
         be (the summary presumed tensors); None for a callee it does not read
-        (`alias.may_be_foreign` decides)."""
+        (`call_effects.may_be_foreign` decides)."""
         func = call.func
         if not (is_self_call(func) or isinstance(func, ast.Name)):
             return None
@@ -208,13 +208,13 @@ class Scope:
         if summary.opaque or summary.foreign_return:
             return True
         return any(
-            alias.may_be_foreign(argument, self.module, foreign, calls=self.call_foreign)
+            call_effects.may_be_foreign(argument, self.module, foreign, calls=self.call_foreign)
             for argument in call_arguments(call)
         )
 
     def may_be_foreign(self, node: ast.AST) -> bool:
-        """`alias.may_be_foreign` of `node` in this function, reading its callees."""
-        return alias.may_be_foreign(node, self.module, self.foreign, calls=self.call_foreign)
+        """`call_effects.may_be_foreign` of `node` in this function, reading its callees."""
+        return call_effects.may_be_foreign(node, self.module, self.foreign, calls=self.call_foreign)
 
     def summary(self, fn: Any, module: nn.Module | None) -> Summary:
         """What calling `fn` (with `self` = `module`) may do to its parameters: the
@@ -229,7 +229,7 @@ class Scope:
 
 def namespace_of(func: ast.expr, scope: Scope) -> str | None:
     """`torch`, `F`, `operator`... when `func` is a function of such a namespace."""
-    root = alias.namespace_root(func)
+    root = alias_terms.namespace_root(func)
     return root if root is not None and scope.is_global(root) else None
 
 
@@ -237,7 +237,7 @@ def self_attr(func: ast.expr, scope: Scope) -> Resolution | None:
     """What a `self.<name>` callee is when `self` is known, resolved as Python resolves it
     (`fusion.analysis.name_resolution.resolve`: a method on the class wins over a child of the same
     name); None for any other callee."""
-    return alias.self_callee(func, scope.module)
+    return alias_terms.self_callee(func, scope.module)
 
 
 def is_self_call(func: ast.expr) -> bool:
@@ -250,7 +250,7 @@ def is_self_call(func: ast.expr) -> bool:
 
 
 def arguments_foreign(call: ast.Call, scope: Scope) -> bool:
-    """May an argument of `call` be something no tensor (`alias.may_be_foreign`)? A callee's
+    """May an argument of `call` be something no tensor (`call_effects.may_be_foreign`)? A callee's
     summary was read presuming tensors (`arr.put(0, v)` looks like a tensor op), so it does
     not hold for such a call."""
     return any(scope.may_be_foreign(argument) for argument in call_arguments(call))
@@ -258,7 +258,7 @@ def arguments_foreign(call: ast.Call, scope: Scope) -> bool:
 
 def is_tensor_method(func: ast.expr, scope: Scope) -> bool:
     """Is `func` spelled as a public `torch.Tensor` method on something other than `self`,
-    whose receiver is not `alias.may_be_foreign` (a numpy view's `put` and `sort`, a
+    whose receiver is not `call_effects.may_be_foreign` (a numpy view's `put` and `sort`, a
     module's `float`, write in place)?"""
     return (
         isinstance(func, ast.Attribute)
@@ -266,7 +266,7 @@ def is_tensor_method(func: ast.expr, scope: Scope) -> bool:
         and hasattr(torch.Tensor, func.attr)
         and not func.attr.startswith("_")
         and func.attr not in {"register_hook", "apply_", "map_", "map2_"}
-        and func.attr not in alias.NOT_PURE_TENSOR_METHODS
+        and func.attr not in alias_terms.NOT_PURE_TENSOR_METHODS
         and not scope.may_be_foreign(func.value)
     )
 
@@ -372,7 +372,7 @@ def call_roots(call: ast.Call, scope: Scope) -> set[str]:
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
     if isinstance(func, ast.Attribute) and name in METADATA_METHODS:
         return set()
-    viewing = name in VIEW_OPS or name in MAY_RETURN_INPUT or alias.is_inplace_name(name)
+    viewing = name in VIEW_OPS or name in MAY_RETURN_INPUT or alias_terms.is_inplace_name(name)
     namespace = namespace_of(func, scope)
     if namespace == "operator":
         return every  # `operator.getitem(q, 0)`, `operator.iconcat(lst, [q])`
@@ -385,7 +385,11 @@ def call_roots(call: ast.Call, scope: Scope) -> set[str]:
     if resolution is not None and resolution.raises_when_called:
         return set()  # calling a missing attribute raises: nothing is returned
     child = resolution.child if resolution is not None else None
-    if child is not None and type(child) in FRESH_CHILD_TYPES and alias.runs_class_forward(child):
+    if (
+        child is not None
+        and type(child) in FRESH_CHILD_TYPES
+        and alias_terms.runs_class_forward(child)
+    ):
         return set()  # a GEMM, a norm, a lookup: a new tensor
     resolved = resolve_callee(call, scope) if is_self or isinstance(func, ast.Name) else None
     if resolved is not None and resolved[0] is not no_writes:
@@ -476,11 +480,11 @@ def resolve_callee(call: ast.Call, scope: Scope) -> tuple[Any, nn.Module | None,
     """(function, the module it runs on or None, whether `self` is bound) for a callee that
     can be read: a module-level Python function named directly, a method of `self`, or a
     child of `self` whose call runs its class's Python forward and nothing else
-    (`alias.runs_class_forward`); `None` for anything else. `self.<name>` is resolved as
+    (`alias_terms.runs_class_forward`); `None` for anything else. `self.<name>` is resolved as
     Python resolves it (`fusion.analysis.name_resolution.resolve`), so a method on the class beside a
     child of the same name is the method, and an ambiguous name, an instance-level callable
     or a property is unknown. A decorated function is unknown too: its wrapper runs code the
-    source of the function it wraps does not show. A child that `alias.is_safe_child` (an
+    source of the function it wraps does not show. A child that `alias_terms.is_safe_child` (an
     `nn.Linear`, an `nn.Embedding` without `max_norm`, ...) resolves to `no_writes`."""
     func = call.func
     if isinstance(func, ast.Name):
@@ -491,9 +495,9 @@ def resolve_callee(call: ast.Call, scope: Scope) -> tuple[Any, nn.Module | None,
         return None
     child = resolution.child
     if child is not None:
-        if alias.is_safe_child(child):
+        if alias_terms.is_safe_child(child):
             return no_writes, None, False
-        if resolution.kind is not Kind.CHILD or not alias.runs_class_forward(child):
+        if resolution.kind is not Kind.CHILD or not alias_terms.runs_class_forward(child):
             return None
         fn = type(child).forward
         return (fn, child, True) if _plain_function(fn) else None
@@ -511,7 +515,7 @@ def _plain_function(fn: object) -> bool:
 
 def no_writes(*args: Any, **kwargs: Any) -> None:
     """Stands for a callee known to write and keep nothing (a child that
-    `fusion.analysis.alias.is_safe_child`)."""
+    `fusion.analysis.alias_terms.is_safe_child`)."""
 
 
 def bind_arguments(

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fusion.analysis import alias, regions, source
+from fusion.analysis import alias_terms, regions, source
 from fusion.analysis.callpath import has_hooks, own_call_path
 from fusion.analysis.reads import (
     AttributeGuard,
@@ -171,8 +171,8 @@ def _is_function_call(
     not)?"""
     if not (isinstance(node, ast.Call) and len(node.args) == 1 and node.args[0] is gate_call):
         return False
-    path = alias.func_chain(node.func)
-    func = alias.chain_root(node.func)
+    path = alias_terms.func_chain(node.func)
+    func = alias_terms.chain_root(node.func)
     if not isinstance(func, ast.Name) or func.id in local:
         return False
     target: object = fn.__globals__.get(func.id)
@@ -212,7 +212,7 @@ def rewrite_glu(
     `activation_kind`, per instance, admits only activations that provably keep it).
     """
     funcdef, fn = source.recover_forward(type(module))
-    local = alias.local_names(funcdef)
+    local = alias_terms.local_names(funcdef)
     original = source.unparse(funcdef)
     gate_call, gate_refs = source.self_call_and_refs(funcdef, gate)
     up_call, up_refs = source.self_call_and_refs(funcdef, up)

@@ -20,8 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
-from fusion.analysis import alias
-from fusion.analysis.alias import EVERYTHING, check_input_stable
+from fusion.analysis import alias, alias_terms, call_effects
+from fusion.analysis.alias import check_input_stable
+from fusion.analysis.alias_terms import EVERYTHING
 from fusion.errors import RewriteRefused
 from tests.fusion.forward_grammar import (
     NAMESPACE,
@@ -399,7 +400,7 @@ def test_writes_through_other_libraries_are_refused(pre: str, mid: str) -> None:
 def test_namespace_call_writes(text: str, writes: bool) -> None:
     call = expr(text)
     assert isinstance(call, ast.Call)
-    assert alias.namespace_call_writes(call) is writes
+    assert call_effects.namespace_call_writes(call) is writes
 
 
 @pytest.mark.parametrize(
@@ -424,7 +425,7 @@ def test_namespace_call_writes(text: str, writes: bool) -> None:
     ],
 )
 def test_may_be_foreign(text: str, foreign: bool) -> None:
-    found = alias.may_be_foreign(expr(text), TwoProjections(), {"a", "np", "helper"})
+    found = call_effects.may_be_foreign(expr(text), TwoProjections(), {"a", "np", "helper"})
     assert found is foreign
 
 
@@ -663,7 +664,7 @@ def expr(text: str) -> ast.expr:
     ],
 )
 def test_returns_fresh(text: str, fresh: bool) -> None:
-    assert alias.returns_fresh(expr(text), TwoProjections()) is fresh
+    assert alias_terms.returns_fresh(expr(text), TwoProjections()) is fresh
 
 
 @pytest.mark.parametrize(
@@ -687,7 +688,7 @@ def test_returns_fresh(text: str, fresh: bool) -> None:
     ],
 )
 def test_alias_reads(text: str, names: set[str]) -> None:
-    assert alias.alias_reads(expr(text), TwoProjections()) == names
+    assert alias_terms.alias_reads(expr(text), TwoProjections()) == names
 
 
 def funcdef_of(body: str) -> ast.FunctionDef:
@@ -768,7 +769,7 @@ def test_written_names(body: str, written: set[str], not_written: set[str]) -> N
 def test_writes_through_args(text: str, writes: bool) -> None:
     call = expr(text)
     assert isinstance(call, ast.Call)
-    assert alias.writes_through_args(call) is writes
+    assert call_effects.writes_through_args(call) is writes
 
 
 # -- real Transformers modules: what the fusers need must stay accepted ---------------------
