@@ -22,7 +22,7 @@ stacked weight nor the guards that watch them can be made of them.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -170,85 +170,120 @@ def _run(
     `placement.prune_model_plans`), so they name only what the fused model has. Returns the
     report; never raises for a model it cannot fuse.
     """
-    report = FusionReport(dry_run=dry_run)
-    chosen_fusers = registry.FUSERS if fusers is None else tuple(fusers)
-    replaced: list[str] = []  # "qualname." of every module that left the model
-    owners: dict[int, list[tuple[str, nn.Module]]] | None = None  # built on the first fuse
-    fused_parts: list[str] = []  # "qualname." of every fused module found in the model
-    relaid: list[str] = []  # qualnames whose modules or parameters fusion changed
+    run = _Pass(
+        model,
+        backend,
+        dry_run,
+        registry.FUSERS if fusers is None else tuple(fusers),
+        FusionReport(dry_run=dry_run),
+    )
     for qualname, module in list(model.named_modules()):
-        if any(f"{qualname}.".startswith(prefix) for prefix in replaced):
+        if any(f"{qualname}.".startswith(prefix) for prefix in run.replaced):
             continue  # a module that was replaced or dropped, or inside one ("": the root)
         if not dry_run and _detached(model, qualname, module):
             continue  # dropped by a replacement that kept some children (FusedMoE)
-        cls_name = type(module).__name__
-        already = _already_fused(module)
-        if already is not None and isinstance(module, MergedLinear) and not dry_run:
-            # fusing again re-merges what is provable: Parameters converted or replaced
-            # since, each the only user of its memory, become views of a new stacked weight
-            module.restack()
-        if already is not None:
-            inner = any(f"{qualname}.".startswith(prefix) for prefix in fused_parts)
-            if _is_fused_module(module):
-                fused_parts.append(f"{qualname}.")
-            if not inner:  # a fused module's own parts (its PackedExperts) are not news
-                report.skipped.append(Skipped(qualname, None, cls_name, already))
-            continue
-        # Sharded or dispatched elsewhere: refuse every fuser that could be interested,
-        # before tracing, which would run the placing engine's hooks on meta tensors.
-        placed = placement.placement_refusal(module)
-        if placed is not None:
-            report.skipped.extend(
-                Skipped(qualname, cls.name, cls_name, placed)
-                for cls in chosen_fusers
-                if cls.candidate(module) and cls.applies_to(module)
+        if not _settled(run, qualname, module):
+            _fuse_instance(run, qualname, module)
+    if not dry_run and run.relaid:
+        # The model's tensor-parallel plans must stay true of the fused model (placement).
+        placement.prune_model_plans(model, run.relaid)
+    return run.report
+
+
+@dataclass
+class _Pass:
+    """One `_run` over a model: what it was asked and what it has done so far."""
+
+    model: nn.Module
+    backend: str
+    dry_run: bool
+    fusers: tuple[type[Fuser], ...]
+    report: FusionReport
+    replaced: list[str] = field(default_factory=list)
+    """The "qualname." of every module that left the model."""
+    owners: dict[int, list[tuple[str, nn.Module]]] | None = None
+    """Every Parameter's owners (`parameter_owners`), built on the first fuse."""
+    fused_parts: list[str] = field(default_factory=list)
+    """The "qualname." of every fused module found in the model."""
+    relaid: list[str] = field(default_factory=list)
+    """Qualnames whose modules or parameters fusion changed."""
+
+
+def _settled(run: _Pass, qualname: str, module: nn.Module) -> bool:
+    """Whether `module` is decided before any fuser is asked: already fused (re-merged where
+    provable, reported unless it is a fused module's own part), or sharded or dispatched by
+    another engine (refused for every fuser that could be interested)."""
+    report, cls_name = run.report, type(module).__name__
+    already = _already_fused(module)
+    if already is not None and isinstance(module, MergedLinear) and not run.dry_run:
+        # fusing again re-merges what is provable: Parameters converted or replaced
+        # since, each the only user of its memory, become views of a new stacked weight
+        module.restack()
+    if already is not None:
+        inner = any(f"{qualname}.".startswith(prefix) for prefix in run.fused_parts)
+        if _is_fused_module(module):
+            run.fused_parts.append(f"{qualname}.")
+        if not inner:  # a fused module's own parts (its PackedExperts) are not news
+            report.skipped.append(Skipped(qualname, None, cls_name, already))
+        return True
+    # Sharded or dispatched elsewhere: refuse every fuser that could be interested,
+    # before tracing, which would run the placing engine's hooks on meta tensors.
+    placed = placement.placement_refusal(module)
+    if placed is not None:
+        report.skipped.extend(
+            Skipped(qualname, cls.name, cls_name, placed)
+            for cls in run.fusers
+            if cls.candidate(module) and cls.applies_to(module)
+        )
+        return True
+    return False
+
+
+def _fuse_instance(run: _Pass, qualname: str, module: nn.Module) -> None:
+    """Ask each candidate fuser of `module` in turn: refusals reported, the validated ones
+    fused (at most one forward-redefining), each fuse transactional (or, dry, in a copy)."""
+    model, report, dry_run, cls_name = run.model, run.report, run.dry_run, type(module).__name__
+    wrapped = placement.adapter_refusal(module)
+    if wrapped is not None:
+        report.skipped.append(Skipped(qualname, None, cls_name, wrapped))
+    found = registry.candidates(module, run.fusers)
+    redefined = False
+    for candidate in found:
+        if candidate.redefines_forward and redefined:
+            continue  # the forward is already taken: this fuser's verdict is moot
+        if candidate.fuser is None:
+            report.skipped.append(
+                Skipped(qualname, candidate.fuser_name, cls_name, candidate.reason or "")
             )
             continue
-        wrapped = placement.adapter_refusal(module)
-        if wrapped is not None:
-            report.skipped.append(Skipped(qualname, None, cls_name, wrapped))
-        found = registry.candidates(module, chosen_fusers)
-        redefined = False
-        for candidate in found:
-            if candidate.redefines_forward and redefined:
-                continue  # the forward is already taken: this fuser's verdict is moot
-            if candidate.fuser is None:
-                report.skipped.append(
-                    Skipped(qualname, candidate.fuser_name, cls_name, candidate.reason or "")
-                )
-                continue
-            fuser = candidate.fuser
-            if not fuser.applies_to(module):
-                continue
-            try:
-                fuser.validate(module)
-            except RewriteRefused as exc:
-                report.skipped.append(Skipped(qualname, fuser.name, cls_name, str(exc)))
-                continue
-            if owners is None:
-                owners = parameter_owners(model)
-            layout = None if dry_run else _layout(module)
-            if dry_run:
-                error = _untie_in_a_copy(module, fuser, backend, owners)
-            else:
-                error = _fuse_transactionally(model, qualname, module, fuser, backend, owners)
-            if error is not None:
-                report.skipped.append(Skipped(qualname, fuser.name, cls_name, error))
-                continue
-            redefined = redefined or fuser.redefines_forward
-            report.applied.append(_applied(qualname, fuser))
-            if layout is not None and (
-                fuser.changes_layout or not layout <= _layout(module_at(model, qualname))
-            ):
-                relaid.append(qualname)
-            if fuser.replaces_module:
-                replaced.append(f"{qualname}." if qualname else "")
-            prefix = f"{qualname}." if qualname else ""
-            replaced.extend(f"{prefix}{child}." for child in fuser.dropped_children(module))
-    if not dry_run and relaid:
-        # The model's tensor-parallel plans must stay true of the fused model (placement).
-        placement.prune_model_plans(model, relaid)
-    return report
+        fuser = candidate.fuser
+        if not fuser.applies_to(module):
+            continue
+        try:
+            fuser.validate(module)
+        except RewriteRefused as exc:
+            report.skipped.append(Skipped(qualname, fuser.name, cls_name, str(exc)))
+            continue
+        if run.owners is None:
+            run.owners = parameter_owners(model)
+        layout = None if dry_run else _layout(module)
+        if dry_run:
+            error = _untie_in_a_copy(module, fuser, run.backend, run.owners)
+        else:
+            error = _fuse_transactionally(model, qualname, module, fuser, run.backend, run.owners)
+        if error is not None:
+            report.skipped.append(Skipped(qualname, fuser.name, cls_name, error))
+            continue
+        redefined = redefined or fuser.redefines_forward
+        report.applied.append(_applied(qualname, fuser))
+        if layout is not None and (
+            fuser.changes_layout or not layout <= _layout(module_at(model, qualname))
+        ):
+            run.relaid.append(qualname)
+        if fuser.replaces_module:
+            run.replaced.append(f"{qualname}." if qualname else "")
+        prefix = f"{qualname}." if qualname else ""
+        run.replaced.extend(f"{prefix}{child}." for child in fuser.dropped_children(module))
 
 
 def _layout(module: nn.Module) -> frozenset[tuple[str, int]]:

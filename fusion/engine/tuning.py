@@ -101,8 +101,8 @@ def model_check(run: Callable[[int], Any], count: int, *, budget_s: float) -> ca
     round (`calibration.time_calls`): reference time / chosen time.
 
     Why: a product timed alone can win while the model loses (another kernel's cache or
-    thread-pool effects on its neighbours; on a 2-core AVX2 EPYC, Qwen3-0.6B's gate/up at one
-    row measured 1.12x alone and made the decode step 7% slower). Only this check sees that."""
+    thread-pool effects on its neighbours: a gate/up product measured faster alone has made a
+    whole decode step slower). Only this check sees that."""
 
     def chosen(_: int) -> object:
         return run(count)

@@ -174,6 +174,23 @@ def rewrite_stacked(
     # Regions are barriers: the merged call runs where the first call was, so no `with`
     # may hold some calls and not others, and nothing between may change global state.
     state_relied = regions.check_same_region(funcdef, calls, module, getattr(fn, "__globals__", {}))
+    _check_unconditional_call(block, calls, indices, start)
+    # Evaluation order: temporaries replace calls in source order, so the split order is the
+    # shard order given, whatever order the calls appear in.
+    temps = source.splice_merged_call(
+        funcdef, calls, block, start, merged_name, contiguous=contiguous
+    )
+    _settle_pieces(funcdef, module, getattr(fn, "__globals__", {}), merged_name, temps, fresh)
+    compiled = source.compile_forward(funcdef, fn)
+    return StackedRewrite(compiled, original, source.unparse(funcdef), relied, state_relied)
+
+
+def _check_unconditional_call(
+    block: source.Block, calls: list[ast.Call], indices: list[int], start: int
+) -> None:
+    """Refuse unless some projection call runs unconditionally where the merged call goes
+    (directly in `block`, in no conditional part of its statement) and control cannot leave
+    `block` between the hoisting point `start` and the first such call."""
     anchors = [
         index
         for call, index in zip(calls, indices)
@@ -186,14 +203,20 @@ def rewrite_stacked(
         isinstance(node, _EXITS) for stmt in block[start : min(anchors)] for node in ast.walk(stmt)
     ):
         raise RewriteRefused("control can leave before an unconditional projection call")
-    # Evaluation order: temporaries replace calls in source order, so the split order is the
-    # shard order given, whatever order the calls appear in.
-    temps = source.splice_merged_call(
-        funcdef, calls, block, start, merged_name, contiguous=contiguous
-    )
+
+
+def _settle_pieces(
+    funcdef: ast.FunctionDef,
+    module: nn.Module,
+    namespace: dict[str, object],
+    merged_name: str,
+    temps: list[str],
+    fresh: tuple[bool, ...],
+) -> None:
+    """Make copies of their own of the split pieces flagged `fresh`, written in place, or
+    that may meet a layout-sensitive use the trace did not replay (`settle_layouts`)."""
     # Read with `module` and the forward's globals, so the calls it makes (helpers, q/k
     # norms, methods) are followed rather than presumed to write what they are passed.
-    namespace = getattr(fn, "__globals__", {})
     written = written_pieces(funcdef, temps, module, namespace)
     # A layout the replay chose holds on the traced path only: a piece that may meet a
     # layout-sensitive use elsewhere (`if self.flatten: q = q.view(-1)`) is a copy of its own.
@@ -205,8 +228,6 @@ def rewrite_stacked(
         temps,
         {t for t, f, w, u in zip(temps, flags, written, unreplayed) if f or w or u},
     )
-    compiled = source.compile_forward(funcdef, fn)
-    return StackedRewrite(compiled, original, source.unparse(funcdef), relied, state_relied)
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def _operands_reason(
 
 def _on_device(t: Tensor, device_type: str) -> bool:
     """Whether `t` lies on a device of `device_type`; the flags first, as `t.device` builds
-    a device object (~1.5 us a tensor here)."""
+    a device object (microseconds a tensor)."""
     if device_type == "cpu":
         return t.is_cpu
     if device_type == "cuda":

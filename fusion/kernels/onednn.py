@@ -3,8 +3,8 @@
 Why this backend exists: on x86 CPUs PyTorch's float32 `mm`/`linear` calls MKL, which on
 some machines (AMD Zen 4 with AVX-512 here) runs a narrower code path; oneDNN's JIT kernels
 reach about twice the throughput on the same core. Transformers' expert loop and its
-`grouped_mm` both go through `mm`, so the experts' GEMMs, ~95% of a CPU MoE block, are where
-a fused block can win. Measured numbers are in `tests/bench/test_bench_moe.py`'s docstring.
+`grouped_mm` both go through `mm`, so the experts' GEMMs, nearly all of a CPU MoE block's
+time, are where a fused block can win. Measured numbers are in `tests/bench/test_bench_moe.py`'s docstring.
 
 What it computes: exactly `torch_ref.moe_experts` (the same routed products, rounded to the
 input dtype before the K-term sum), with one difference confined to rounding: the GEMMs are
@@ -31,7 +31,7 @@ live expert weights the same way (nothing cached); oneDNN's paths below serve th
 
 Where `auto` picks it (`AUTO_CAPABILITIES`): only on CPUs whose ATen kernels run AVX-512.
 The speed-up was measured on AVX-512 (Zen 4); on an AVX2-only x86 machine a oneDNN linear ran
-0.58-0.99x of MKL's, so there `auto` keeps the reference. The rule is the CPU's capability,
+no faster than MKL's, so there `auto` keeps the reference. The rule is the CPU's capability,
 not a timing, so the same machine and inputs always take the same path (reproducible
 rounding). `backend="onednn"` uses it anywhere it runs.
 
@@ -69,10 +69,9 @@ block's result to the running sum (MKL-like accuracy; see the module docstring).
 MIN_ROWS = 64
 """Fewest rows an expert's GEMM needs to go to oneDNN; fewer take `mm`. Every oneDNN GEMM
 first copies its weight's `K_BLOCK`-wide blocks (the price of reading the live weight, see
-the module docstring), a cost of the weight's size that only enough rows amortise. Measured
-on a 2-core Zen 4 (AVX-512), float32, one thread, `mm` time / blocked-copy oneDNN time:
-16 rows 0.62-1.04, 64 rows 1.16-1.63, 256 rows 1.75-1.98 (N, K in 512-2048). A fixed shape
-rule, not a timing, so the same inputs always take the same path (reproducible rounding).
+the module docstring), a cost of the weight's size that only enough rows amortise (measured
+on Zen 4, float32, one thread: blocked-copy oneDNN loses to `mm` at a few rows and wins from
+about this many). A fixed shape rule, not a timing, so the same inputs always take the same path (reproducible rounding).
 When every expert of a call is below it, the call runs as one `grouped_mm` per projection
 instead."""
 
@@ -140,20 +139,17 @@ one-row product was measured faster than `F.linear`; see `row_linear`)."""
 
 ROW_MIN_ELEMENTS = 1 << 20
 """Smallest weight (N * K elements) `row_linear_applies` sends to oneDNN: below it the
-primitive's fixed cost (~10 us) outweighs its faster read of the weight. Measured one row,
-one thread, float32, Zen 4, weights streamed from memory as in a decode step (256 MB of
-distinct weights cycled, so none is cached): MKL time / oneDNN time 1.24 at 512x512, 1.07 at
-1024x1024, 1.36 at 2048x768, 1.04 at 768x2048, 1.25 at 1536x2048, 1.08 at 2048x2048, 1.04
-at 1024x3072. With one small weight hot in cache instead, oneDNN loses below ~2M elements
-(0.85 at 1024x1024, 0.44 at 512x256): the threshold keeps small, cache-resident weights
-(tiny test models, narrow projections) on MKL."""
+primitive's fixed cost outweighs its faster read of the weight. Measured one row, one
+thread, float32, Zen 4: with weights streamed from memory as in a decode step oneDNN wins at
+every shape measured, but with one small weight hot in cache it loses below about this size:
+the threshold keeps small, cache-resident weights (tiny test models, narrow projections) on
+MKL."""
 
 ROW_MAX_K_ONE_THREAD = 4096
 """Longest reduction the one-row product takes when torch runs one thread. Measured as
-above (streamed, one thread): MKL / oneDNN 0.92-0.93 at 2048x8192, 0.95 at 1024x6144 and
-2048x6144, but 1.03 at 2048x4096 and 1.21-1.28 at 2048x2048 and 8192x2048. With two threads
-oneDNN wins at every shape measured (1.34 at 2048x8192, 1.58-1.89 elsewhere): MKL's one-row
-product runs on one thread whatever the setting."""
+above (streamed, one thread): oneDNN loses at longer reductions and wins up to this one.
+With two threads oneDNN wins at every shape measured: MKL's one-row product runs on one
+thread whatever the setting."""
 
 
 def _row_width_ok(k: int) -> bool:
@@ -265,13 +261,12 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     """`F.linear(x, weight, bias)` for one row (`row_linear_applies`), by oneDNN on the live
     weight: a new tensor of shape `(*x.shape[:-1], N)`.
 
-    Why: at one row (decode) MKL's float32 product on this Zen 4 reads the weight ~1.1-1.3x
-    slower than oneDNN's (2-core EPYC Zen 4, AVX-512, one thread: 3072x2048 1.26x,
-    16384x2048 1.24x, 6144x1024 1.23x, 4096x1024 1.12x), and oneDNN's one-row kernel splits
-    the reduction across vector lanes, so it errs less than MKL (max error against float64
-    0.4-0.6x MKL's; the tests check it never exceeds MKL's by more than rounding noise).
-    At 2+ rows oneDNN switches to a kernel that accumulates the whole reduction in one
-    register (2-3x MKL's error), so only one row comes here.
+    Why: at one row (decode) MKL's float32 product reads the weight slower than oneDNN's on
+    AVX-512 (measured on Zen 4, one thread), and oneDNN's one-row kernel splits the reduction
+    across vector lanes, so it errs less than MKL against float64 (the tests check it never
+    exceeds MKL's error by more than rounding noise). At 2+ rows oneDNN switches to a kernel
+    that accumulates the whole reduction in one register (more error than MKL's), so only one
+    row comes here.
 
     Coherent by construction: nothing is cached or packed; each call reads `weight` as it
     is now, so a write by any spelling (`p.data`, numpy, `set_`, an optimiser step,
@@ -284,9 +279,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 ROW_MAX_ROWS = 2
 """Most rows of one expert that take one one-row product each (reading the expert's weight
-once per row) rather than `mm`. Measured, 8 of 32 Qwen3-30B-A3B experts (1536 x 2048), one
-thread, weights streamed: per-row products / `mm` 1.22x faster at 2 rows, 1.15x at 3, 0.77x
-at 4, 0.61x at 8."""
+once per row) rather than `mm`. Measured with MoE-sized experts, one thread, weights
+streamed: per-row products beat `mm` up to this many rows and lose beyond."""
 
 
 def _rows_ok(*weights: torch.Tensor) -> bool:
@@ -297,8 +291,8 @@ def _rows_ok(*weights: torch.Tensor) -> bool:
 
     Why: at decode every selected expert has a row or two, and a CPU MoE block's time is its
     experts' weights streamed once; oneDNN's one-row product reads them faster than `mm`
-    (Qwen3-30B-A3B experts, 8 of 32 selected, 2048 -> 2 x 768 -> 2048, one thread:
-    7.41 ms with `mm`, 5.41 ms with it) and errs less (see `row_linear`)."""
+    (measured on a Qwen3-MoE-sized experts layer, one thread) and errs less (see
+    `row_linear`)."""
     return ROW_MACHINE.check() and all(
         w.is_contiguous()
         and w.shape[-2] * w.shape[-1] >= ROW_MIN_ELEMENTS // 4

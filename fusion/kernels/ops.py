@@ -1,8 +1,8 @@
 """The fused kernels as PyTorch operators (`torch.ops.fusion.*`), for `torch.compile`.
 
 Fused modules call their kernels through the functions here. In eager mode these call the
-backend directly (`kernels.get(backend, device).<op>`): a registered operator costs ~7 us of
-dispatch per call on CPU, a visible share of a decode step. While Dynamo traces, they call
+backend directly (`kernels.get(backend, device).<op>`): a registered operator's dispatch
+costs a visible share of a decode step on CPU. While Dynamo traces, they call
 the registered operator instead: Dynamo records one opaque node (its fake implementation
 gives the output's shape and dtype), so nothing inside a kernel (backend choice, Python
 state such as `torch.backends` settings, the MoE kernel's data-dependent per-expert row

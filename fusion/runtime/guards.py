@@ -27,7 +27,7 @@ import dis
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 from torch.nn.modules import module as nn_module
@@ -419,12 +419,40 @@ def holding_check(
     one `getattr` miss (an exception on Python 3.11) per child.
 
     Why: a rewritten forward checks its guards on every call, after weight streams have
-    emptied the caches, where each Python frame costs several times its warm price (a fused
-    attention's guards: 12-17 us per call measured at Qwen3-0.6B widths, 2-5 us warm).
+    emptied the caches, where each Python frame costs several times its warm price.
     Safe: every test here is one of `ChildGuard.failure`'s or `global_hooks`'s, so True
     implies each of them holds; nothing is cached between calls but the views. Eager only
     (`BoundForward.failure`): Dynamo traces `first_failure` instead (it cannot trace
     `dict_keys.isdisjoint`, and builds a new `__mro__` tuple)."""
+    return _holds_function(owner, forward, _holding_tables(guards, owner))
+
+
+class _HoldingTables(NamedTuple):
+    """What `holding_check`'s function tests, precomputed from the guards at fuse time."""
+
+    called: tuple[tuple[str, nn.Module, type], ...]
+    """(name, child, class) of each child guard of a child called as a function."""
+    plain: tuple[tuple[str, nn.Module, type, Any], ...]
+    """(name, child, class, forward) of each child guard of a plainly called child."""
+    names: tuple[str, ...]
+    """The guarded child names: none may appear in the instance dict or a class dict."""
+    attrs: tuple[tuple[str, Any], ...]
+    """(name, value) of each instance attribute no class attribute shadowed at fuse time."""
+    methods: tuple[tuple[str, Any], ...]
+    """(name, function) of each method guard."""
+    others: tuple[Guard, ...]
+    """The guards asked as they are (`failure`)."""
+    mro: tuple[type, ...]
+    """`owner.__mro__` at fuse time."""
+    class_keys: tuple[tuple[Any, tuple[str, ...]], ...]
+    """(live `dict_keys` of a class of the MRO, the names none of which it may hold)."""
+    class_only: bool
+    """No guard: only the class premise is tested."""
+
+
+def _holding_tables(guards: tuple[Guard, ...], owner: type) -> _HoldingTables:
+    """`holding_check`'s tables: the guards sorted by how they are tested, and the class
+    dicts of `owner`'s MRO with the names each must not hold."""
     children = tuple(g for g in guards if isinstance(g, ChildGuard))
     called = tuple((g.name, g.child, g.cls) for g in children if g.called)
     plain = tuple((g.name, g.child, g.cls, g.forward) for g in children if not g.called)
@@ -451,7 +479,18 @@ def holding_check(
         for klass in mro
         if klass is not object
     )
-    watch_classes, any_plain, any_others = bool(unshadowed), bool(plain), bool(others)
+    class_only = not (names or attrs or methods or others)  # no guard: the class premise
+    return _HoldingTables(called, plain, names, attrs, methods, others, mro, class_keys, class_only)
+
+
+def _holds_function(
+    owner: type, forward: Any, tables: _HoldingTables
+) -> Callable[[nn.Module], bool]:
+    """`holding_check`'s function over `tables`: one frame, every table and constant a
+    closure variable."""
+    called, plain, names, attrs, methods, others, mro, class_keys, class_only = tables
+    watch_classes = bool(names or attrs)
+    any_plain, any_others = bool(plain), bool(others)
     check_forward = forward is not _MISSING
     registry = nn_module  # read per call: the registries are module globals torch may rebind
     module_class = nn.Module
@@ -460,7 +499,6 @@ def holding_check(
     module_wrapped = _MODULE_CALL_PATH["_wrapped_call_impl"]
     module_impl = _MODULE_CALL_PATH["_call_impl"]
     missing = _MISSING
-    class_only = not (names or attrs or methods or others)  # no guard: the class premise
 
     def holds(module: nn.Module) -> bool:
         if type(module) is not owner or (check_forward and owner.forward is not forward):

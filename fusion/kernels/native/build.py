@@ -16,9 +16,9 @@ half-written library.
 
 Why not `torch.utils.cpp_extension`: the operator schema, fake and autograd registrations
 already live in Python (`fusion::linear_product`, `ops`), so an extension would add only its
-build, and that build was measured at 33-39 s for a one-line operator (torch's headers; ninja
-required) against 0.31 s for this kernel with `cc` (2-core Zen 4, gcc 12.2), paid on every
-fresh machine and every changed `-march`.
+build, and that build takes tens of seconds for a one-line operator (torch's headers; ninja
+required) against well under a second for this kernel with `cc`, paid on every fresh machine
+and every changed `-march`.
 
 Fail closed: every failure (no compiler, a compile error, an unwritable cache, a library that
 will not load) returns a `Built` with `library=None` and a `reason` naming what failed; the

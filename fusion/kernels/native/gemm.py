@@ -6,22 +6,21 @@ GEMM packs the weight it is given on every call (one more pass over it) and oneD
 product stops at one row; a packed copy kept between calls is the stale-copy hazard the
 lifecycle rules forbid. The kernel reads the row-major weight once, in place, as dot products
 along K (see the C source), so nothing is cached and every write to the weight, by any
-spelling, is seen by the next call. Measured on a 2-core Zen 4 (AVX-512), float32, one
-thread, weights streamed from memory (256 MB of distinct weights cycled), `F.linear` time /
-this kernel's: 1 row 1.22-1.52x (and 1.02-1.31x oneDNN's one-row product), 16 rows
-1.87-2.45x, 64 rows 1.24-2.25x (N x K from 1024 x 2048 to 16384 x 2048 and 2048 x 8192).
+spelling, is seen by the next call. Measured with weights streamed from memory (as in a
+decode step), it beats `F.linear` (and oneDNN's one-row product) at decode row counts; the
+kernel policy runs it only where this machine's calibration measured it faster.
 
 bfloat16 (same kernel, `fh_linear_bf16w`): a bf16 weight is read where it lies, each value
 widened exactly to float32 in registers, so half the bytes are streamed; the input rows are
 widened and the bias read in float32 beforehand, and each float32 output is rounded to bf16
 once, as PyTorch's own CPU bf16 linear accumulates in float32 and rounds once. Why: on CPUs
 without a bf16 dot-product path for one row, `F.linear` in bf16 streams its weight no faster
-(in bytes per second) than float32 does; measured on a 2-core Xeon (AVX-512 + AMX), one
-thread: bf16 `F.linear` 7.6-10 GB/s against float32's 14-17 GB/s.
+(in bytes per second) than float32 does (measured well below float32's rate on an AVX-512
+Xeon), so reading half the bytes is reading the weight faster.
 
 Rounding: each output is a sum over the vector lanes (16 with AVX-512, 8 with AVX2) of
-blocked partial sums (the C source says how), which errs less than MKL against float64 (0.3-0.5x MKL's max error at K 1024-8192;
-the tests bound it by MKL's). The order depends only on K: bit-identical results at any
+blocked partial sums (the C source says how), which errs less than MKL against float64 (the
+tests bound it by MKL's). The order depends only on K: bit-identical results at any
 thread count and for any batch composition.
 
 Fail closed, always to the caller's PyTorch path (`applies` False): anything but float32 or
@@ -77,19 +76,15 @@ LIMITS: dict[str, RowLimits] = {
 answer True, and up to how many rows. A rule on the machine and the shape, never a timing, so
 the same inputs on the same machine always take the same path (reproducible rounding).
 
-AVX512 (2-core Zen 4, weights streamed, `F.linear` time / the kernel's, one / two threads):
-128 rows 1.17-1.50x / 1.25-1.54x, 256 rows 1.04-1.24x / 1.04-1.34x, 512 rows 0.47-1.32x /
-0.73-1.15x; the 0.47x is 512 x 8192 (16 MB of input re-read from memory, 4 weight rows per
-block), while 256 x 8192 (8 MB) still measured 1.13x on this machine's 32 MB L3: 4 MB of
-input is the limit, as smaller caches are common.
+AVX512 (measured on Zen 4, weights streamed, one and two threads): the kernel beats
+`F.linear` up to 256 rows; beyond, at long reductions, the input every block of weight rows
+re-reads falls out of cache and it loses. The input limit sits below what one machine's L3
+held, as smaller caches are common.
 
 AVX2 (the kernel built for x86-64-v3 and MKL limited to AVX2, emulated on the same Zen 4: no
 AVX2-only machine was available; 8 lanes, blocks of 2 input x 4 weight rows, as AVX2 has 16
-vector registers), one thread: 1 row 1.19-1.62x, 16 rows 1.59-2.19x, 32 rows 1.24-1.78x, 64
-rows 1.21-1.42x but 1.01x at K = 8192, 128 rows 1.04-1.23x but 0.96x at K = 8192 in one
-run and 0.87-1.35x at Qwen3-0.6B's widths in another (two threads 0.90-1.48x): up to 64 rows
-and 1 MB of input. (Blocks of 4 input x 2 weight rows, measured first, re-read the input
-twice as often: 0.76-1.04x at 128 rows, 0.82x at 64 x 8192.)"""
+vector registers, which re-read the input half as often as blocks of 4 input x 2 weight
+rows): it wins up to 64 rows and loses at some widths beyond, hence the lower limits."""
 
 _NO_ROWS = RowLimits(0, 0)
 
@@ -456,7 +451,7 @@ def experts_ok(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
     checks each expert's row count (`expert_rows_ok`).
 
     Why: a CPU MoE block's time is its selected experts' weights streamed once; the kernel
-    reads them 1.3-2x faster than `mm` at decode sizes (module docstring), and errs less."""
+    reads them faster than `mm` at decode sizes (module docstring), and errs less."""
     # float32 only: the experts backends combine expert outputs in their operands' dtype with
     # float32-specific buffers; bf16 experts take their reference
     if gate_up.dim() != 3 or down.dim() != 3 or rows.shape[0] == 0:
