@@ -12,12 +12,7 @@ from torch import nn
 
 from fusion.analysis.alias import check_input_stable
 from fusion.errors import RewriteRefused
-from tests.fusion.forward_grammar import (
-    Program,
-    TwoProjections,
-    run,
-    unchanged,
-)
+from tests.fusion.forward_programs import Program, TwoProjections, run, unchanged
 
 
 def program(pre: str = "", mid: str = "", post: str = "", args: str = "x") -> Program:

@@ -26,13 +26,7 @@ from tests.fusion.analysis.alias_programs import (
     judged_stable,
     program,
 )
-from tests.fusion.forward_grammar import (
-    NAMESPACE,
-    Program,
-    Recorder,
-    TwoProjections,
-    unchanged,
-)
+from tests.fusion.forward_programs import NAMESPACE, Program, Recorder, TwoProjections, unchanged
 from tests.write_spellings import Spelling, spellings
 
 # Each case: (id, prelude, region). All must be refused, and each one really changes `x`
@@ -303,7 +297,7 @@ FOREIGN_NAMESPACE = {**NAMESPACE, "np": numpy, "ctypes": ctypes}
 
 
 def run_foreign(prog: Program) -> tuple[torch.Tensor, torch.Tensor]:
-    """`forward_grammar.run` with `np` and `ctypes` bound: the inputs `p1` and `p2` saw."""
+    """`forward_programs.run` with `np` and `ctypes` bound: the inputs `p1` and `p2` saw."""
     namespace = dict(FOREIGN_NAMESPACE)
     exec(compile(prog.source, "<foreign forward>", "exec"), namespace)
     module = TwoProjections(Recorder)
@@ -425,7 +419,7 @@ def test_writes_outside_the_region_do_not_count() -> None:
 
 ALIAS_PROVIDES = frozenset({"operator", "wide", "contiguous", "no_grad"})
 """What `program`'s forward offers a shared write spelling: NAMESPACE's `operator`, a
-contiguous 4 x 4 float64 input, run under no_grad (forward_grammar.run)."""
+contiguous 4 x 4 float64 input, run under no_grad (forward_programs.run)."""
 
 DTYPE_DEPENDENT = {"float_cast_write"}
 """`x.float()` is `x` itself only for a float32 `x`: here (float64) it writes a copy, yet the

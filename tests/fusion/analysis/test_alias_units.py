@@ -24,7 +24,7 @@ from tests.fusion.analysis.alias_programs import (
     judged_stable,
     program,
 )
-from tests.fusion.forward_grammar import (
+from tests.fusion.forward_programs import (
     NAMESPACE,
     Program,
     TwoProjections,
