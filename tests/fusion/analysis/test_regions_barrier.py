@@ -12,6 +12,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,15 @@ from fusion.analysis.regions import (
     StateProof,
     region_barrier,
 )
+from fusion.trace.tracer import preserved_globals
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """Every hazard forward restores what it sets; this guards the other tests if one does
+    not (a failing assertion midway)."""
+    with preserved_globals():
+        yield
 
 
 def test_a_state_call_after_the_last_call_in_its_branch_is_not_between() -> None:

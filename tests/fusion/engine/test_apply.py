@@ -14,7 +14,7 @@ from fusion.fusers import matches, registry
 from fusion.fusers.qkv import QKVFuser
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import outputs_match
-from tests.fusion.fusers.test_moe import SparseMoeV4, randomized
+from tests.fusion.fusers.moe_helpers import SparseMoeV4, randomized
 from tests.fusion.merged_paths import stacked_products
 from tests.fusion.tiny_models import relative_error, tiny_model, token_ids
 

@@ -13,6 +13,7 @@ import fusion
 from fusion.errors import RewriteRefused
 from fusion.runtime.params import apply_state, common_state
 from tests.fusion.fusers import hazards
+from tests.fusion.fusers.moe_helpers import SparseMoeV4
 from tests.fusion.tiny_models import tiny_model, token_ids
 
 
@@ -98,7 +99,6 @@ def test_attributes_stay_on_each_merged_parameter() -> None:
 def test_modulelist_experts_with_one_frozen_expert_keep_it_frozen() -> None:
     """Transformers 4 experts are never packed (`MODULELIST_REFUSAL`): each expert is merged
     on its own, and the frozen projection stays the frozen Parameter it was."""
-    from tests.fusion.fusers.test_moe import SparseMoeV4
 
     block = nn.Sequential(SparseMoeV4())
     frozen = block[0].experts[2].w1.weight.requires_grad_(False)
