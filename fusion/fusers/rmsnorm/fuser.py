@@ -124,7 +124,7 @@ def forward_reads(module: nn.Module, found: NormMatch) -> tuple[tuple[nn.Module,
     on the weight's device), except eps and the weight, which the fused forward reads live:
     the premises `NormForward` guards (`AttributeGuard`).
 
-    Recorded as read (`fusion.fusers.moe.reads.recording`), so a flag read by a helper method
+    Recorded as read (`fusion.analysis.reads.recording`), so a flag read by a helper method
     is found as well as one read by `forward` itself; `training` is kept when read. A read
     whose value a per-call comparison cannot see (a dict, a config object) refuses
     (`guarded_reads`), as does a forward that runs at no grid dtype."""
