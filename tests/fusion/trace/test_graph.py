@@ -370,8 +370,10 @@ def test_downstream_linear_through_children_only_when_asked() -> None:
 def test_dataflow_and_alias_analysis_share_one_metadata_table() -> None:
     # Two tables drifted once (graph.py lacked requires_grad/is_leaf/element_size): a read
     # one analysis ignores must be one the other ignores too.
-    from fusion.analysis import alias
+    # The alias analysis reads them in `alias_terms` (alias reads) and `call_effects`.
+    from fusion.analysis import alias_terms, call_effects
     from fusion.trace import tensor_meta
 
-    assert G.METADATA_ATTRS is tensor_meta.METADATA_ATTRS is alias.METADATA_ATTRS
-    assert G.METADATA_METHODS is tensor_meta.METADATA_METHODS is alias.METADATA_METHODS
+    assert G.METADATA_ATTRS is tensor_meta.METADATA_ATTRS is alias_terms.METADATA_ATTRS
+    assert call_effects.METADATA_ATTRS is tensor_meta.METADATA_ATTRS
+    assert G.METADATA_METHODS is tensor_meta.METADATA_METHODS is alias_terms.METADATA_METHODS
