@@ -6,7 +6,7 @@ reach about twice the throughput on the same core. Transformers' expert loop and
 `grouped_mm` both go through `mm`, so the experts' GEMMs, nearly all of a CPU MoE block's
 time, are where a fused block can win. Measured numbers are in `tests/bench/test_bench_moe.py`'s docstring.
 
-What it computes: exactly `torch_ref.moe_experts` (the same routed products, rounded to the
+What it computes: exactly `reference.moe_experts` (the same routed products, rounded to the
 input dtype before the K-term sum), with one difference confined to rounding: the GEMMs are
 oneDNN's. oneDNN accumulates a whole reduction in registers, which in float32 errs 2-3x more
 than MKL's blocked accumulation at H >= 512 (max error against float64); the harness' parity
@@ -58,8 +58,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusion.kernels import contract
-from fusion.kernels import reference as torch_ref
+from fusion.kernels import contract, reference
 from fusion.kernels.native import gemm as native_gemm
 
 K_BLOCK = 128
@@ -212,7 +211,7 @@ def _one_row_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         and x.device.type == "cpu"
         and weight.dim() == 2
         and weight.numel() >= ROW_MIN_ELEMENTS
-        and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
+        and not reference.records_grad(x, weight, *(() if bias is None else (bias,)))
     )
 
 
@@ -316,7 +315,7 @@ def _grouped_mm_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     )
 
 
-class OneDnnKernels(torch_ref.TorchKernels):
+class OneDnnKernels(reference.TorchKernels):
     """Backend object: the oneDNN MoE experts; every other op is inherited from the reference."""
 
     name = "onednn"
@@ -366,7 +365,7 @@ class OneDnnKernels(torch_ref.TorchKernels):
             and all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
             and torch.backends.mkldnn.enabled
             and strict_fp32()
-            and not torch_ref.records_grad(*tensors)
+            and not reference.records_grad(*tensors)
         )
 
     def moe_experts(
@@ -378,17 +377,17 @@ class OneDnnKernels(torch_ref.TorchKernels):
         topk_weights: torch.Tensor,
         activation: str,
     ) -> torch.Tensor:
-        """`torch_ref.moe_experts` with each expert's two GEMMs in oneDNN (float32 CPU).
+        """`reference.moe_experts` with each expert's two GEMMs in oneDNN (float32 CPU).
 
         Rows are sorted by expert as in the reference; each expert then runs its whole
         chain (gate_up GEMM, act-and-mul, down GEMM) before the next, so its intermediate
         stays in cache, and the weighted rows go back with one `index_add_`."""
         if not self.uses_onednn(hidden, gate_up, down, topk_weights):
-            return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+            return reference.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
         num_tokens = hidden.shape[0]
         if num_tokens == 0 or topk_ids.shape[-1] == 0:
             return hidden.new_zeros(hidden.shape)
-        routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
+        routed = reference.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
         # once per call, not per expert: every expert's slice has the same shape and strides
         native = native_gemm.experts_ok(routed.rows, gate_up, down)
         per_row = (_rows_ok(gate_up), _rows_ok(down))
@@ -402,18 +401,18 @@ class OneDnnKernels(torch_ref.TorchKernels):
             expert_out = self._small(routed, gate_up, down, activation)
         else:
             expert_out = self._chain(routed, gate_up, down, activation, per_row, native)
-        return torch_ref.combine(routed, expert_out, topk_weights, num_tokens)
+        return reference.combine(routed, expert_out, topk_weights, num_tokens)
 
     def _chain(
         self,
-        routed: torch_ref.ExpertRows,
+        routed: reference.ExpertRows,
         gate_up: torch.Tensor,
         down: torch.Tensor,
         activation: str,
         per_row: tuple[bool, bool],
         native: bool,
     ) -> torch.Tensor:
-        """`torch_ref.expert_chain` with this backend's GEMM choice (`_gemm`). `per_row`: may
+        """`reference.expert_chain` with this backend's GEMM choice (`_gemm`). `per_row`: may
         the gate_up / down GEMMs take one-row products (`_rows_ok` of each)? `native`: may
         both take the native kernel (`native_gemm.experts_ok`)?"""
 
@@ -421,17 +420,17 @@ class OneDnnKernels(torch_ref.TorchKernels):
             one_row = per_row[0] if weights is gate_up else per_row[1]
             return self._gemm(x, weights, expert, one_row, native)
 
-        return torch_ref.expert_chain(routed, gate_up, down, activation, gemm)
+        return reference.expert_chain(routed, gate_up, down, activation, gemm)
 
     @staticmethod
     def _small(
-        routed: torch_ref.ExpertRows, gate_up: torch.Tensor, down: torch.Tensor, activation: str
+        routed: reference.ExpertRows, gate_up: torch.Tensor, down: torch.Tensor, activation: str
     ) -> torch.Tensor:
         """Every expert too small for oneDNN: one `grouped_mm` per projection (on CPU the
         same per-group `mm` as the reference's loop, without its per-expert Python calls)."""
         offsets = torch.tensor(routed.counts).cumsum(0).to(torch.int32)
         projected = F.grouped_mm(routed.rows, gate_up.transpose(-2, -1), offs=offsets)
-        activated = torch_ref.act_and_mul(projected, activation)
+        activated = reference.act_and_mul(projected, activation)
         return F.grouped_mm(activated, down.transpose(-2, -1), offs=offsets)
 
     @staticmethod

@@ -9,7 +9,7 @@ more than one kernel for the same function, and gets a kernel name back:
 - `stacked` (`MergedLinear`: shards `[N_i, K]` stacked, shape `(N_1, ..., N_s, K)`):
   `reference` (each shard's own `F.linear`: the unfused calls), `stacked` (one `F.linear`
   on the stacked weight), `native` and `onednn-row` on the stacked weight;
-- `experts` (CPU routed experts, shape `(E, 2I, H, topk)`): `reference` (`torch_ref`),
+- `experts` (CPU routed experts, shape `(E, 2I, H, topk)`): `reference` (`reference`),
   `native`, `onednn` (those backends' `moe_experts`).
 
 Every kernel computes the reference's function (their tests bound the rounding); they differ

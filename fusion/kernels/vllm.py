@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from fusion import kernels
-from fusion.kernels import reference as torch_ref
+from fusion.kernels import reference
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 
 _VLLM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -95,7 +95,7 @@ class VllmKernels:
         *,
         variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
-        """`torch_ref.rms_norm`; vLLM's kernel for the Llama variant, else the next backend.
+        """`reference.rms_norm`; vLLM's kernel for the Llama variant, else the next backend.
 
         Returns a new tensor of `x`'s shape (vLLM writes into a fresh `empty_like`); never
         writes to `x` or `weight`.
@@ -130,7 +130,7 @@ class VllmKernels:
         *,
         variant: NormVariant = DEFAULT_VARIANT,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`torch_ref.add_rms_norm` through the next backend. vLLM's `fused_add_rms_norm`
+        """`reference.add_rms_norm` through the next backend. vLLM's `fused_add_rms_norm`
         is not used: it writes both inputs in place, and it takes the variance of the float32
         sum before rounding it to the input dtype, while the unfused layer normalises the
         rounded sum (a different function in bfloat16/float16)."""
@@ -145,13 +145,13 @@ class VllmKernels:
         topk_weights: torch.Tensor,
         activation: str,
     ) -> torch.Tensor:
-        """`torch_ref.moe_experts` through the next backend (vLLM's fused_moe is not wired)."""
+        """`reference.moe_experts` through the next backend (vLLM's fused_moe is not wired)."""
         return self._fallback(hidden.device).moe_experts(
             hidden, gate_up, down, topk_ids, topk_weights, activation
         )
 
     def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
-        """`torch_ref.act_and_mul` with vLLM's op for the activation, else the next backend.
+        """`reference.act_and_mul` with vLLM's op for the activation, else the next backend.
 
         Returns a new tensor of shape `x.shape[:-1] + (x.shape[-1] // 2,)`; never writes to `x`.
         """
@@ -164,8 +164,8 @@ class VllmKernels:
             or x.shape[-1] % 2
             or x.numel() == 0
         ):
-            if op is None and activation not in torch_ref.ACTIVATIONS:
-                return torch_ref.act_and_mul(x, activation)  # raises the reference's KeyError
+            if op is None and activation not in reference.ACTIVATIONS:
+                return reference.act_and_mul(x, activation)  # raises the reference's KeyError
             return self._fallback(x.device).act_and_mul(x, activation)
         x_in = x.contiguous()
         out = torch.empty((*x_in.shape[:-1], x_in.shape[-1] // 2), dtype=x.dtype, device=x.device)

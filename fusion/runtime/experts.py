@@ -63,8 +63,7 @@ from torch import Tensor, nn
 
 from fusion.analysis.callpath import has_hooks
 from fusion.analysis.reads import AttributeGuard
-from fusion.kernels import ops
-from fusion.kernels import reference as torch_ref
+from fusion.kernels import ops, reference
 
 PARAMETER_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 """The parameters of a Transformers experts module, in the names `FusedExperts` keeps."""
@@ -136,7 +135,7 @@ class GateStep:
 class GateProgram:
     """The gating between an experts module's two projections, as ops in their order.
 
-    `activation`: the `torch_ref.ACTIVATIONS` name when the program is the default gating
+    `activation`: the `reference.ACTIVATIONS` name when the program is the default gating
     `act(gate) * up` over the halves of its input (the backend kernels run it), else None.
     """
 
@@ -237,7 +236,7 @@ def gated_experts(
     storage are fine), biases `[E, 2I]` / `[E, H]` or None.
 
     Each routed product is formed in `promote(dtype, weights dtype)` and rounded to the
-    dtype before the sum (`torch_ref.combine`), as Transformers' expert loop does; a
+    dtype before the sum (`reference.combine`), as Transformers' expert loop does; a
     projection's bias is added to its GEMM's output, as every Transformers implementation
     does. Only the order of the K-term sum may differ from theirs (rounding).
 
@@ -248,7 +247,7 @@ def gated_experts(
     num_tokens, num_experts = hidden.shape[0], gate_up.shape[0]
     if num_tokens == 0 or topk_ids.shape[-1] == 0:
         return hidden.new_zeros(hidden.shape)
-    routed = torch_ref.sort_by_expert(hidden, topk_ids, num_experts)
+    routed = reference.sort_by_expert(hidden, topk_ids, num_experts)
     if len(routed.counts) > num_experts + 1:
         raise RuntimeError(f"expert ids above the dropped id {num_experts}")
     if len(routed.counts) > num_experts:
@@ -263,15 +262,15 @@ def gated_experts(
     # the weights' dtype, as Transformers' grouped implementation casts it.
     activated = run_gate(program, projected).to(down.dtype)
     expert_out = _grouped(activated, down, down_bias, slices)
-    return torch_ref.combine(routed, expert_out.to(hidden.dtype), topk_weights, num_tokens)
+    return reference.combine(routed, expert_out.to(hidden.dtype), topk_weights, num_tokens)
 
 
-def _without_dropped(routed: torch_ref.ExpertRows, num_experts: int) -> torch_ref.ExpertRows:
+def _without_dropped(routed: reference.ExpertRows, num_experts: int) -> reference.ExpertRows:
     """`routed` without its rows routed to the dropped id `num_experts`: the stable sort put
     them last, so the first `sum(counts[:E])` rows (and their order and tokens) are the
     rest, unchanged; `combine` then adds nothing for the dropped ones."""
     kept = sum(routed.counts[:num_experts])
-    return torch_ref.ExpertRows(
+    return reference.ExpertRows(
         routed.rows[:kept],
         routed.order[:kept],
         routed.token_of_row[:kept],
@@ -324,7 +323,7 @@ def gated_experts_call(
     tensors = [
         t for t in (hidden, gate_up, gate_up_bias, down, down_bias, topk_weights) if t is not None
     ]
-    if torch.compiler.is_compiling() and not torch_ref.records_grad(*tensors):
+    if torch.compiler.is_compiling() and not reference.records_grad(*tensors):
         return torch.ops.fusion.gated_experts(
             hidden, gate_up, gate_up_bias, down, down_bias, topk_ids, topk_weights, program
         )

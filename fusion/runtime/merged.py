@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.kernels import ops
-from fusion.kernels import reference as torch_ref
+from fusion.kernels import ops, reference
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.kernels.policy import POLICY
 
@@ -327,7 +326,7 @@ class MergedLinear(nn.Module):
         for weight, bias in current:
             tensors = (x, weight) if bias is None else (x, weight, bias)
             decoded = None
-            if not torch_ref.records_grad(*tensors):
+            if not reference.records_grad(*tensors):
                 shape = tuple(weight.shape)
                 decoded = ops.product("linear", shape, self.backend, x, weight, bias)
             pieces.append(F.linear(x, weight, bias) if decoded is None else decoded)
@@ -475,7 +474,7 @@ DtypePair = tuple[torch.dtype, torch.dtype | None]
 
 def uses_float32_aten(variant: NormVariant) -> bool:
     """Whether `torch.rms_norm` computes `variant` on float32 operands: the `rsqrt` spelling
-    (`NormVariant.fast`), ATen's composite (`torch_ref.ATEN_RMS_NORM_IS_COMPOSITE`),
+    (`NormVariant.fast`), ATen's composite (`reference.ATEN_RMS_NORM_IS_COMPOSITE`),
     statistics in float32 and no offset (the weight
     order and cast target do not matter when everything is float32). Read once per fused
     norm, so the float32 fast path asks one attribute."""
@@ -483,7 +482,7 @@ def uses_float32_aten(variant: NormVariant) -> bool:
         variant.fast
         and variant.upcast
         and not variant.offset
-        and torch_ref.ATEN_RMS_NORM_IS_COMPOSITE
+        and reference.ATEN_RMS_NORM_IS_COMPOSITE
     )
 
 
@@ -510,7 +509,7 @@ def norm_kernel(
     On CPU with the reference backends, exactly the call the reference backend makes here
     (`TorchKernels.rms_norm`) without the frames between, which on a decode step run from
     caches a GEMV has just emptied: float32 first, decided by one flag (`uses_float32_aten`),
-    then `torch_ref.aten_norm` for the other dtypes."""
+    then `reference.aten_norm` for the other dtypes."""
     eps = norm_eps(eps, x.dtype)
     if x.is_cpu and backend in ("auto", "torch") and not torch.compiler.is_compiling():
         if (
@@ -522,9 +521,9 @@ def norm_kernel(
             and weight.shape[0] == x.shape[-1]
         ):
             return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-        norm = torch_ref.aten_norm(x, weight, variant)
+        norm = reference.aten_norm(x, weight, variant)
         if norm is not None:
-            return torch_ref.aten_rms_norm(x, norm, eps)
+            return reference.aten_rms_norm(x, norm, eps)
     return ops.rms_norm(backend, x, weight, eps, variant=variant)
 
 
@@ -550,7 +549,7 @@ class FusedRMSNorm(nn.Module):
     norm kernel's module for benchmarks and kernel tests.
 
     `variant` (a frozen `NormVariant`, read-only here) is what `fusion.fusers.rmsnorm` proved
-    the replaced module computes; `torch_ref.rms_norm` defines each field. `weight` is the
+    the replaced module computes; `reference.rms_norm` defines each field. `weight` is the
     replaced module's own Parameter object (never a copy), under the same name, so
     checkpoints, ties and optimiser state map 1:1; a weightless norm has none and normalises
     whatever width it is given.
@@ -585,7 +584,7 @@ class FusedRMSNorm(nn.Module):
     def _set_variant(self, variant: NormVariant) -> None:
         """Hold `variant`, and what `forward`'s float32 fast path asks of it, read once here
         so that path reads one attribute: whether `torch.rms_norm` computes this variant on
-        float32 operands (ATen's composite, `torch_ref.ATEN_RMS_NORM_IS_COMPOSITE`;
+        float32 operands (ATen's composite, `reference.ATEN_RMS_NORM_IS_COMPOSITE`;
         statistics in float32 and no offset; the weight order and cast target do not matter
         when everything is float32). The only writer of either, so the two never
         disagree."""

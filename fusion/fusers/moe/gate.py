@@ -19,7 +19,7 @@ returned with the program, for `FusedExperts` to guard per call: a value changed
 fusing runs the original.
 
 `GateProgram.activation` names the default gating `act(gate) * up` when the program is
-proven equal to it for one of `torch_ref.ACTIVATIONS` (the backend kernels then run it).
+proven equal to it for one of `reference.ACTIVATIONS` (the backend kernels then run it).
 """
 
 from __future__ import annotations

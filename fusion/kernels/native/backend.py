@@ -1,7 +1,7 @@
 """The `native` backend: MoE experts on our CPU kernel (`native_gemm`) wherever it is on,
 including machines where `auto` does not take oneDNN (AVX2).
 
-What it computes: exactly `torch_ref.moe_experts` (routed products rounded to the input dtype
+What it computes: exactly `reference.moe_experts` (routed products rounded to the input dtype
 before the K-term sum); each expert's two GEMMs run on the native kernel when every expert's
 row count is within the kernel's limits (decode, short prompts), computing the same function
 with no more error (`native_gemm`'s tests bound it by MKL's). Every other call, and every op
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from fusion.kernels import contract
-from fusion.kernels import reference as torch_ref
+from fusion.kernels import contract, reference
 from fusion.kernels.native import gemm as native_gemm
 
 
-class NativeKernels(torch_ref.TorchKernels):
+class NativeKernels(reference.TorchKernels):
     """Backend object: the experts on the native kernel; every other op is the reference's."""
 
     name = "native"
@@ -50,17 +49,17 @@ class NativeKernels(torch_ref.TorchKernels):
         topk_weights: torch.Tensor,
         activation: str,
     ) -> torch.Tensor:
-        """`torch_ref.moe_experts`, each expert's GEMMs on the native kernel where it takes
+        """`reference.moe_experts`, each expert's GEMMs on the native kernel where it takes
         them (see the module docstring), else the reference itself."""
         if self._takes(hidden, gate_up, down, topk_ids, topk_weights):
-            routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
+            routed = reference.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
 
             def gemm(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
                 return native_gemm.linear(x, weights[expert], None)
 
-            expert_out = torch_ref.expert_chain(routed, gate_up, down, activation, gemm)
-            return torch_ref.combine(routed, expert_out, topk_weights, hidden.shape[0])
-        return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+            expert_out = reference.expert_chain(routed, gate_up, down, activation, gemm)
+            return reference.combine(routed, expert_out, topk_weights, hidden.shape[0])
+        return reference.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
 
     @staticmethod
     def _takes(
@@ -81,7 +80,7 @@ class NativeKernels(torch_ref.TorchKernels):
             return False
         if hidden.shape[0] == 0 or topk_ids.shape[-1] == 0 or hidden.dim() != 2:
             return False
-        if torch_ref.records_grad(topk_weights) or not native_gemm.experts_ok(
+        if reference.records_grad(topk_weights) or not native_gemm.experts_ok(
             hidden, gate_up, down
         ):
             return False

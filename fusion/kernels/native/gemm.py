@@ -45,8 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion.kernels import contract
-from fusion.kernels import reference as torch_ref
+from fusion.kernels import contract, reference
 from fusion.kernels.native import build as native_build
 
 MIN_ELEMENTS = 1 << 20
@@ -396,7 +395,7 @@ def _operands_ok(
         and k % K_MULTIPLE == 0
         and rows_ok(x.numel() // k, k)
         and weight.numel() >= MIN_ELEMENTS
-        and not torch_ref.records_grad(x, weight, *(() if bias is None else (bias,)))
+        and not reference.records_grad(x, weight, *(() if bias is None else (bias,)))
     )
 
 
