@@ -3,6 +3,12 @@
     import fusion
     report = fusion.fuse(model)      # in place; a FusionReport of what was applied / skipped
     report = fusion.plan(model)      # the same decisions, model untouched
+    state = fusion.unfused_state_dict(model)  # a fused model's state under unfused names
+
+Layers, bottom to top (each package's `__init__` says what it holds; each imports only the
+layers below it, enforced by import-linter, pyproject.toml `[tool.importlinter]`): the leaf
+modules `errors`, `numerics`, `report`; `kernels`; `trace`; `analysis`; `runtime`; `fusers`;
+`engine`; this package on top.
 
 Every rewrite either provably computes the same function or is refused with a reason.
 """
@@ -12,11 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusion import apply, kernels
+from fusion import kernels
+from fusion.engine import apply
+from fusion.engine.tuning import calibrate, kernel_choices
 from fusion.errors import RewriteRefused
 from fusion.kernels import available_backends, ops
 from fusion.report import Applied, FusionReport, Skipped
-from fusion.tuning import calibrate, kernel_choices
+from fusion.runtime.checkpoint import unfused_state_dict
 
 __all__ = [
     "Applied",
@@ -26,7 +34,9 @@ __all__ = [
     "available_backends",
     "calibrate",
     "fuse",
+    "kernel_choices",
     "plan",
+    "unfused_state_dict",
 ]
 
 

@@ -47,7 +47,7 @@ class Skipped:
 @dataclass
 class KernelChoice:
     """Which kernel computes one product of a fused model on this machine, at a decode
-    step and at a prompt chunk, and why (`fusion.tuning.kernel_choices`)."""
+    step and at a prompt chunk, and why (`fusion.engine.tuning.kernel_choices`)."""
 
     op: str
     shape: tuple[int, ...]

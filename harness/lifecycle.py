@@ -7,7 +7,7 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   Tokens that diverge where the unfused model's top two scores are closer than the rounding
   allowance are a near-tie, not a verdict (`n/a`, with the margin).
 - `train`: one training-mode forward and backward (labels = inputs), same seed: the loss and
-  every gradient, mapped back to unfused parameter names (`fusion.checkpoint.unfused_named`);
+  every gradient, mapped back to unfused parameter names (`fusion.runtime.checkpoint.unfused_named`);
   a frozen parameter must stay without gradient; then one SGD step and an eval forward.
 - `save-pretrained`: `state_dict()` entries must share storage exactly where the unfused
   model's do (savers that deduplicate by storage, such as accelerate's `save_model`, keep one
@@ -59,7 +59,7 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
 - `route`: with a calibration table measuring every merged product to lose at every row
   bucket (what `fusion.calibrate` writes where fusion only costs), the rewritten forwards
   that call merged projections run their classes' originals on the fused state
-  (`fusion.routes`): the logits must agree with the unfused model's, and a route must have
+  (`fusion.runtime.routes`): the logits must agree with the unfused model's, and a route must have
   been taken. `n/a` without such a forward, or outside the `measured` policy mode.
 - `quantize-dynamic`: `torch.ao.quantization.quantize_dynamic(model, {nn.Linear},
   dtype=torch.qint8)` of copies of both models (the fused one after its first forward): the
@@ -114,16 +114,16 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import source
-from fusion.bound import BoundForward
-from fusion.callpath import installed_forward
-from fusion.checkpoint import unfused_named
+from fusion.analysis import source
+from fusion.analysis.callpath import installed_forward
 from fusion.errors import RewriteRefused
-from fusion.guards import ChildGuard
 from fusion.kernels.calibration import Entry, Table
 from fusion.kernels.policy import MAX_BUCKET, POLICY, row_bucket
-from fusion.modules import MergedLinear
-from fusion.trace import preserved_globals
+from fusion.runtime.bound import BoundForward
+from fusion.runtime.checkpoint import unfused_named
+from fusion.runtime.guards import ChildGuard
+from fusion.runtime.merged import MergedLinear
+from fusion.trace.tracer import preserved_globals
 from harness import localise
 from harness.parity import logits_of
 
@@ -970,7 +970,7 @@ def _device_type(model: nn.Module) -> str:
 
 def watched_children(model: nn.Module) -> set[int]:
     """ids of the modules a rewritten forward's guards watch as plainly called
-    (`fusion.guards.ChildGuard`): a hook on one of them makes that forward run its original
+    (`fusion.runtime.guards.ChildGuard`): a hook on one of them makes that forward run its original
     instead, so an oracle that hooks them would judge the unfused path."""
     watched: set[int] = set()
     for module in model.modules():
@@ -1162,7 +1162,7 @@ def _parameters(ctx: Context) -> str:
     if gone:  # fused-only modules (a `qkv_proj`) may be added; none may go
         raise _Failed(f"{len(gone)} modules are gone from named_modules() ({gone[:3]})")
     for attr in ("_tp_plan", "_ep_plan"):
-        # a plan applied later must meet the names it was written for (fusion.placement)
+        # a plan applied later must meet the names it was written for (fusion.engine.placement)
         want_plan = getattr(ctx.unfused, attr, None) or {}
         got_plan = getattr(ctx.fused, attr, None) or {}
         if got_plan != want_plan:
@@ -1272,7 +1272,7 @@ def _references_measured(model: nn.Module) -> Table:
 
 def _route(ctx: Context) -> str:
     """Where a calibration measured every merged product to lose, the rewritten forwards
-    run their classes' originals on the fused state (`fusion.routes`): the logits agree with
+    run their classes' originals on the fused state (`fusion.runtime.routes`): the logits agree with
     the unfused model's, and at least one forward took the route."""
     if POLICY.mode != "measured":
         raise _NotApplicable(f"kernel policy mode {POLICY.mode!r}: routes are measured-mode only")

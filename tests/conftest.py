@@ -6,7 +6,7 @@ they live here rather than next to one package's tests.
 - "ci": derandomized (the same examples on every run and machine: CI is never flaky), no
   example database, 1000 examples per property unless a test sets its own count.
 - "slow": randomized, 20x more examples; a soak run after changing an analysis, e.g.
-  `HYPOTHESIS_PROFILE=slow python -m pytest tests/fusion/test_alias.py`.
+  `HYPOTHESIS_PROFILE=slow python -m pytest tests/fusion/analysis/test_alias.py`.
 - "dev": a quick randomized smoke run while editing.
 
 Test selection (markers declared in pyproject.toml): a run that names no test paths and no
@@ -32,10 +32,10 @@ from hypothesis import HealthCheck, settings
 
 from fusion.kernels import REGISTRY
 from fusion.kernels.calibration import Table
-from fusion.kernels.native_gemm import NATIVE
-from fusion.kernels.onednn_backend import ROW_MACHINE
+from fusion.kernels.native.gemm import NATIVE
+from fusion.kernels.onednn import ROW_MACHINE
 from fusion.kernels.policy import POLICY
-from fusion.trace import FP32_PRECISION_KEYS, preserved_globals
+from fusion.trace.tracer import FP32_PRECISION_KEYS, preserved_globals
 from harness.shard import Shard, ShardError
 
 DEFAULT_SELECTION = "not slow and not conformance"
@@ -43,7 +43,7 @@ DEFAULT_SELECTION = "not slow and not conformance"
 SLOW_PATHS = (
     "tests/fuzz/test_fuzz_fusion.py",  # the fuzzer at its CI size (`tox -e fuzz`: full size)
     "tests/corpus/test_all_architectures.py",  # every corpus architecture built and run
-    "tests/fusion/kernels/test_triton_backend.py",  # Triton kernels in the interpreter
+    "tests/fusion/kernels/triton/test_backend.py",  # Triton kernels in the interpreter
     "tests/bench/",  # benchmark smoke runs (`tox -e bench` times them)
 )
 """Test files (or directories, ending in "/") whose every test is `slow`: each takes minutes

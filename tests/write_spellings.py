@@ -5,8 +5,8 @@ methods, `out=`, `inplace=`, item stores, through views, containers, closures, h
 `exec`...). Three test families need them and used to keep three tables that drifted: the
 fuzzer writes them to a projection's input and to its output (tests/fuzz/strategies.py), the
 piece-write tests write them to each split piece of a merged GEMM
-(tests/fusion/test_piece_writes_spellings.py), and the alias unit tests write them to the
-input between two projections (tests/fusion/test_alias.py). They all draw from `WRITES`, so
+(tests/fusion/analysis/test_piece_writes_spellings.py), and the alias unit tests write them to the
+input between two projections (tests/fusion/analysis/test_alias.py). They all draw from `WRITES`, so
 a spelling added for one (say, from a fuzz finding) is tested by every family.
 
 Each spelling's lines write `{t}`; a host formats them with its tensor's name. `needs` names

@@ -10,10 +10,10 @@ A fuser's life has three steps, each fail-closed:
 2. `validate(module)` (per instance) raises `RewriteRefused` unless this instance has the
    shapes, dtypes, types and hooks the rewrite assumes.
 3. `fuse(module, backend)` (per instance) performs it and returns the module to install at
-   that qualname (the same object for rewrites). `fusion.apply` makes it transactional.
+   that qualname (the same object for rewrites). `fusion.engine.apply` makes it transactional.
 
 The projection-stacking machinery shared by the qkv, sibling, MLA and GLU fusers lives in
-`fusion.fusers.stacked`; hook and call-path checks in `fusion.callpath`.
+`fusion.fusers.stacked`; hook and call-path checks in `fusion.analysis.callpath`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Fuser(ABC):
 
     replaces_module: ClassVar[bool] = False
     """Whether `fuse` returns a new module for the slot (its old children leave the model,
-    so `fusion.apply` does not visit them)."""
+    so `fusion.engine.apply` does not visit them)."""
 
     source_class: str
     """Name of the matched module's class."""
@@ -89,7 +89,7 @@ class Fuser(ABC):
         """Names of `module`'s direct children that `fuse` takes out of the model (e.g. a
         `ModuleList` of experts repacked into new tensors) or takes over (the shards of a
         merged projection: they stay in place, computed by the merged module, and must
-        stay plain linears for its guards to hold). `fusion.apply` visits none of
+        stay plain linears for its guards to hold). `fusion.engine.apply` visits none of
         them afterwards, and `plan` (which installs nothing) skips them too, so a dry run
         reports what `fuse` would do. Called only on a validated `module`."""
         return ()

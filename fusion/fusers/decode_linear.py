@@ -2,7 +2,7 @@
 
 Not a merge, and no change of type: the module keeps its class (exactly `nn.Linear`), its
 parameters, hooks, name and place; only its `forward` becomes an instance attribute, a
-`fusion.linear_forward.LinearForward`, which is `F.linear` except for products on a CPU with
+`fusion.runtime.linear_forward.LinearForward`, which is `F.linear` except for products on a CPU with
 a weight of 1M+ elements, at 1 to 256 rows where the native kernel is on (`native_gemm`: it
 streams the live weight once, MKL packs it on every call) and otherwise at one row on
 AVX-512 where oneDNN's one-row product is, each where the policy measured it faster. So
@@ -31,11 +31,12 @@ from typing import ClassVar
 
 from torch import fx, nn
 
-from fusion.callpath import has_hooks, own_call_path
+from fusion.analysis.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
-from fusion.kernels import native_gemm, onednn_backend
-from fusion.linear_forward import install, premise_failure
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.native import gemm as native_gemm
+from fusion.runtime.linear_forward import install, premise_failure
 
 
 @dataclass

@@ -18,22 +18,30 @@ from typing import Any, ClassVar
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fusion import alias, bound, regions, source
-from fusion.callpath import has_hooks, own_call_path
+from fusion.analysis import alias_terms, regions, source
+from fusion.analysis.callpath import has_hooks, own_call_path
+from fusion.analysis.reads import (
+    AttributeGuard,
+    Read,
+    ReadsGuard,
+    guarded_reads,
+    recording,
+    resolved,
+)
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.fusers.stacked import check_stackable, install_merged
-from fusion.graph import is_fn, is_linear, submodule
-from fusion.guards import attribute_guard
-from fusion.modules import AS_COMPUTED, ActAndMul, MergedLinear
-from fusion.reads import AttributeGuard, Read, ReadsGuard, guarded_reads, recording, resolved
+from fusion.runtime import bound
+from fusion.runtime.guards import attribute_guard
+from fusion.runtime.merged import AS_COMPUTED, ActAndMul, MergedLinear
+from fusion.trace.graph import is_fn, is_linear, submodule
 
 
 def activation_kind(act: nn.Module) -> str:
     """`silu`, `gelu` or `gelu_tanh` for an activation module we reproduce exactly; else
     RewriteRefused naming the type. The known classes are matched exactly; one of any other
     class must trace to one activation call and provably keep global state
-    (`fusion.regions.module_keeps_state`), the only code that runs between `gate` and `up`."""
+    (`fusion.analysis.regions.module_keeps_state`), the only code that runs between `gate` and `up`."""
     kind = type(act)
     if has_hooks(act):
         raise RewriteRefused(f"activation {kind.__name__} has hooks")
@@ -163,8 +171,8 @@ def _is_function_call(
     not)?"""
     if not (isinstance(node, ast.Call) and len(node.args) == 1 and node.args[0] is gate_call):
         return False
-    path = alias.func_chain(node.func)
-    func = alias.chain_root(node.func)
+    path = alias_terms.func_chain(node.func)
+    func = alias_terms.chain_root(node.func)
     if not isinstance(func, ast.Name) or func.id in local:
         return False
     target: object = fn.__globals__.get(func.id)
@@ -204,7 +212,7 @@ def rewrite_glu(
     `activation_kind`, per instance, admits only activations that provably keep it).
     """
     funcdef, fn = source.recover_forward(type(module))
-    local = alias.local_names(funcdef)
+    local = alias_terms.local_names(funcdef)
     original = source.unparse(funcdef)
     gate_call, gate_refs = source.self_call_and_refs(funcdef, gate)
     up_call, up_refs = source.self_call_and_refs(funcdef, up)

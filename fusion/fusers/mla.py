@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from fusion.errors import RewriteRefused
 from fusion.fusers.stacked import StackedFuser, linear_inputs, projection_graph, unique_targets
-from fusion.graph import downstream_linear, find_node, is_leaf_call, returned_linear
+from fusion.trace.graph import downstream_linear, find_node, is_leaf_call, returned_linear
 
 
 @dataclass

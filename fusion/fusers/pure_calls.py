@@ -1,6 +1,6 @@
 """Calls that provably write nothing, read from their source, for the input-stability proof.
 
-`fusion.alias` presumes that a call it cannot read (a q/k norm of the model's own class, a
+`fusion.analysis.alias` presumes that a call it cannot read (a q/k norm of the model's own class, a
 method, a module-level helper) writes every name its arguments and receiver may alias, and
 everything reachable from `self`. Between two sibling projections that presumption alone
 refuses most merges of DeepSeek-style and normed attention. Here the callee's source is
@@ -10,10 +10,10 @@ that reaches locals by name) and every call it makes is known pure or itself pro
 `MAX_DEPTH`. Anything else (no source, a closure, hooks, a call path of its own, a nested
 function, a callee that cannot be resolved) is presumed to write, as before. A write needs
 no in-place spelling to count: calls of torch functions that write what they are given
-(`alias.namespace_call_writes`: `nn.init.constant`, `F.embedding(max_norm=)`), a numpy view
+(`call_effects.namespace_call_writes`: `nn.init.constant`, `F.embedding(max_norm=)`), a numpy view
 made anywhere (`x.numpy()`: its `put` and `sort` write), and a tensor-named method of a
 module (`m.float()`) all fail the proof. `self.<name>` is what Python resolves it to
-(`fusion.name_resolution`: a method on the class wins over a child of the same name), and
+(`fusion.analysis.name_resolution`: a method on the class wins over a child of the same name), and
 nothing of `self` is known in a method that rebinds it.
 
 A proven call is shown to the alias analysis as a pure stand-in, `torch.<STAND_IN>(callee,
@@ -39,21 +39,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion import alias, source
-from fusion.callpath import has_hooks, own_call_path
-from fusion.errors import RewriteRefused
-from fusion.name_resolution import (
+from fusion.analysis import alias, alias_terms, call_effects, source
+from fusion.analysis.callpath import has_hooks, own_call_path
+from fusion.analysis.name_resolution import (
     Kind,
     resolve,
     resolve_chain,
     self_chain,
     self_is_bound_to_owner,
 )
+from fusion.errors import RewriteRefused
 
 MAX_DEPTH = 3
 """Deepest chain of callees read (a norm calling its `_norm` method calling a helper)."""
 
-STAND_IN = alias.STAND_IN
+STAND_IN = alias_terms.STAND_IN
 """The attribute of `torch` a proven call is replaced by in the analysed copy (no such
 function exists: the copy is never compiled)."""
 
@@ -90,14 +90,14 @@ _BARRED = (
 def module_writes_nothing(child: object, depth: int = 0) -> bool:
     """True when calling `child` (an `nn.Module`) provably writes nothing: no hooks, the
     plain `nn.Module` call path, no instance-level forward, and either a torch layer that
-    `alias.is_safe_child` (an `nn.Embedding` with `max_norm` is not: it renormalises its own
+    `alias_terms.is_safe_child` (an `nn.Embedding` with `max_norm` is not: it renormalises its own
     weight) or a forward whose source writes nothing (`function_writes_nothing`, reading
     `self.<x>` on this instance)."""
     if not isinstance(child, nn.Module) or depth > MAX_DEPTH:
         return False
     if has_hooks(child) or own_call_path(child) or "forward" in child.__dict__:
         return False
-    if alias.is_safe_child(child):
+    if alias_terms.is_safe_child(child):
         return True
     return function_writes_nothing(type(child).forward, child, depth)
 
@@ -108,7 +108,7 @@ def function_writes_nothing(fn: Callable, owner: nn.Module | None, depth: int = 
     (a decorated function among them: its wrapper is code the source does not show).
 
     Its parameters are presumed tensors or plain values (the alias analysis trusts a proven
-    call only where no argument is `alias.may_be_foreign`), and so is what it returns: a
+    call only where no argument is `call_effects.may_be_foreign`), and so is what it returns: a
     function that may return a module or a numpy view (`_shares_foreign`) proves nothing,
     nor one that calls a tensor-named method on such a value (`arr.put(0, v)`, `m.float()`).
     `self.<name>` is read on `owner` only while `self` is its first parameter and never
@@ -120,7 +120,7 @@ def function_writes_nothing(fn: Callable, owner: nn.Module | None, depth: int = 
     rebound = owner is not None and not self_is_bound_to_owner(funcdef)
     if rebound:
         owner = None  # `self = self.other`, or `self` is not the receiver: resolve nothing
-    local = alias.local_names(funcdef) - ({"self"} if owner is not None else set())
+    local = alias_terms.local_names(funcdef) - ({"self"} if owner is not None else set())
     scope = _Scope(owner, fn.__globals__, local, depth, {"self"} if rebound else set())
     scope.foreign |= _foreign_locals(funcdef, scope)
     body = [*funcdef.body, *funcdef.args.defaults, *filter(None, funcdef.args.kw_defaults)]
@@ -165,7 +165,7 @@ def _shares_foreign(expr: ast.AST, scope: _Scope) -> bool:
             return True
         return expr.id not in scope.local and _is_foreign_object(scope.resolve(expr.id))
     if isinstance(expr, ast.Attribute):
-        return expr.attr in alias.FOREIGN_VIEWS or _shares_foreign(expr.value, scope)
+        return expr.attr in alias_terms.FOREIGN_VIEWS or _shares_foreign(expr.value, scope)
     if isinstance(expr, (ast.Subscript, ast.Starred, ast.NamedExpr)):
         return _shares_foreign(expr.value, scope)
     if isinstance(expr, ast.Call):
@@ -193,17 +193,19 @@ def _foreign_locals(funcdef: ast.FunctionDef, scope: _Scope) -> set[str]:
     pairs: list[tuple[set[str], ast.AST]] = []
     for node in ast.walk(funcdef):
         if isinstance(node, ast.Assign):
-            pairs += [(alias.store_names(target), node.value) for target in node.targets]
+            pairs += [(alias_terms.store_names(target), node.value) for target in node.targets]
         elif isinstance(node, ast.NamedExpr) or (
             isinstance(node, ast.AnnAssign) and node.value is not None
         ):
-            pairs.append((alias.store_names(node.target), node.value))
+            pairs.append((alias_terms.store_names(node.target), node.value))
         elif isinstance(node, (ast.For, ast.comprehension)):
-            pairs.append((alias.store_names(node.target), node.iter))
+            pairs.append((alias_terms.store_names(node.target), node.iter))
         elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            pairs.append((alias.store_names(node.optional_vars), node.context_expr))
+            pairs.append((alias_terms.store_names(node.optional_vars), node.context_expr))
         elif isinstance(node, ast.Match):
-            pairs += [(alias.match_captures(case.pattern), node.subject) for case in node.cases]
+            pairs += [
+                (alias_terms.match_captures(case.pattern), node.subject) for case in node.cases
+            ]
     foreign = set(scope.foreign)
     changed = True
     while changed:
@@ -244,11 +246,11 @@ def _node_writes_nothing(node: ast.AST, scope: _Scope) -> bool:
         node.ctx, (ast.Store, ast.Del)
     ):
         return False
-    if isinstance(node, ast.Name) and node.id in alias.OPAQUE_BUILTINS:
+    if isinstance(node, ast.Name) and node.id in alias_terms.OPAQUE_BUILTINS:
         return False
     if (
         isinstance(node, ast.Attribute)
-        and (node.attr in alias.OPAQUE_BUILTINS or node.attr in alias.FRAME_ATTRS)
+        and (node.attr in alias_terms.OPAQUE_BUILTINS or node.attr in alias_terms.FRAME_ATTRS)
         and not _in_namespace(node, scope)  # `torch.stack` is not `inspect.stack`
     ):
         return False
@@ -272,31 +274,31 @@ def _in_namespace(node: ast.Attribute, scope: _Scope) -> bool:
 
 def _namespace_call(expr: ast.expr, scope: _Scope) -> bool:
     """Is `expr` a call through `torch`/`F`/`nn`/`math` as the callee's globals bind them,
-    of a function that writes no argument however spelled (not `alias.namespace_call_writes`:
+    of a function that writes no argument however spelled (not `call_effects.namespace_call_writes`:
     `torch.distributed`, custom ops, `nn.init.constant`, `F.embedding(..., max_norm=m)`),
-    and no `alias.FOREIGN_VIEWS` method (`torch.Tensor.numpy(x)`)?"""
-    if not isinstance(expr, ast.Call) or alias.writes_through_args(expr):
+    and no `alias_terms.FOREIGN_VIEWS` method (`torch.Tensor.numpy(x)`)?"""
+    if not isinstance(expr, ast.Call) or call_effects.writes_through_args(expr):
         return False
-    chain = alias.func_chain(expr.func)
-    node = alias.chain_root(expr.func)
+    chain = alias_terms.func_chain(expr.func)
+    node = alias_terms.chain_root(expr.func)
     if not (isinstance(node, ast.Name) and chain and node.id in NAMESPACES):
         return False
     if scope.resolve(node.id) is not NAMESPACES[node.id]:
         return False
-    if chain[0] in alias.IMPURE_TORCH_NAMESPACES or chain[-1] in alias.FOREIGN_VIEWS:
+    if chain[0] in alias_terms.IMPURE_TORCH_NAMESPACES or chain[-1] in alias_terms.FOREIGN_VIEWS:
         return False
-    return not alias.namespace_call_writes(expr)
+    return not call_effects.namespace_call_writes(expr)
 
 
 def _call_writes_nothing(call: ast.Call, scope: _Scope) -> bool:
-    if alias.writes_through_args(call):
+    if call_effects.writes_through_args(call):
         return False
     func = call.func
     if isinstance(func, ast.Name):
         if any(keyword.arg == "key" for keyword in call.keywords):
             return False  # `min(xs, key=f)` calls `f`
         target = scope.resolve(func.id)
-        if func.id in alias.PURE_BUILTINS and target is getattr(builtins, func.id, None):
+        if func.id in alias_terms.PURE_BUILTINS and target is getattr(builtins, func.id, None):
             return True
         return inspect.isfunction(target) and function_writes_nothing(target, None, scope.depth + 1)
     if not isinstance(func, ast.Attribute):
@@ -306,9 +308,9 @@ def _call_writes_nothing(call: ast.Call, scope: _Scope) -> bool:
     receiver = func.value
     if isinstance(receiver, ast.Name) and receiver.id == "self" and scope.owner is not None:
         return _self_call_writes_nothing(scope.owner, func.attr, scope.depth + 1)
-    if not hasattr(torch.Tensor, func.attr) or func.attr in alias.NOT_PURE_TENSOR_METHODS:
+    if not hasattr(torch.Tensor, func.attr) or func.attr in alias_terms.NOT_PURE_TENSOR_METHODS:
         return False
-    if func.attr in alias.FOREIGN_VIEWS:
+    if func.attr in alias_terms.FOREIGN_VIEWS:
         # `x.numpy()` writes nothing itself, but hands back an array whose tensor-named
         # methods write (`put`, `sort`): a callee that makes one proves nothing.
         return False
@@ -328,7 +330,7 @@ def _call_writes_nothing(call: ast.Call, scope: _Scope) -> bool:
 
 def _self_value(expr: ast.expr, scope: _Scope) -> object:
     """The tensor a `self.a.b` chain is on the owner (resolved as Python resolves it:
-    `fusion.name_resolution`), or None when it is not such a chain or not a tensor."""
+    `fusion.analysis.name_resolution`), or None when it is not such a chain or not a tensor."""
     names = self_chain(expr)
     if names is None or scope.owner is None:
         return None
@@ -338,7 +340,7 @@ def _self_value(expr: ast.expr, scope: _Scope) -> object:
 def _self_call_writes_nothing(owner: nn.Module, name: str, depth: int) -> bool:
     """Does `owner.<name>(...)` provably write nothing: a child module proven so, or a
     method of the class proven so on `owner` (a static one with no `self`)? `name` is
-    resolved as Python resolves it (`fusion.name_resolution.resolve`): a method on the class
+    resolved as Python resolves it (`fusion.analysis.name_resolution.resolve`): a method on the class
     beside a child of the same name is the method, and such an ambiguous name, an
     instance-level callable (another instance may differ) or a property proves nothing.
     A name that raises when called (absent, or None) writes nothing: nothing after it runs."""
@@ -369,7 +371,7 @@ def stand_in_pure_calls(
     twin_def = copy.deepcopy(funcdef)
     twins = {id(a): b for a, b in zip(ast.walk(funcdef), ast.walk(twin_def))}
     relied: list[str] = []
-    local = alias.local_names(funcdef)
+    local = alias_terms.local_names(funcdef)
     owner = module if self_is_bound_to_owner(funcdef) else None
     for call in [n for n in ast.walk(twin_def) if isinstance(n, ast.Call)]:
         func = call.func
@@ -377,7 +379,7 @@ def stand_in_pure_calls(
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             if func.value.id != "self" or owner is None:
                 continue  # not a call of `self`'s (or `self` is rebound: whose, unknown)
-            if alias.is_safe_child(resolve(owner, func.attr).child):
+            if alias_terms.is_safe_child(resolve(owner, func.attr).child):
                 continue  # one the analysis reads already
             if not self_call_writes_nothing(owner, func.attr):
                 continue
@@ -389,7 +391,7 @@ def stand_in_pure_calls(
             and function_writes_nothing(globals_[func.id], None, 1)
         ):
             continue
-        if alias.writes_through_args(call):
+        if call_effects.writes_through_args(call):
             continue
         stand_in = ast.Call(
             func=ast.Attribute(

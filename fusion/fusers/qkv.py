@@ -15,7 +15,7 @@ from fusion.fusers.stacked import (
     unique_targets,
     width,
 )
-from fusion.graph import find_node, is_leaf_call, is_linear, output_value, returned_linear
+from fusion.trace.graph import find_node, is_leaf_call, is_linear, output_value, returned_linear
 
 
 @dataclass

@@ -6,7 +6,7 @@ activation `ActAndMul` does not reproduce, a cross-attention's k/v pair. Whateve
 between the calls, the merge is exactly as safe as the q/k/v one: `rewrite_stacked` proves
 each projection called once on one side-effect-free input expression that nothing between
 the first and the last call can change (alias analysis), and that every call stays in its
-region and global state (`fusion.regions`), and refuses otherwise. Where a region barrier
+region and global state (`fusion.analysis.regions`), and refuses otherwise. Where a region barrier
 splits the group (gated attention's gate, read after the attention call and a cache update
 that cannot be proven to keep global state), the calls before the barrier are merged alone.
 """
@@ -18,10 +18,10 @@ from typing import ClassVar
 
 from torch import fx, nn
 
+from fusion.analysis.regions import RegionRefused
 from fusion.errors import RewriteRefused
 from fusion.fusers.stacked import StackedFuser, linear_inputs, projection_graph, unique_targets
-from fusion.graph import returned_linear
-from fusion.regions import RegionRefused
+from fusion.trace.graph import returned_linear
 
 
 @dataclass

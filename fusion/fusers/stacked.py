@@ -6,7 +6,7 @@ what the separate calls did (plain `nn.Linear`s, no hooks, no call path of their
 input width, dtype, device and parameter state). `rewrite_stacked` rewrites the class's
 forward source, refusing unless alias analysis proves the shared input unchanged between
 the calls, and makes a split piece an owned copy wherever the forward may write it or ask
-its layout (`fusion.pieces`, `fusion.piece_writes`). `StackedFuser` ties both to the
+its layout (`fusion.trace.pieces`, `fusion.analysis.piece_writes`). `StackedFuser` ties both to the
 `Fuser` life cycle; `install_merged` swaps the children and registers the unfused
 checkpoint layout.
 """
@@ -19,19 +19,20 @@ from typing import Any, ClassVar
 
 from torch import fx, nn
 
-from fusion import bound, regions, source
-from fusion.callpath import has_hooks, own_call_path
-from fusion.checkpoint import register_own_storages
+from fusion.analysis import regions, source
+from fusion.analysis.callpath import has_hooks, own_call_path
+from fusion.analysis.piece_paths import unreplayed_layout_pieces
+from fusion.analysis.piece_writes import written_pieces
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser
 from fusion.fusers.pure_calls import check_input_stable_reading_calls, self_call_writes_nothing
-from fusion.graph import is_linear, linear_calls, output_value
-from fusion.guards import attribute_guard
-from fusion.modules import MergedLinear, restack_refusal
-from fusion.piece_paths import unreplayed_layout_pieces
-from fusion.piece_writes import written_pieces
-from fusion.pieces import CONTIGUOUS, FRESH, OK, piece_verdicts
-from fusion.trace import trace
+from fusion.runtime import bound
+from fusion.runtime.checkpoint import register_own_storages
+from fusion.runtime.guards import attribute_guard
+from fusion.runtime.merged import MergedLinear, restack_refusal
+from fusion.trace.graph import is_linear, linear_calls, output_value
+from fusion.trace.pieces import CONTIGUOUS, FRESH, OK, piece_verdicts
+from fusion.trace.tracer import trace
 
 
 def check_plain_linear(module: nn.Module, name: str) -> nn.Linear:
@@ -59,7 +60,7 @@ def check_stackable(
     """The named linears, once proven stackable into one `MergedLinear`: plain linears with
     one in_features, one weight dtype and device (bias dtype too), a free merged name, and
     plain Parameters that can become views of one stacked weight unobserved
-    (`fusion.modules.restack_refusal`: nothing else uses their memory). Each keeps its own
+    (`fusion.runtime.merged.restack_refusal`: nothing else uses their memory). Each keeps its own
     `requires_grad` and attributes: it stays the same Parameter."""
     if hasattr(module, merged_name):
         raise RewriteRefused(f"{type(module).__name__} already has an attribute {merged_name}")
@@ -130,10 +131,10 @@ def rewrite_stacked(
 
     Split pieces flagged in `contiguous` become `.contiguous()`; those flagged in `fresh`,
     or that the rewritten source may write in place by any spelling, on any path, through
-    any view or holder (`fusion.piece_writes.written_pieces`, which reads the helpers, methods and
+    any view or holder (`fusion.analysis.piece_writes.written_pieces`, which reads the helpers, methods and
     children the forward calls, and presumes a write where it cannot), or that it asks
     for their layout or returns, or that may meet a layout-sensitive use on a path the trace
-    did not replay (`fusion.piece_paths.unreplayed_layout_pieces`: a `.view` under
+    did not replay (`fusion.analysis.piece_paths.unreplayed_layout_pieces`: a `.view` under
     `if self.flag:`), become copies of their own (`settle_layouts`, which has
     the merged module hand out every piece laid out as needed).
 
@@ -144,7 +145,7 @@ def rewrite_stacked(
     `pure_calls.check_input_stable_reading_calls`), and, when calls sit inside branches, one
     call is reached unconditionally from the hoisting point, so the hoisted GEMM never runs on
     a path where its input was not a valid projection input, and every call runs in the
-    region and global state it ran in (`fusion.regions.check_same_region`: no `with`
+    region and global state it ran in (`fusion.analysis.regions.check_same_region`: no `with`
     around some calls but not all, nothing between that may change grad mode, autocast or
     other global state).
     """
@@ -173,6 +174,23 @@ def rewrite_stacked(
     # Regions are barriers: the merged call runs where the first call was, so no `with`
     # may hold some calls and not others, and nothing between may change global state.
     state_relied = regions.check_same_region(funcdef, calls, module, getattr(fn, "__globals__", {}))
+    _check_unconditional_call(block, calls, indices, start)
+    # Evaluation order: temporaries replace calls in source order, so the split order is the
+    # shard order given, whatever order the calls appear in.
+    temps = source.splice_merged_call(
+        funcdef, calls, block, start, merged_name, contiguous=contiguous
+    )
+    _settle_pieces(funcdef, module, getattr(fn, "__globals__", {}), merged_name, temps, fresh)
+    compiled = source.compile_forward(funcdef, fn)
+    return StackedRewrite(compiled, original, source.unparse(funcdef), relied, state_relied)
+
+
+def _check_unconditional_call(
+    block: source.Block, calls: list[ast.Call], indices: list[int], start: int
+) -> None:
+    """Refuse unless some projection call runs unconditionally where the merged call goes
+    (directly in `block`, in no conditional part of its statement) and control cannot leave
+    `block` between the hoisting point `start` and the first such call."""
     anchors = [
         index
         for call, index in zip(calls, indices)
@@ -185,14 +203,20 @@ def rewrite_stacked(
         isinstance(node, _EXITS) for stmt in block[start : min(anchors)] for node in ast.walk(stmt)
     ):
         raise RewriteRefused("control can leave before an unconditional projection call")
-    # Evaluation order: temporaries replace calls in source order, so the split order is the
-    # shard order given, whatever order the calls appear in.
-    temps = source.splice_merged_call(
-        funcdef, calls, block, start, merged_name, contiguous=contiguous
-    )
+
+
+def _settle_pieces(
+    funcdef: ast.FunctionDef,
+    module: nn.Module,
+    namespace: dict[str, object],
+    merged_name: str,
+    temps: list[str],
+    fresh: tuple[bool, ...],
+) -> None:
+    """Make copies of their own of the split pieces flagged `fresh`, written in place, or
+    that may meet a layout-sensitive use the trace did not replay (`settle_layouts`)."""
     # Read with `module` and the forward's globals, so the calls it makes (helpers, q/k
     # norms, methods) are followed rather than presumed to write what they are passed.
-    namespace = getattr(fn, "__globals__", {})
     written = written_pieces(funcdef, temps, module, namespace)
     # A layout the replay chose holds on the traced path only: a piece that may meet a
     # layout-sensitive use elsewhere (`if self.flatten: q = q.view(-1)`) is a copy of its own.
@@ -204,8 +228,6 @@ def rewrite_stacked(
         temps,
         {t for t, f, w, u in zip(temps, flags, written, unreplayed) if f or w or u},
     )
-    compiled = source.compile_forward(funcdef, fn)
-    return StackedRewrite(compiled, original, source.unparse(funcdef), relied, state_relied)
 
 
 @dataclass(frozen=True)
@@ -213,7 +235,7 @@ class StackedRewrite:
     """What `rewrite_stacked` returns: the compiled forward, the original and rewritten
     sources, the `self.<name>` calls proven to write nothing that the input-stability
     proof relied on (`fusion.fusers.pure_calls`), and those proven to keep global state
-    that the region proof relied on (`fusion.regions`); both proven again per instance."""
+    that the region proof relied on (`fusion.analysis.regions`); both proven again per instance."""
 
     forward: Any
     original: str
@@ -332,7 +354,7 @@ class StackedFuser(Fuser):
         Refuses a shard that is an `nn.Linear` subclass with its own forward up front (child
         types are part of the cache key, so this holds for every instance sharing the match),
         and makes contiguous (or fresh) the split pieces whose uses need it
-        (`fusion.pieces`, `fusion.piece_writes`). On a `decided` graph (one path of several,
+        (`fusion.trace.pieces`, `fusion.analysis.piece_writes`). On a `decided` graph (one path of several,
         `projection_graph`) every piece is made contiguous: uses on the other paths were
         never replayed (writes and layout questions on them are still read from source)."""
         for name in self.shards:
@@ -404,7 +426,7 @@ def install_merged(module: nn.Module, merged_name: str, merged: MergedLinear) ->
     """Put `merged` on `module` under `merged_name`. Its shards stay `module`'s children
     under their own names, with their own Parameters (now views of the merged weight), so
     the unfused checkpoint layout, parameter names and order are unchanged
-    (`fusion.checkpoint` only gives each state-dict entry a storage object of its own)."""
+    (`fusion.runtime.checkpoint` only gives each state-dict entry a storage object of its own)."""
     setattr(module, merged_name, merged)
     register_own_storages(module, merged_name)
 
@@ -414,7 +436,7 @@ def projection_graph(graph: fx.Graph | None, module: nn.Module) -> tuple[fx.Grap
 
     `graph` itself when the trace reached the return. When a branch on a traced value ended
     it (`if x.size(1) == 1`, an `assert` on a shape, a dtype test), a retrace that decides
-    such branches (`fusion.trace.trace(..., decide_branches=True)`; if that still shows no
+    such branches (`fusion.trace.tracer.trace(..., decide_branches=True)`; if that still shows no
     linear call, one with optional arguments None), with True: that graph is one path of
     several. Sound for the stackers because the graph only proposes which
     linears read one value; `rewrite_stacked` proves the merge on the source, for every

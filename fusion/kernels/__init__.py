@@ -15,12 +15,12 @@ from typing import Protocol
 import torch
 
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
-from fusion.kernels.torch_ref import TorchKernels
+from fusion.kernels.reference import TorchKernels
 
 
 class Kernels(Protocol):
     """What a backend provides. Each method computes exactly the function documented on the
-    torch reference (`fusion.kernels.torch_ref`); backends differ only in speed and rounding."""
+    torch reference (`fusion.kernels.reference`); backends differ only in speed and rounding."""
 
     name: str
     interpreted: bool
@@ -46,7 +46,7 @@ class Kernels(Protocol):
         variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
         """RMSNorm over the last dim in one `variant` (`fusion.kernels.norm_variant`;
-        `torch_ref.rms_norm` defines each field: statistics in float32 or not; weight
+        `reference.rms_norm` defines each field: statistics in float32 or not; weight
         applied after the cast back, to `x`'s or the weight's dtype, or before it; `offset`
         added to the weight). Returns a new tensor."""
         ...
@@ -61,7 +61,7 @@ class Kernels(Protocol):
         variant: NormVariant = DEFAULT_VARIANT,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add and RMSNorm of the sum in one call: `(s, rms_norm(s, variant))` with
-        `s = a + b` exactly as PyTorch adds (`torch_ref.add_rms_norm`). The norm reads the
+        `s = a + b` exactly as PyTorch adds (`reference.add_rms_norm`). The norm reads the
         rounded sum, so the pair equals the two ops run apart. Returns two new tensors."""
         ...
 
@@ -76,8 +76,8 @@ class Kernels(Protocol):
     ) -> torch.Tensor:
         """Routed gated experts: `hidden [T, H]`, `gate_up [E, 2I, H]` (gate rows, then up),
         `down [E, H, I]`, `topk_ids`/`topk_weights [T, K]`, `activation` one of
-        `torch_ref.ACTIVATIONS`. Returns a new `[T, H]` tensor of `hidden`'s dtype computing
-        `torch_ref.moe_experts` (each routed product rounded to that dtype, then summed)."""
+        `reference.ACTIVATIONS`. Returns a new `[T, H]` tensor of `hidden`'s dtype computing
+        `reference.moe_experts` (each routed product rounded to that dtype, then summed)."""
         ...
 
 
@@ -88,19 +88,20 @@ def _triton() -> Kernels | None:
 
 
 def _onednn() -> Kernels | None:
-    from fusion.kernels import onednn_backend  # probes oneDNN only when first asked for
+    from fusion.kernels import onednn as onednn_backend  # probes oneDNN only when first asked for
 
     return onednn_backend.create()
 
 
 def _native() -> Kernels | None:
-    from fusion.kernels import native_backend  # builds the native kernel when first asked for
+    # builds the native kernel when first asked for
+    from fusion.kernels.native import backend as native_backend
 
     return native_backend.create()
 
 
 def _vllm() -> Kernels | None:
-    from fusion.kernels import vllm_backend  # imports vllm only when first asked for
+    from fusion.kernels import vllm as vllm_backend  # imports vllm only when first asked for
 
     return vllm_backend.create()
 

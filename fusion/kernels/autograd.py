@@ -5,7 +5,7 @@ that trains (`torch.compile` with gradients) keeps each kernel one opaque operat
 of tracing the reference's ops. Eager training does not come here: eager fused modules call
 the backend's Python code, which autograd differentiates directly.
 
-Why they are correct: each formula is the derivative of the function `torch_ref` defines
+Why they are correct: each formula is the derivative of the function `reference` defines
 (not of any backend's rounding), written with the same dtypes and casts, and checked by
 `torch.autograd.gradcheck` in float64 and against autograd of the reference in float32 and
 bfloat16 (`tests/fusion/kernels/test_autograd.py`). The MoE backward recomputes the
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusion.kernels import torch_ref
+from fusion.kernels import reference
 from fusion.kernels.norm_variant import NormVariant
 
 GELU_APPROXIMATION = {"gelu": "none", "gelu_tanh": "tanh"}
@@ -33,7 +33,7 @@ def _sum_to(grad: Tensor, like: Tensor) -> Tensor:
 
 
 def _normalised(x: Tensor, eps: float, upcast: bool) -> tuple[Tensor, Tensor]:
-    """`(n, r)` of `torch_ref.rms_norm`: `r = rsqrt(mean(xc^2) + eps)`, `n = xc * r`, in the
+    """`(n, r)` of `reference.rms_norm`: `r = rsqrt(mean(xc^2) + eps)`, `n = xc * r`, in the
     compute dtype (float32 when `upcast`, else `x.dtype`)."""
     xc = x.float() if upcast else x
     r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
@@ -47,7 +47,7 @@ def rms_norm_backward(
     eps: float,
     variant: NormVariant,
 ) -> tuple[Tensor, Tensor | None]:
-    """`(d x, d weight)` of `torch_ref.rms_norm` in `variant` for the output gradient `grad`
+    """`(d x, d weight)` of `reference.rms_norm` in `variant` for the output gradient `grad`
     (d weight None for a weightless norm).
 
     With `n = xc * r` and `g` the gradient reaching `n` (in the compute dtype), the
@@ -67,7 +67,7 @@ def rms_norm_backward(
         d_weight = _sum_to(grad * cast, weight)
     else:
         # y = (n * (weight.to(P) + offset)).to(D), P = promote(W, compute dtype)
-        scale = weight.to(torch_ref.promoted(n, weight))
+        scale = weight.to(reference.promoted(n, weight))
         if offset:
             scale = scale + offset
         grad_p = grad.to(scale.dtype)
@@ -86,7 +86,7 @@ def add_rms_norm_backward(
     eps: float,
     variant: NormVariant,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """`(d a, d b, d weight)` of `torch_ref.add_rms_norm` (`s = a + b`, then the norm of
+    """`(d a, d b, d weight)` of `reference.add_rms_norm` (`s = a + b`, then the norm of
     `s` in `variant`): the sum's gradient is its own output's gradient plus the norm's input gradient;
     `a` and `b` each get it summed back to their shapes and dtypes. A None output gradient
     (an output nobody used) counts as zeros."""
@@ -102,7 +102,7 @@ def add_rms_norm_backward(
 
 
 def act_and_mul_backward(grad: Tensor, x: Tensor, activation: str) -> Tensor:
-    """d x of `torch_ref.act_and_mul` (`act(g) * u` with `x = [g, u]`): `[act'(g) * grad *
+    """d x of `reference.act_and_mul` (`act(g) * u` with `x = [g, u]`): `[act'(g) * grad *
     u, grad * act(g)]`, the activation's derivative from ATen's own backward kernels."""
     d = x.shape[-1] // 2
     gate, up = x[..., :d], x[..., d:]
@@ -112,7 +112,7 @@ def act_and_mul_backward(grad: Tensor, x: Tensor, activation: str) -> Tensor:
     else:
         approximate = GELU_APPROXIMATION[activation]
         d_gate = torch.ops.aten.gelu_backward(d_act, gate, approximate=approximate)
-    d_up = grad * torch_ref.ACTIVATIONS[activation](gate)
+    d_up = grad * reference.ACTIVATIONS[activation](gate)
     return torch.cat([d_gate, d_up], dim=-1)
 
 
@@ -126,14 +126,14 @@ def moe_experts_backward(
     topk_weights: Tensor,
     activation: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`(d hidden, d gate_up, d down, d topk_weights)` of `torch_ref.moe_experts` for the
+    """`(d hidden, d gate_up, d down, d topk_weights)` of `reference.moe_experts` for the
     output gradient `grad`, recomputing each expert's forward (one extra forward's GEMMs).
 
     Per routed row (token t, choice k, expert e): `y = (w * (down[e] @ a)).to(D)` with
     `a = act_and_mul(p)`, `p = gate_up[e] @ hidden[t]`; so `d y = grad[t]`, `d w = d y . y'`
     (`y'` the unweighted expert output, in the product dtype), and the chain runs back
     through both GEMMs and the activation; rows of one token sum into `d hidden[t]`."""
-    routed = torch_ref.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
+    routed = reference.sort_by_expert(hidden, topk_ids, gate_up.shape[0])
     prod = torch.promote_types(hidden.dtype, topk_weights.dtype)
     w_row = topk_weights.reshape(-1).index_select(0, routed.order).to(prod).unsqueeze(-1)
     d_y = grad.index_select(0, routed.token_of_row).to(prod)
@@ -147,7 +147,7 @@ def moe_experts_backward(
         end = start + count
         rows = routed.rows[start:end]
         projected = rows @ gate_up[expert].t()
-        activated = torch_ref.act_and_mul(projected, activation)
+        activated = reference.act_and_mul(projected, activation)
         expert_out = activated @ down[expert].t()
         d_w_row[start:end] = (d_y[start:end] * expert_out.to(prod)).sum(-1)
         d_out = (d_y[start:end] * w_row[start:end]).to(hidden.dtype)

@@ -48,7 +48,9 @@ from pathlib import Path
 import torch
 
 from fusion import kernels
-from fusion.kernels import native_build, native_gemm, onednn_backend
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.native import build as native_build
+from fusion.kernels.native import gemm as native_gemm
 
 SCHEMA = 1
 
@@ -113,7 +115,7 @@ class Entry:
     native_build: str = ""
     """`native_gemm.build_id()` of the kernel measured as 'native' ('' if it was not)."""
     veto: str = ""
-    """Why the whole model did not get faster with this key's winners (`fusion.tuning`'s
+    """Why the whole model did not get faster with this key's winners (`fusion.engine.tuning`'s
     model-level check): then the reference runs, whatever the product's own timing said."""
 
     def best(self, kernels: Iterable[str]) -> str:

@@ -8,7 +8,7 @@ numerics settings, all of which make PyTorch run something else for the same cal
 path may run only where PyTorch itself would run the plain dense kernel; `plain_dense` is
 the one predicate that says so, and every fast path asks it (`ops`, `native_gemm`,
 `onednn_backend`, `native_backend`, `MergedLinear`). Anything it refuses runs the reference
-op (`F.linear`, `torch_ref`), which PyTorch dispatches with all of that state applied.
+op (`F.linear`, `reference`), which PyTorch dispatches with all of that state applied.
 
 Invariant (why a fast path is then safe): with no autocast for the device, no
 `__torch_function__` override (plain `torch.Tensor` / `nn.Parameter` operands, no mode but
@@ -156,7 +156,7 @@ def _operands_reason(
 
 def _on_device(t: Tensor, device_type: str) -> bool:
     """Whether `t` lies on a device of `device_type`; the flags first, as `t.device` builds
-    a device object (~1.5 us a tensor here)."""
+    a device object (microseconds a tensor)."""
     if device_type == "cpu":
         return t.is_cpu
     if device_type == "cuda":

@@ -1,13 +1,13 @@
 """`NormVariant`: which RMSNorm function a norm kernel computes, as one frozen value.
 
-`torch_ref.rms_norm` defines each field; the norm fuser proves one for a module
+`reference.rms_norm` defines each field; the norm fuser proves one for a module
 (`fusion.fusers.rmsnorm`), `FusedRMSNorm` holds it, and every norm kernel (`Kernels.rms_norm`,
 `Kernels.add_rms_norm`, `fusion.kernels.ops`, the autograd formulas) takes it whole and
 reads only the fields it needs. The four numeric fields are listed together in exactly two
 places: here, and where the `torch.library` operators (whose schemas take only tensors and
 scalars) unpack and rebuild it (`fusion.kernels.ops._operator_args` and `_variant_of`). The
 fifth, `root`, says how the inverse root was spelled: only `rsqrt` has kernels and operators;
-the other spellings run `torch_ref.rms_norm`'s plain ops (`NormVariant.fast`), whose
+the other spellings run `reference.rms_norm`'s plain ops (`NormVariant.fast`), whose
 rounding is the spelling's own.
 
 Frozen, so it is hashable (a cache key), safe as a shared default argument, and a constant
@@ -78,10 +78,10 @@ class NormVariant:
 
     @property
     def fast(self) -> bool:
-        """May a kernel other than `torch_ref.rms_norm`'s plain ops (a backend's, an
+        """May a kernel other than `reference.rms_norm`'s plain ops (a backend's, an
         operator's, `torch.rms_norm`) compute this variant? Only for the `rsqrt` spelling,
         the one they all multiply by; every shortcut asks this first and declines
-        otherwise, so the other spellings run `torch_ref.rms_norm`'s plain ops."""
+        otherwise, so the other spellings run `reference.rms_norm`'s plain ops."""
         return self.root == RSQRT
 
 

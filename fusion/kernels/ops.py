@@ -1,8 +1,8 @@
 """The fused kernels as PyTorch operators (`torch.ops.fusion.*`), for `torch.compile`.
 
 Fused modules call their kernels through the functions here. In eager mode these call the
-backend directly (`kernels.get(backend, device).<op>`): a registered operator costs ~7 us of
-dispatch per call on CPU, a visible share of a decode step. While Dynamo traces, they call
+backend directly (`kernels.get(backend, device).<op>`): a registered operator's dispatch
+costs a visible share of a decode step on CPU. While Dynamo traces, they call
 the registered operator instead: Dynamo records one opaque node (its fake implementation
 gives the output's shape and dtype), so nothing inside a kernel (backend choice, Python
 state such as `torch.backends` settings, the MoE kernel's data-dependent per-expert row
@@ -41,9 +41,11 @@ import torch
 from torch import Tensor
 
 from fusion import kernels
-from fusion.kernels import autograd, contract, native_gemm, onednn_backend, policy, torch_ref
+from fusion.kernels import autograd, contract, policy, reference
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
-from fusion.kernels.torch_ref import TorchKernels
+from fusion.kernels.reference import TorchKernels
 
 
 def _use_operator() -> bool:
@@ -142,7 +144,7 @@ def _rms_norm_op(
 def _rms_norm_fake(x, weight, eps, offset, upcast, weight_after_cast, cast_to_weight, backend):
     # The reference traces on fake tensors: its output dtype is the variant's, by definition.
     variant = _variant_of(offset, upcast, weight_after_cast, cast_to_weight)
-    return torch_ref.rms_norm(x, weight, eps, variant=variant)
+    return reference.rms_norm(x, weight, eps, variant=variant)
 
 
 def rms_norm(
@@ -154,15 +156,15 @@ def rms_norm(
     variant: NormVariant = DEFAULT_VARIANT,
 ) -> Tensor:
     """`Kernels.rms_norm` on `backend` (see `fusion.kernels.Kernels`): a new tensor, `x`
-    normalised in `variant`; `torch_ref.rms_norm`'s plain ops, whatever the backend, for a
+    normalised in `variant`; `reference.rms_norm`'s plain ops, whatever the backend, for a
     variant no kernel computes (`NormVariant.fast`: a root spelled other than `rsqrt`)."""
     if not variant.fast:
-        return torch_ref.rms_norm(x, weight, eps, variant=variant)
+        return reference.rms_norm(x, weight, eps, variant=variant)
     if eager_reference(backend, x):
         return _REFERENCE.rms_norm(x, weight, eps, variant=variant)
     if _use_operator():
         if _reference_for(backend, x.device, "rms_norm", x, weight):
-            return torch_ref.rms_norm(x, weight, eps, variant=variant)
+            return reference.rms_norm(x, weight, eps, variant=variant)
         return torch.ops.fusion.rms_norm(x, weight, eps, *_operator_args(variant), backend)
     chosen = _kernels(backend, x.device, "rms_norm", x, weight)
     return chosen.rms_norm(x, weight, eps, variant=variant)
@@ -190,7 +192,7 @@ def _add_rms_norm_fake(
 ):
     # The reference on fake tensors: the sum's promotion and broadcast, the variant's dtype.
     variant = _variant_of(offset, upcast, weight_after_cast, cast_to_weight)
-    return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
+    return reference.add_rms_norm(a, b, weight, eps, variant=variant)
 
 
 def add_rms_norm(
@@ -203,14 +205,14 @@ def add_rms_norm(
     variant: NormVariant = DEFAULT_VARIANT,
 ) -> tuple[Tensor, Tensor]:
     """`Kernels.add_rms_norm` on `backend`: `(a + b, rms_norm(a + b))` in `variant`, two
-    new tensors; `torch_ref`'s plain ops for a variant no kernel computes (as `rms_norm`)."""
+    new tensors; `reference`'s plain ops for a variant no kernel computes (as `rms_norm`)."""
     if not variant.fast:
-        return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
+        return reference.add_rms_norm(a, b, weight, eps, variant=variant)
     if eager_reference(backend, a):
         return _REFERENCE.add_rms_norm(a, b, weight, eps, variant=variant)
     if _use_operator():
         if _reference_for(backend, a.device, "add_rms_norm", a, b, weight):
-            return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
+            return reference.add_rms_norm(a, b, weight, eps, variant=variant)
         return torch.ops.fusion.add_rms_norm(a, b, weight, eps, *_operator_args(variant), backend)
     chosen = _kernels(backend, a.device, "add_rms_norm", a, b, weight)
     return chosen.add_rms_norm(a, b, weight, eps, variant=variant)
@@ -223,16 +225,16 @@ def _act_and_mul_op(x: Tensor, activation: str, backend: str) -> Tensor:
 
 @_act_and_mul_op.register_fake
 def _act_and_mul_fake(x, activation, backend):
-    return torch_ref.act_and_mul(x, activation)
+    return reference.act_and_mul(x, activation)
 
 
 def act_and_mul(backend: str, x: Tensor, activation: str) -> Tensor:
     """`Kernels.act_and_mul` on `backend`."""
     if eager_reference(backend, x):
-        return torch_ref.act_and_mul(x, activation)
+        return reference.act_and_mul(x, activation)
     if _use_operator():
         if _reference_for(backend, x.device, "act_and_mul", x):
-            return torch_ref.act_and_mul(x, activation)
+            return reference.act_and_mul(x, activation)
         return torch.ops.fusion.act_and_mul(x, activation, backend)
     return _kernels(backend, x.device, "act_and_mul", x).act_and_mul(x, activation)
 
@@ -245,7 +247,7 @@ def act_and_mul_pair(backend: str, gate: Tensor, up: Tensor, activation: str) ->
     if eager_reference(backend, gate) or _reference_for(
         backend, gate.device, "act_and_mul", gate, up
     ):
-        return torch_ref.act_and_mul_pair(gate, up, activation)
+        return reference.act_and_mul_pair(gate, up, activation)
     return act_and_mul(backend, torch.cat((gate, up), -1), activation)
 
 
@@ -412,7 +414,7 @@ def moe_experts(
     operands = (hidden, gate_up, down, topk_ids, topk_weights)
     if _use_operator():
         if contract.plain_dense(hidden.device.type, *operands) is not None:
-            return torch_ref.moe_experts(*operands, activation)
+            return reference.moe_experts(*operands, activation)
         return torch.ops.fusion.moe_experts(*operands, activation, backend)
     chosen = _experts_backend(backend, hidden, gate_up, topk_ids)
     return _kernels(chosen, hidden.device, "moe_experts", *operands).moe_experts(

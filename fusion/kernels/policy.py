@@ -3,13 +3,13 @@
 A fused module asks `POLICY.choose(op, shape, dtype, rows, backend)` where it could run
 more than one kernel for the same function, and gets a kernel name back:
 
-- `linear` (a plain linear's `fusion.linear_forward.LinearForward`: one weight `[N, K]`,
+- `linear` (a plain linear's `fusion.runtime.linear_forward.LinearForward`: one weight `[N, K]`,
   shape `(N, K)`): `reference` (`F.linear`), `native` (`native_gemm`), `onednn-row`
   (`onednn_backend.row_linear`, one row);
 - `stacked` (`MergedLinear`: shards `[N_i, K]` stacked, shape `(N_1, ..., N_s, K)`):
   `reference` (each shard's own `F.linear`: the unfused calls), `stacked` (one `F.linear`
   on the stacked weight), `native` and `onednn-row` on the stacked weight;
-- `experts` (CPU routed experts, shape `(E, 2I, H, topk)`): `reference` (`torch_ref`),
+- `experts` (CPU routed experts, shape `(E, 2I, H, topk)`): `reference` (`reference`),
   `native`, `onednn` (those backends' `moe_experts`).
 
 Every kernel computes the reference's function (their tests bound the rounding); they differ
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusion.kernels import native_gemm
 from fusion.kernels.calibration import OPS, Entry, Table, load_table, machine
+from fusion.kernels.native import gemm as native_gemm
 
 MODES = ("measured", "reference", "eligible")
 MODE_ENV = "FUSION_KERNELS"
@@ -236,7 +236,7 @@ class KernelPolicy:
         that measures (not pinned), a row bucket, a calibration entry for the key, and no
         kernel of it winning (or its winners vetoed)? False wherever nothing was measured,
         so a caller that takes another path on True (a rewritten forward running its
-        class's original, `fusion.routes`) changes nothing on a machine that never
+        class's original, `fusion.runtime.routes`) changes nothing on a machine that never
         calibrated. One dict lookup after the first call per key (memoised with the
         choices, forgotten with them)."""
         if self.recording:

@@ -2,7 +2,7 @@
 
     python -m harness.bench.guard_cost [--arch GLOB ...] [--threads N] [--budget S]
 
-A rewritten forward (`fusion.bound.BoundForward`) asks `failure()` before every call: its
+A rewritten forward (`fusion.runtime.bound.BoundForward`) asks `failure()` before every call: its
 child guards (identity, class, hooks), then the global names it reads; a fused MoE block
 asks whether its experts still hold, fused experts whether their proof's premises do. This
 times each such check alone, per fused module of a tiny corpus model fused on the CPU, and beside it the
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 import fusion
-from fusion.bound import BoundForward
-from fusion.experts_modules import FusedExperts
-from fusion.moe_modules import FusedMoE
+from fusion.runtime.bound import BoundForward
+from fusion.runtime.experts import FusedExperts
+from fusion.runtime.moe import FusedMoE
 from harness import architectures
 from harness.bench.timers import iqr, time_cpu
 

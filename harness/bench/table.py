@@ -249,7 +249,8 @@ def cpu_info() -> dict[str, Any]:
         capability = str(torch.backends.cpu.get_cpu_capability())
     except (AttributeError, RuntimeError):
         capability = "unknown"
-    from fusion.kernels import native_gemm  # builds the kernel on first use (once per machine)
+    # builds the kernel on first use (once per machine)
+    from fusion.kernels.native import gemm as native_gemm
 
     return {
         "cpu_model": model,

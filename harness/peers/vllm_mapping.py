@@ -44,8 +44,9 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import apply, registry
-from fusion.callpath import FUSION_INSTALLED
+from fusion.analysis.callpath import FUSION_INSTALLED
+from fusion.engine import apply
+from fusion.fusers import registry
 
 RESULTS_ENV = "VLLM_MAPPING_JSON"
 
@@ -120,7 +121,7 @@ def _fused_copy(module: nn.Module, families: tuple[str, ...]) -> nn.Module:
 def _norm_forward(fused: nn.Module) -> Any:
     """The fused RMSNorm forward our engine gave `fused`, or None: a replacement module
     carrying the variant itself (FusedRMSNorm), or a kept module whose instance forward
-    fusion installed (fusion.norm_forward.NormForward, which reads eps and the weight from
+    fusion installed (fusion.runtime.norm_forward.NormForward, which reads eps and the weight from
     the module live). Either has `variant`."""
     if getattr(fused, "variant", None) is not None:
         return fused

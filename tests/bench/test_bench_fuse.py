@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import fusion
-from fusion import registry
+from fusion.fusers import registry
 
 QWEN3_06B = dict(
     hidden_size=1024,

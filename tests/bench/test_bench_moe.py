@@ -8,7 +8,7 @@ side of the ratio), at 16, 64 and 512 tokens, whole block timed (routing include
   the hit experts, one-hot mask, per-expert gather and `index_add_`);
 - `hf[grouped_mm]`: the same block with Transformers' default `grouped_mm` experts;
 - `fused`: the block after `fusion.fuse` (a `FusedMoE` on the `auto` backend: on CPU the
-  oneDNN experts of `fusion.kernels.onednn_backend` where available);
+  oneDNN experts of `fusion.kernels.onednn` where available);
 - `fused[torch]`: the same `FusedMoE` on the torch reference kernel (MKL `mm`, like both
   Transformers paths), which separates what grouping buys from what oneDNN's GEMMs buy.
 
@@ -30,7 +30,7 @@ any write; it takes only experts with 64+ rows):
 
 With MKL's `mm` (`fused[torch]`, as both Transformers paths) the expert GEMMs are ~96% of
 the block and grouping alone ties; the win at 512 tokens is oneDNN's GEMMs
-(`fusion.kernels.onednn_backend`). Below 64 rows per expert (16 and 64 tokens here: ~4 and
+(`fusion.kernels.onednn`). Below 64 rows per expert (16 and 64 tokens here: ~4 and
 ~16 rows) the backend runs `mm`/`grouped_mm`, a tie. (The cached-pack version measured
 1.22-1.34x at 64 tokens, but went stale on `p.data` writes.)
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import fx, nn
 
-from fusion import source
-from fusion.alias import check_input_stable
-from fusion.graph import is_leaf_call, linear_calls
-from fusion.trace import trace
+from fusion.analysis import source
+from fusion.analysis.alias import check_input_stable
+from fusion.trace.graph import is_leaf_call, linear_calls
+from fusion.trace.tracer import trace
 from tests.fusion.hf_modules import build_module
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")

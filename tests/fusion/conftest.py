@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from fusion import registry
+from fusion.fusers import registry
 
 _LOADED = itertools.count()
 

@@ -15,9 +15,9 @@ from unittest import mock
 import pytest
 import torch
 
-from fusion import routes
 from fusion.kernels.policy import POLICY
-from fusion.modules import MergedLinear
+from fusion.runtime import routes
+from fusion.runtime.merged import MergedLinear
 
 Fault = Callable[[MergedLinear, torch.Tensor], torch.Tensor]
 
@@ -49,7 +49,7 @@ def measured_references() -> Iterator[None]:
     """A block in which every merged projection's stacked product counts as measured to lose
     to its reference (the table a calibration writes where nothing wins), so a rewritten
     forward whose kernels are all merged products runs its class's original instead
-    (`fusion.routes`): the path a calibrated machine takes where fusion only costs."""
+    (`fusion.runtime.routes`): the path a calibrated machine takes where fusion only costs."""
     with (
         mock.patch.object(POLICY, "routes_possible", lambda op: True),
         mock.patch.object(POLICY, "measured_reference", lambda *args: True),
@@ -58,7 +58,7 @@ def measured_references() -> Iterator[None]:
 
 
 def stale_route(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
-    """A fault only on the route (`fusion.routes`): whenever a rewritten forward takes its
+    """A fault only on the route (`fusion.runtime.routes`): whenever a rewritten forward takes its
     class's original, its merged projections' stacked weights (so their shards' Parameters,
     views of it) are first scaled by `factor` (undone with `monkeypatch`)."""
     takes = routes.Route.takes_original

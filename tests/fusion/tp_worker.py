@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel check (tests/fusion/test_placement.py), run by torchrun.
+"""One rank of the tensor-parallel check (tests/fusion/engine/test_placement.py), run by torchrun.
 
     torchrun --nproc-per-node 2 tests/fusion/tp_worker.py MODEL_DIR OUT.pt
 

@@ -15,7 +15,7 @@ and fresh random inputs:
   measured faster takes, its output split into pieces laid out as the rewrite asked; the
   default policy computes each shard apart), outputs and mutated inputs agree too, and so
   they do on the route around the rewrite (every merged product measured to lose: the
-  rewritten forward runs its class's original on the fused state, `fusion.routes`);
+  rewritten forward runs its class's original on the fused state, `fusion.runtime.routes`);
 - gradients agree (`_gradient_failure`): a second forward with the first floating input
   requiring grad, backward of a fixed random projection of the outputs; the input's gradient
   and every parameter's (mapped to unfused names) to `GRAD_TOLERANCE`. A projection moved
@@ -54,9 +54,10 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import numerics, registry
-from fusion.checkpoint import unfused_named
+from fusion import numerics
+from fusion.fusers import registry
 from fusion.report import FusionReport
+from fusion.runtime.checkpoint import unfused_named
 from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
 from tests.fusion.merged_paths import measured_references, stacked_products
 from tests.fuzz.edits import Edit, EditSpec, patches, resolve

@@ -83,7 +83,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion.checkpoint import unfused_named
+from fusion.runtime.checkpoint import unfused_named
 from harness.lifecycle import double_child, dtype_mismatch, guarded_children, watched_children
 
 

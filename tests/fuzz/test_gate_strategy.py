@@ -25,9 +25,9 @@ from torch import nn
 import corpus
 from fusion import numerics
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import FusedExperts, run_gate
 from fusion.fusers.moe.experts import experts_child
 from fusion.fusers.moe.gate import proven_gate
+from fusion.runtime.experts import FusedExperts, run_gate
 from tests.fuzz.gate_strategy import GeneratedGate, generated_gates
 from tests.fuzz.profiles import FUZZ_SETTINGS
 

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion import apply, modules
-from fusion.modules import MergedLinear
+from fusion.engine import apply
 from fusion.report import FusionReport
+from fusion.runtime import merged as modules
+from fusion.runtime.merged import MergedLinear
 from tests.fusion import merged_paths
 from tests.fuzz.oracle import Tally, check, relative_error
 from tests.fuzz.profiles import REPO
@@ -260,7 +261,7 @@ def test_guards_blind_to_a_replaced_child_are_caught(
     """The premise pass: a child the fused forward's guards watch is replaced after fusing
     (in both models); guards that miss it leave the fused forward computing without the
     replacement, and the outcome says so, replayably."""
-    from fusion.guards import ChildGuard
+    from fusion.runtime.guards import ChildGuard
 
     monkeypatch.setattr(ChildGuard, "failure", lambda self, module: None)
     outcome = check(ATTENTION, 0, tmp_path)

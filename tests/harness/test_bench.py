@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fusion.kernels import native_gemm
+from fusion.kernels.native import gemm as native_gemm
 from harness import bench
 from harness.bench.cases import copy_key, streamed_weight_bytes, variant_of
 from harness.bench.table import pool_copies

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import linear_forward
-from fusion.bound import BoundForward
-from fusion.modules import MergedLinear
+from fusion.runtime import linear_forward
+from fusion.runtime.bound import BoundForward
+from fusion.runtime.merged import MergedLinear
 from harness import lifecycle, plans
 from harness.check import CheckOptions, check_model
 from harness.results import ArchResult
@@ -83,7 +83,7 @@ def test_fused_keys_in_the_checkpoint_fail_save_pretrained(llama, llama_inputs):
 def _shared_storage_fuse(model, monkeypatch):
     """Fusion whose state-dict slices share the merged weight's storage (the old defect
     that made accelerate's save_model drop k_proj and v_proj)."""
-    from fusion import checkpoint
+    from fusion.runtime import checkpoint
 
     monkeypatch.setattr(checkpoint, "_own_storage", lambda piece: piece)
     return fusion.fuse(model)
@@ -271,7 +271,7 @@ def test_guards_that_miss_a_replaced_child_fail_lora_and_the_round_trip(
 ):
     """Guards blind to a replaced child (the defect: a LoRA wrapper installed after fusing
     is never called, the fused forward keeps computing without the adapter)."""
-    from fusion.guards import ChildGuard
+    from fusion.runtime.guards import ChildGuard
 
     monkeypatch.setattr(ChildGuard, "failure", lambda self, module: None)
     result = _run(llama, llama_inputs, fusion.fuse)

@@ -17,7 +17,7 @@ Matched by dataflow in the block's traced forward, never by name:
   and its data-dependent expert loop does not trace, so only a numeric sample would have
   vouched for it. Each expert MLP is merged by `glu` instead, keeping its Parameters.
 
-The router is read from its graph as a small program (`fusion.moe_modules.RouteSpec`): a
+The router is read from its graph as a small program (`fusion.runtime.moe.RouteSpec`): a
 bias-free linear (with the casts it computes in), then softmax or sigmoid before or after a
 single top-k, renormalisation (a division by the sum of the selection, read from the graph,
 never from a config flag), a constant scaling and casts, in their order. Anything else in
@@ -38,7 +38,7 @@ indices and weights bit for bit and the block's output to rounding, or it refuse
 Layout: `router` reads the routing program, `experts` checks the experts child,
 `provenance` proves what an experts class computes, `block` matches the block, `build`
 builds the `FusedMoE`, `selfcheck` runs the numeric check, `experts_only` matches experts
-fused alone, `gate` reads and proves their gating program (`fusion.reads` records what it
+fused alone, `gate` reads and proves their gating program (`fusion.analysis.reads` records what it
 reads, for `FusedExperts`'s guards, and what the router match reads, for `FusedMoE`'s), and
 `fuser` holds `MoEFuser`.
 """

@@ -12,14 +12,14 @@ from typing import Any
 
 from torch import fx, nn
 
+from fusion.analysis.reads import guarded_reads, portable_keys, recording
+from fusion.analysis.source import reads_training, returns_tuple
 from fusion.errors import RewriteRefused
 from fusion.fusers.moe.experts import packed_experts_activation
 from fusion.fusers.moe.router import Routing, router_program
-from fusion.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
-from fusion.moe_modules import RouteSpec
-from fusion.reads import guarded_reads, portable_keys, recording
-from fusion.source import reads_training, returns_tuple
-from fusion.trace import trace
+from fusion.runtime.moe import RouteSpec
+from fusion.trace.graph import calls_child_on, first_input, is_op, output_value, strip_reshapes
+from fusion.trace.tracer import trace
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class MoEMatch:
     """`(module path in the block, attribute name)` of every attribute the routing proof read
     on the block and the router (`routing_reads`), guarded by the fused block per call."""
     read_keys: tuple = ()
-    """Their values on the matched instance (`fusion.reads.portable_keys`): another
+    """Their values on the matched instance (`fusion.analysis.reads.portable_keys`): another
     instance takes this match only with equal keys."""
 
 
@@ -163,7 +163,7 @@ def routing_reads(
     `(path in the block, name)`: the block's own trace (which children it calls, each
     attribute of its own its forward reads) and the router's (`self.top_k`,
     `self.norm_topk_prob`, `self.routed_scaling_factor`, ... frozen into the program's
-    steps), recorded as they are read (`fusion.reads.recording`), with the router's
+    steps), recorded as they are read (`fusion.analysis.reads.recording`), with the router's
     `forward` and call path (the fused block stands in for calling it). Parameters and
     buffers are guarded by presence only: `FusedMoE.route` reads them by name per call.
     RewriteRefused for a read no per-call guard can see, or an instance-level forward on

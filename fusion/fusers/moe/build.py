@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from fusion.analysis.reads import Read
 from fusion.fusers.moe.block import MoEMatch
-from fusion.moe_modules import FusedMoE
-from fusion.reads import Read
+from fusion.runtime.moe import FusedMoE
 
 
 def routing_owners(module: nn.Module, fused: FusedMoE, found: MoEMatch) -> tuple[Read, ...]:

@@ -36,13 +36,13 @@ import torch
 from torch import nn
 
 from fusion import numerics
-from fusion.callpath import has_hooks, own_call_path
+from fusion.analysis.callpath import has_hooks, own_call_path
+from fusion.analysis.reads import portable_keys
+from fusion.analysis.source import method_source, self_refs
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import Dispatch, FusedExperts, GateProgram
 from fusion.fusers.moe.gate import proven_gate
 from fusion.fusers.moe.provenance import experts_dispatch
-from fusion.reads import portable_keys
-from fusion.source import method_source, self_refs
+from fusion.runtime.experts import Dispatch, FusedExperts, GateProgram
 
 _REQUIRED_FLAGS = {"has_gate": True, "has_post_expert_norm": False, "_is_expert_parallel": False}
 """Interface flags (read from the instance) of the experts function `FusedExperts` computes;

@@ -10,9 +10,9 @@ from typing import ClassVar
 
 from torch import fx, nn
 
-from fusion.callpath import has_hooks, own_call_path
+from fusion.analysis.callpath import has_hooks, own_call_path
+from fusion.analysis.reads import portable_keys
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import FusedExperts
 from fusion.fusers.base import Fuser, per_signature
 from fusion.fusers.moe.block import MoEMatch, looks_routed, match_packed
 from fusion.fusers.moe.build import build_fused
@@ -30,9 +30,9 @@ from fusion.fusers.moe.experts_only import (
     match_experts_only,
 )
 from fusion.fusers.moe.selfcheck import check_numerically
-from fusion.reads import portable_keys
-from fusion.signature import plain_attributes
-from fusion.trace import trace
+from fusion.runtime.experts import FusedExperts
+from fusion.trace.signature import plain_attributes
+from fusion.trace.tracer import trace
 
 Match = MoEMatch | ExpertsMatch
 

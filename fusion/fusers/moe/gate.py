@@ -14,12 +14,12 @@ so it must be the same path at every row count and in both modes. The gating is 
 one row (decode) and at many, in eval and in training mode, and accepted only when the four
 traces are structurally equal (`canonical`); a gating that branches on `x.shape[0] == 1`
 or on `self.training` is refused with the reason. What the traces read of the module
-(`self.limit`, `self.act_fn` and what it reads) is recorded (`fusion.reads`) and
+(`self.limit`, `self.act_fn` and what it reads) is recorded (`fusion.analysis.reads`) and
 returned with the program, for `FusedExperts` to guard per call: a value changed after
 fusing runs the original.
 
 `GateProgram.activation` names the default gating `act(gate) * up` when the program is
-proven equal to it for one of `torch_ref.ACTIVATIONS` (the backend kernels then run it).
+proven equal to it for one of `reference.ACTIVATIONS` (the backend kernels then run it).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fusion.analysis.reads import guarded_reads, recording
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import GateProgram, GateStep, Ref, run_gate
-from fusion.kernels.torch_ref import ACTIVATIONS
-from fusion.reads import guarded_reads, recording
+from fusion.kernels.reference import ACTIVATIONS
+from fusion.runtime.experts import GateProgram, GateStep, Ref, run_gate
 
 _aten = torch.ops.aten
 ALLOWED = frozenset(
@@ -78,7 +78,7 @@ expert) and many; the program must be the same at both."""
 @dataclass(frozen=True)
 class ProvenGate:
     """A gating's proven program and what its traces read: `reads` are `(module path in the
-    experts, attribute name)` pairs (`fusion.reads.guarded_reads`)."""
+    experts, attribute name)` pairs (`fusion.analysis.reads.guarded_reads`)."""
 
     program: GateProgram
     reads: tuple[tuple[str, str], ...]

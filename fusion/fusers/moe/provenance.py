@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import Dispatch
+from fusion.runtime.experts import Dispatch
 
 INTERFACE_MODULE = "transformers.integrations.moe"
 KNOWN_FUNCTIONS = ("grouped_mm_experts_forward", "batched_mm_experts_forward")

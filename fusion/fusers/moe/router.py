@@ -1,4 +1,4 @@
-"""The MoE router read as a small program (`fusion.moe_modules.RouteSpec`).
+"""The MoE router read as a small program (`fusion.runtime.moe.RouteSpec`).
 
 A bias-free linear (with the casts it computes in), then softmax or sigmoid before or after a
 single top-k, renormalisation (a division by the sum of the selection, read from the graph,
@@ -19,9 +19,9 @@ import torch
 from torch import fx, nn
 
 from fusion.errors import RewriteRefused
-from fusion.graph import call_arg, first_input, is_op, output_value, peel, strip_reshapes
-from fusion.moe_modules import DtypeRule, GroupLimit, RouteSpec, RouteStep
-from fusion.trace import trace
+from fusion.runtime.moe import DtypeRule, GroupLimit, RouteSpec, RouteStep
+from fusion.trace.graph import call_arg, first_input, is_op, output_value, peel, strip_reshapes
+from fusion.trace.tracer import trace
 
 
 @dataclass

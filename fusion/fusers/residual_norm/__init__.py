@@ -12,7 +12,7 @@ rewrite), never from class names:
   says why any other add followed by a norm call is refused;
 - `fuser` proves each site's norm is an RMSNorm by the RMSNorm fuser's own proof (the
   registry's `rmsnorm` verdict on the child, per instance its `validate`), proves the sum
-  stable between the add and the norm with `fusion.alias`, and rewrites the forward;
+  stable between the add and the norm with `fusion.analysis.alias`, and rewrites the forward;
 - `runtime` is what the rewritten forward calls: the fused kernel when the norm child is a
   norm whose call runs only its fused forward at call time, and that forward's premises
   hold; else the original two operations.

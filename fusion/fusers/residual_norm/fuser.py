@@ -9,15 +9,17 @@ from typing import Any, ClassVar
 
 from torch import fx, nn
 
-from fusion import bound, matches, source
-from fusion.alias import check_input_stable
-from fusion.callpath import has_hooks, own_call_path
+from fusion.analysis import source
+from fusion.analysis.alias import check_input_stable
+from fusion.analysis.callpath import has_hooks, own_call_path
 from fusion.errors import RewriteRefused
+from fusion.fusers import matches
 from fusion.fusers.base import Fuser
 from fusion.fusers.residual_norm.runtime import HELPER, add_rms_norm
 from fusion.fusers.residual_norm.sites import Refused, Site, find_sites
 from fusion.fusers.rmsnorm import RMSNormFuser
-from fusion.norm_forward import NormForward
+from fusion.runtime import bound
+from fusion.runtime.norm_forward import NormForward
 
 TEMP_PREFIX = "_fused_add_norm"
 """Prefix of the temporaries holding each site's normalised value in the rewritten forward."""

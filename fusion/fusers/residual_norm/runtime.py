@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from fusion.callpath import has_hooks, own_call_path
-from fusion.norm_forward import NormForward
+from fusion.analysis.callpath import has_hooks, own_call_path
+from fusion.runtime.norm_forward import NormForward
 
 HELPER = "fused_add_rms_norm"
 """The instance attribute the rewritten forward calls (`self.fused_add_rms_norm`)."""

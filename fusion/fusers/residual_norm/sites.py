@@ -20,7 +20,7 @@ import ast
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from fusion import source
+from fusion.analysis import source
 
 
 @dataclass(frozen=True)

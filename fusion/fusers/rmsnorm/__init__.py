@@ -11,7 +11,7 @@ D equals bf16 -> D). Spellings become one node only where ATen runs the same op 
 the same way (`NormVariant.root`, computed by the reference's plain ops). Products and sums of
 one dtype are flattened and sorted (they differ only in rounding order). `F.rms_norm` (and so `nn.RMSNorm`) is expanded into the ops PyTorch runs.
 
-The reference kernel (`fusion.kernels.torch_ref.rms_norm`) is traced and read the same way
+The reference kernel (`fusion.kernels.reference.rms_norm`) is traced and read the same way
 for each candidate variant, and a variant is accepted only if both expressions are equal at
 every (input dtype, weight dtype) pair of float32, bfloat16 and float16. That grid is what
 tells Llama's cast-then-weight from Gemma's weight-then-cast (equal in float32, different in
@@ -29,13 +29,13 @@ instance's variant.
 Layout: `expr` holds the expression algebra, `interpret` evaluates a traced graph to an
 expression, `tracing` traces a norm at chosen dtypes, `variants` gives the kernel's expression
 per variant, `match` proves which variant an instance computes (`diagnose` says why not;
-`fusion.alias.check_write_free` checks the source for tensor writes), and `fuser` holds
+`fusion.analysis.alias.check_write_free` checks the source for tensor writes), and `fuser` holds
 `RMSNormFuser`.
 """
 
 from __future__ import annotations
 
-from fusion.alias import check_write_free
+from fusion.analysis.alias import check_write_free
 from fusion.fusers.rmsnorm.fuser import RMSNormFuser
 from fusion.fusers.rmsnorm.match import NormMatch, prove_variant
 from fusion.fusers.rmsnorm.variants import EXTRA, GRID, Variant

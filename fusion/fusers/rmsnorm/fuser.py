@@ -1,7 +1,7 @@
 """`RMSNormFuser`: which modules are norms, per-instance matches, validate, fuse.
 
 Fusing keeps the norm module in its slot, of its own class, and installs
-`fusion.norm_forward.NormForward` as its forward; what the proof relied on besides eps and the
+`fusion.runtime.norm_forward.NormForward` as its forward; what the proof relied on besides eps and the
 weight (which the fused forward reads live) is recorded here as the original forward reads
 it (`forward_reads`), never listed by hand."""
 
@@ -14,15 +14,15 @@ from typing import ClassVar
 import torch
 from torch import fx, nn
 
-from fusion.bound import install_forward
-from fusion.callpath import has_hooks
+from fusion.analysis.callpath import has_hooks
+from fusion.analysis.reads import AttributeGuard, guarded_reads, recording
 from fusion.errors import RewriteRefused
 from fusion.fusers.base import Fuser, per_signature
 from fusion.fusers.rmsnorm.interpret import op_name
 from fusion.fusers.rmsnorm.match import NormMatch, instance_signature, prove_variant
 from fusion.fusers.rmsnorm.variants import GRID
-from fusion.norm_forward import NormForward
-from fusion.reads import AttributeGuard, guarded_reads, recording
+from fusion.runtime.bound import install_forward
+from fusion.runtime.norm_forward import NormForward
 
 _NORM_NAME = re.compile(r"RMSNorm$")
 """Classes whose name says RMSNorm: if they do not match, the reason must be reported."""
@@ -124,7 +124,7 @@ def forward_reads(module: nn.Module, found: NormMatch) -> tuple[tuple[nn.Module,
     on the weight's device), except eps and the weight, which the fused forward reads live:
     the premises `NormForward` guards (`AttributeGuard`).
 
-    Recorded as read (`fusion.fusers.moe.reads.recording`), so a flag read by a helper method
+    Recorded as read (`fusion.analysis.reads.recording`), so a flag read by a helper method
     is found as well as one read by `forward` itself; `training` is kept when read. A read
     whose value a per-call comparison cannot see (a dict, a config object) refuses
     (`guarded_reads`), as does a forward that runs at no grid dtype."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fusion.fusers.rmsnorm.expr import Expr, binary, cast, const, promote, unary
-from fusion.trace import UNKNOWN
+from fusion.trace.tracer import UNKNOWN
 
 _OPERATORS = {
     operator.mul: "mul",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion.alias import check_write_free
+from fusion.analysis.alias import check_write_free
 from fusion.errors import RewriteRefused
 from fusion.fusers.rmsnorm.diagnose import diagnose
 from fusion.fusers.rmsnorm.expr import Expr, const, walk
@@ -29,8 +29,8 @@ from fusion.fusers.rmsnorm.variants import (
     kernel_expr,
 )
 from fusion.kernels.norm_variant import ROOTS, RSQRT
-from fusion.signature import MODULE_INTERNALS, plain_attributes
-from fusion.trace import forward_parameters
+from fusion.trace.signature import MODULE_INTERNALS, plain_attributes
+from fusion.trace.tracer import forward_parameters
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from fusion.errors import RewriteRefused
 from fusion.fusers.rmsnorm.interpret import Interpreter
-from fusion.trace import UNKNOWN, LeafTracer, forward_parameters
+from fusion.trace.tracer import UNKNOWN, LeafTracer, forward_parameters
 
 
 class _NormTracer(LeafTracer):

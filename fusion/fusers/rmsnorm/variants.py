@@ -1,4 +1,4 @@
-"""The reference kernel's expressions, per variant: `torch_ref.rms_norm` traced and read like a
+"""The reference kernel's expressions, per variant: `reference.rms_norm` traced and read like a
 norm, for each candidate `NormVariant`, so a module's expression can be compared with it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fusion.fusers.rmsnorm.tracing import NormTrace, evaluate, trace_at
-from fusion.kernels import torch_ref
+from fusion.kernels import reference
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, RSQRT, NormVariant
 
 GRID = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,7 +60,7 @@ def candidate_variants(
 
 
 class _KernelProbe(nn.Module):
-    """`torch_ref.rms_norm` in one variant as a module, so it traces like a norm."""
+    """`reference.rms_norm` in one variant as a module, so it traces like a norm."""
 
     def __init__(self, variant: Variant) -> None:
         super().__init__()
@@ -71,7 +71,7 @@ class _KernelProbe(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch_ref.rms_norm(x, self.weight, MARKER, variant=self.variant.kernel)
+        return reference.rms_norm(x, self.weight, MARKER, variant=self.variant.kernel)
 
 
 _KERNEL_TRACES: dict[Variant, NormTrace] = {}
@@ -83,7 +83,7 @@ def kernel_expr(variant: Variant, dtype: torch.dtype, wdtype: torch.dtype | None
     if variant not in _KERNEL_TRACES:
         trace = trace_at(probe, torch.float32, None, {}, None, 8)
         if trace.guarded:  # the kernel must be dtype-generic for a single trace to stand
-            raise AssertionError("torch_ref.rms_norm branches on a dtype")
+            raise AssertionError("reference.rms_norm branches on a dtype")
         _KERNEL_TRACES[variant] = trace
     weight_name = "weight" if variant.has_weight else None
     return evaluate(_KERNEL_TRACES[variant], probe, dtype, wdtype, weight_name)[0]

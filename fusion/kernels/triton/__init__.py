@@ -1,6 +1,6 @@
 """Triton kernels for the fused modules (GPU; CPU only under Triton's interpreter).
 
-Every kernel computes the function its torch reference (`fusion.kernels.torch_ref`) defines,
+Every kernel computes the function its torch reference (`fusion.kernels.reference`) defines,
 including where the reference rounds: a statistic the reference computes in bf16 is rounded
 to bf16 here at the same step, so the two differ only by the order of a reduction and the
 last bit of a transcendental. Inputs the kernels do not cover (an unsupported dtype, an empty
@@ -15,8 +15,7 @@ compiled for CUDA and the backend supports only CUDA devices. The interpreted ba
 never chosen by `auto` (it is `interpreted`, not fast); it runs only when named.
 
 Layout: `jit` holds the `@triton.jit` kernels, `host` the input checks, launches and the
-`TritonKernels` backend object. `fusion.kernels.triton_backend` is the same API under its
-older name.
+`TritonKernels` backend object.
 """
 
 from __future__ import annotations

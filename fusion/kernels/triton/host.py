@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fusion.kernels import torch_ref
+from fusion.kernels import reference
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
 from fusion.kernels.triton.jit import (
     ACTIVATION_CODES,
@@ -443,7 +443,7 @@ class TritonKernels:
         *,
         variant: NormVariant = DEFAULT_VARIANT,
     ) -> torch.Tensor:
-        """`torch_ref.rms_norm` in one kernel: one read of `x`, one write of the result.
+        """`reference.rms_norm` in one kernel: one read of `x`, one write of the result.
 
         Returns a new contiguous tensor of `x`'s shape and of the reference's dtype
         (`promote(W, T)` when the weight is applied after the cast, `T` being `x`'s dtype or,
@@ -463,7 +463,7 @@ class TritonKernels:
             or x.numel() == 0
             or (weight is not None and (weight.dim() != 1 or weight.shape[0] != n_cols))
         ):
-            return torch_ref.rms_norm(x, weight, eps, variant=variant)
+            return reference.rms_norm(x, weight, eps, variant=variant)
         return _launch_rms_norm(x, weight, eps, variant)
 
     def add_rms_norm(
@@ -475,7 +475,7 @@ class TritonKernels:
         *,
         variant: NormVariant = DEFAULT_VARIANT,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`torch_ref.add_rms_norm` in one kernel: reads `a` and `b` once, writes the sum
+        """`reference.add_rms_norm` in one kernel: reads `a` and `b` once, writes the sum
         and the normalised value (a row longer than 16384 reads them twice).
 
         Returns new contiguous tensors: the sum in `a`'s dtype and the norm in the
@@ -484,7 +484,7 @@ class TritonKernels:
         empty or unsupported tensors, see `_add_covered`) go to the reference.
         """
         if not variant.fast or not _add_covered(a, b, weight):
-            return torch_ref.add_rms_norm(a, b, weight, eps, variant=variant)
+            return reference.add_rms_norm(a, b, weight, eps, variant=variant)
         return _launch_add_rms_norm(a, b, weight, eps, variant)
 
     def moe_experts(
@@ -496,7 +496,7 @@ class TritonKernels:
         topk_weights: torch.Tensor,
         activation: str,
     ) -> torch.Tensor:
-        """`torch_ref.moe_experts` as two grouped-GEMM kernels over expert-sorted rows.
+        """`reference.moe_experts` as two grouped-GEMM kernels over expert-sorted rows.
 
         The T*K (token, choice) rows are sorted by expert (stable, as the reference), and
         cut into blocks of at most BLOCK_M rows of one expert. Kernel 1 gathers each block's
@@ -511,11 +511,11 @@ class TritonKernels:
         of range) are computed (or refused with its exception) by the reference.
         """
         if not _moe_covered(hidden, gate_up, down, topk_ids, topk_weights, activation):
-            return torch_ref.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
+            return reference.moe_experts(hidden, gate_up, down, topk_ids, topk_weights, activation)
         return _launch_moe(hidden, gate_up, down, topk_ids, topk_weights, activation)
 
     def act_and_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
-        """`torch_ref.act_and_mul` in one kernel: reads gate and up once, writes the product.
+        """`reference.act_and_mul` in one kernel: reads gate and up once, writes the product.
 
         Returns a new contiguous tensor of shape `x.shape[:-1] + (x.shape[-1] // 2,)` and
         `x`'s dtype; never writes to `x`. An odd last dimension, an unknown activation name,
@@ -530,7 +530,7 @@ class TritonKernels:
             or x.shape[-1] % 2
             or x.numel() == 0
         ):
-            return torch_ref.act_and_mul(x, activation)
+            return reference.act_and_mul(x, activation)
         d = x.shape[-1] // 2
         x2 = _rows(x)
         out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)

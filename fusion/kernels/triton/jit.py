@@ -1,6 +1,6 @@
 """The Triton kernels (`@triton.jit`) of the Triton backend, and the Triton modules they need.
 
-Every kernel computes the function its torch reference (`fusion.kernels.torch_ref`) defines,
+Every kernel computes the function its torch reference (`fusion.kernels.reference`) defines,
 including where the reference rounds: a statistic the reference computes in bf16 is rounded
 to bf16 here at the same step, so the two differ only by the order of a reduction and the
 last bit of a transcendental. The host code that checks inputs and launches them is

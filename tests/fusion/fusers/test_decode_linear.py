@@ -13,9 +13,10 @@ from torch import nn
 
 import fusion
 from fusion import numerics
-from fusion.kernels import native_gemm, onednn_backend
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.policy import POLICY
-from fusion.linear_forward import LinearForward, linear_forward
+from fusion.runtime.linear_forward import LinearForward, linear_forward
 
 
 @pytest.fixture(autouse=True)

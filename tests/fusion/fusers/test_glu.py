@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 
 from fusion.errors import RewriteRefused
 from fusion.fusers.glu import activation_kind
-from fusion.modules import ActAndMul, MergedLinear
+from fusion.runtime.merged import ActAndMul, MergedLinear
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import fuse_copy, outputs_match, reasons
 

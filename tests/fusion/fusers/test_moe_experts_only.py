@@ -18,8 +18,8 @@ from transformers.integrations.moe import use_experts_implementation
 
 import corpus
 import fusion
-from fusion.experts_modules import FusedExperts
 from fusion.fusers.moe.experts import experts_child
+from fusion.runtime.experts import FusedExperts
 from tests.fusion.fusers.helpers import reasons
 from tests.fusion.tiny_models import relative_error
 

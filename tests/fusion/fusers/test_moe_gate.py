@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.errors import RewriteRefused
-from fusion.experts_modules import run_gate
 from fusion.fusers.moe.gate import canonical, gate_program, proven_gate, trace_gate
+from fusion.runtime.experts import run_gate
 
 WIDTH = 16
 

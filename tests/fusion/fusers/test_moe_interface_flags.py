@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fusion
-from fusion.moe_modules import FusedMoE
+from fusion.runtime.moe import FusedMoE
 from tests.fusion.fusers.helpers import reasons
 from tests.fusion.tiny_models import randomize_, relative_error
 

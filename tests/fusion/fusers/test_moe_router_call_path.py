@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fusion
-from tests.fusion.fusers.test_moe import HIDDEN, SparseMoeV4, randomized
+from tests.fusion.fusers.moe_helpers import HIDDEN, SparseMoeV4, randomized
 
 
 class ScaledCallLinear(nn.Linear):

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import registry
-from fusion.fusers import pure_calls
+from fusion.fusers import pure_calls, registry
 from tests.fusion.fusers.hazards import eager_attention_forward
 from tests.fusion.fusers.helpers import fuse_copy, outputs_match, reasons
 from tests.write_spellings import Spelling, by_label

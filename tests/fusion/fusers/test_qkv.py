@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion.modules import MergedLinear
+from fusion.runtime.merged import MergedLinear
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import fuse_copy, outputs_match, reasons
 from tests.fusion.tiny_models import relative_error, tiny_model, token_ids

@@ -18,12 +18,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import corpus
 import fusion
-from fusion import apply
+from fusion.analysis.source import recover_forward
+from fusion.engine import apply
 from fusion.fusers.residual_norm import HELPER, Refused, ResidualNormFuser, Site, find_sites
 from fusion.fusers.residual_norm.fuser import is_fused_norm
 from fusion.fusers.rmsnorm import RMSNormFuser
 from fusion.kernels import ops
-from fusion.source import recover_forward
 from tests.fusion.fusers.helpers import fuse_copy, reasons
 
 WIDTH = 16

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusion
-from fusion.checkpoint import unfused_state_dict
 from fusion.errors import RewriteRefused
 from fusion.fusers import rmsnorm
 from fusion.fusers.rmsnorm import RMSNormFuser
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
-from fusion.norm_forward import NormForward
+from fusion.runtime.checkpoint import unfused_state_dict
+from fusion.runtime.norm_forward import NormForward
 from tests.fusion.fusers.helpers import reasons
 from tests.fusion.tiny_models import relative_error, tiny_model, token_ids
 
@@ -534,7 +534,7 @@ def test_torch_backend_fast_path_is_the_reference_bit_for_bit(dtype, wdtype) -> 
     `torch_ref.rms_norm` exactly (same dtype, same bits) for every variant flag."""
     import itertools
 
-    from fusion.kernels import torch_ref
+    from fusion.kernels import reference as torch_ref
 
     backend = torch_ref.TorchKernels()
     generator = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ from torch import nn
 
 import corpus
 import fusion
-from fusion.modules import MergedLinear
+from fusion.runtime.merged import MergedLinear
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import fuse_copy, outputs_match, reasons
 

@@ -14,8 +14,8 @@ from fusion.fusers.stacked import (
     projection_graph,
     unique_targets,
 )
-from fusion.graph import output_value
-from fusion.trace import trace
+from fusion.trace.graph import output_value
+from fusion.trace.tracer import trace
 from tests.fusion.fusers import hazards
 from tests.fusion.fusers.helpers import fuse_copy
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from fusion import linear_forward
-from fusion.kernels import native_gemm, onednn_backend
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.policy import POLICY
+from fusion.runtime import linear_forward
 
 
 def decode_linear(in_features: int, out_features: int, **kwargs) -> nn.Linear:
     """A plain `nn.Linear` with the forward the `decode_linear` fuser installs
-    (`fusion.linear_forward.LinearForward`, backend `auto`), whatever its size."""
+    (`fusion.runtime.linear_forward.LinearForward`, backend `auto`), whatever its size."""
     module = nn.Linear(in_features, out_features, **kwargs)
     linear_forward.install(module, "auto")
     return module

@@ -18,9 +18,10 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before fusion imports triton
 
 from fusion import kernels
-from fusion.kernels import ops, torch_ref
+from fusion.kernels import ops
+from fusion.kernels import reference as torch_ref
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
-from fusion.modules import FusedRMSNorm
+from fusion.runtime.merged import FusedRMSNorm
 
 GEMMA = NormVariant(offset=1.0, weight_after_cast=False)
 VARIANTS = [

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion.kernels import ops, torch_ref
+from fusion.kernels import ops
+from fusion.kernels import reference as torch_ref
 from fusion.kernels.norm_variant import NormVariant
 
 VARIANTS = [

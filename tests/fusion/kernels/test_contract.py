@@ -9,64 +9,48 @@ any machine (the AVX-512 and size rules are speed rules); a spy records which pa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from fusion import kernels
-from fusion.kernels import contract, native_gemm, onednn_backend, ops, torch_ref
-from fusion.modules import FusedRMSNorm, MergedLinear
-from fusion.trace import FP32_PRECISION_KEYS
+from fusion.kernels import contract, ops
+from fusion.kernels import reference as torch_ref
+from fusion.runtime.merged import FusedRMSNorm
 from tests.fusion.dynamo_graphs import compiled_call_targets
+from tests.fusion.kernels.contract_helpers import (
+    K,
+    PlusOneMode,
+    linear_pair,
+    merged_pair,
+    mkldnn_matmul_bf16,
+    plus_one_on_linear,
+)
 from tests.fusion.kernels.native_helpers import (
-    decode_linear,
     force_native_off,
     force_native_on,
     force_onednn_row_on,
 )
 
-K = 64
-SIZES = (64, 16, 16)  # a q/k/v-shaped merge
-
-
 # --------------------------------------------------------------------------------------------
 # Ambient state the fast paths must obey
-
-
-def _plus_one_on_linear(cls, func, types, args=(), kwargs=None):
-    """`__torch_function__` of the subclasses below: `F.linear` adds 1.0; every other op
-    returns plain tensors (as weight-only quantisation subclasses do)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **(kwargs or {}))
-    return out + 1.0 if func is F.linear else out
 
 
 class PlusOneTensor(torch.Tensor):
     """An input whose class overrides `F.linear` through `__torch_function__`."""
 
-    __torch_function__ = classmethod(_plus_one_on_linear)
+    __torch_function__ = classmethod(plus_one_on_linear)
 
 
 class PlusOneParameter(nn.Parameter):
     """A weight (assignable after fusing) whose class overrides `F.linear`."""
 
-    __torch_function__ = classmethod(_plus_one_on_linear)
-
-
-class PlusOneMode(TorchFunctionMode):
-    """A `__torch_function__` mode under which `F.linear` adds 1.0."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        return out + 1.0 if func is F.linear else out
+    __torch_function__ = classmethod(plus_one_on_linear)
 
 
 _MATMULS = {
@@ -108,34 +92,12 @@ class PlusOneWrapper(torch.Tensor):
         return out + 1.0 if func in _MATMULS else out
 
 
-_PRECISION_KEYS = FP32_PRECISION_KEYS
-
-
-def _precision_settings() -> list[str]:
-    return [torch._C._get_fp32_precision_getter(b, op) for b, op in _PRECISION_KEYS]
-
-
-@pytest.fixture
-def restore_precision() -> Iterator[None]:
-    """Whatever a test sets (the legacy `set_float32_matmul_precision` or the per-backend
-    `fp32_precision` settings), every setting is as it was afterwards."""
-    saved = _precision_settings()
-    yield
-    for (b, op), value in zip(_PRECISION_KEYS, saved):
-        torch._C._set_fp32_precision_setter(b, op, value)
-    assert _precision_settings() == saved
-
-
 def _legacy_medium() -> None:
     torch.set_float32_matmul_precision("medium")
 
 
 def _legacy_high() -> None:
     torch.set_float32_matmul_precision("high")
-
-
-def _mkldnn_matmul_bf16() -> None:
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
 
 
 def _mkldnn_all_bf16() -> None:
@@ -149,7 +111,7 @@ def _generic_tf32() -> None:
 REDUCED_PRECISION = [
     _legacy_medium,
     _legacy_high,
-    _mkldnn_matmul_bf16,
+    mkldnn_matmul_bf16,
     _mkldnn_all_bf16,
     _generic_tf32,
 ]
@@ -175,41 +137,6 @@ def _rows(path: str) -> tuple[int, ...]:
     return (1, 4, 16) if path == "native" else (1,)
 
 
-@pytest.fixture
-def taken(monkeypatch) -> list[str]:
-    """The fast paths that ran, in call order."""
-    calls: list[str] = []
-    real_native, real_row = native_gemm.linear, onednn_backend.row_linear
-    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append("native") or real_native(*a))
-    monkeypatch.setattr(
-        onednn_backend, "row_linear", lambda *a: calls.append("onednn_row") or real_row(*a)
-    )
-    return calls
-
-
-def _linear_pair(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
-    """An `nn.Linear` and one with the forward the decode_linear fuser installs
-    (`LinearForward`) on copies of the same parameters."""
-    torch.manual_seed(seed)
-    linear = nn.Linear(K, 48)
-    row = decode_linear(K, 48)
-    row.load_state_dict(linear.state_dict())
-    return linear.eval(), row.eval()
-
-
-def _merged_pair(seed: int = 0) -> tuple[Callable[[torch.Tensor], torch.Tensor], MergedLinear]:
-    """Unfused q/k/v projections (as one callable: their outputs concatenated) and the
-    `MergedLinear` stacked from copies of them."""
-    torch.manual_seed(seed)
-    linears = {name: nn.Linear(K, n) for name, n in zip("qkv", SIZES)}
-    merged = MergedLinear.from_linears(linears).eval()
-
-    def unfused(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([lin(x) for lin in linears.values()], dim=-1)
-
-    return unfused, merged
-
-
 def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
 
@@ -221,7 +148,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def test_plain_state_is_plain_and_the_fast_path_runs(fast_path: str, taken: list[str]) -> None:
     """The control: plain tensors, no ambient state: the predicate says None and the fast
     path runs (so the refusals below are the predicate's doing)."""
-    linear, row = _linear_pair()
+    linear, row = linear_pair()
     x = torch.randn(1, K)
     assert contract.plain_dense("cpu", x, linear.weight, linear.bias) is None
     with torch.no_grad():
@@ -257,7 +184,7 @@ def test_device_context_is_plain(fast_path: str, taken: list[str]) -> None:
     """`with torch.device(...)` (and `torch.set_default_device`) is a `__torch_function__`
     mode that only fills in the device of factory calls: `F.linear` under it is the plain
     kernel, so the fast path still runs."""
-    linear, row = _linear_pair()
+    linear, row = linear_pair()
     x = torch.randn(1, K)
     with torch.no_grad(), torch.device("cpu"):
         assert contract.plain_dense("cpu", x, linear.weight) is None
@@ -295,7 +222,7 @@ def test_row_linear_under_cpu_autocast_is_the_unfused_linear(
 ) -> None:
     """Under `torch.autocast("cpu", bfloat16)` an `nn.Linear` returns bfloat16: so does the
     fused linear (its `LinearForward`), with the same values (it runs the same `F.linear`)."""
-    linear, row = _linear_pair()
+    linear, row = linear_pair()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for rows in _rows(fast_path):
             x = torch.randn(rows, K)
@@ -310,7 +237,7 @@ def test_merged_linear_under_cpu_autocast_is_the_unfused_linears(
 ) -> None:
     """A merged q/k/v under CPU autocast returns what the three projections return under it:
     bfloat16, the same values (to bfloat16 rounding of one GEMM against three)."""
-    unfused, merged = _merged_pair()
+    unfused, merged = merged_pair()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for rows in _rows(fast_path):
             x = torch.randn(1, rows, K)
@@ -321,8 +248,8 @@ def test_merged_linear_under_cpu_autocast_is_the_unfused_linears(
 
 
 def _bf16_linear_pair(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
-    """`_linear_pair` in bfloat16 (a bf16 model's projection and its fused twin)."""
-    linear, row = _linear_pair(seed)
+    """`linear_pair` in bfloat16 (a bf16 model's projection and its fused twin)."""
+    linear, row = linear_pair(seed)
     return linear.to(torch.bfloat16), row.to(torch.bfloat16)
 
 
@@ -362,8 +289,8 @@ def test_bfloat16_modules_obey_the_ambient_state(monkeypatch, taken: list[str]) 
 def test_a_subclass_input_runs_its_override(fast_path: str, taken: list[str]) -> None:
     """An input whose class overrides `F.linear` (`__torch_function__`): the override runs,
     in a fused linear and `MergedLinear` as in the unfused projections."""
-    linear, row = _linear_pair()
-    unfused, merged = _merged_pair()
+    linear, row = linear_pair()
+    unfused, merged = merged_pair()
     with torch.no_grad():
         for rows in _rows(fast_path):
             x = torch.randn(rows, K).as_subclass(PlusOneTensor)
@@ -377,8 +304,8 @@ def test_a_subclass_weight_set_after_fusing_runs_its_override(
 ) -> None:
     """A weight replaced after fusing by a Parameter whose class overrides `F.linear`: the
     override runs (one row and several; MergedLinear's per-shard products included)."""
-    linear, row = _linear_pair()
-    _, merged = _merged_pair()
+    linear, row = linear_pair()
+    _, merged = merged_pair()
     for module in (linear, row):
         module.weight = PlusOneParameter(module.weight.detach().clone(), requires_grad=False)
     for shard in merged.shards:  # the view of the stacked weight breaks: shards apart
@@ -400,8 +327,8 @@ def test_a_subclass_weight_set_after_fusing_runs_its_override(
 
 def test_a_torch_function_mode_is_obeyed(fast_path: str, taken: list[str]) -> None:
     """A `TorchFunctionMode` active around the forward sees the fused modules' `F.linear`."""
-    linear, row = _linear_pair()
-    unfused, merged = _merged_pair()
+    linear, row = linear_pair()
+    unfused, merged = merged_pair()
     with torch.no_grad(), PlusOneMode():
         for rows in _rows(fast_path):
             x = torch.randn(rows, K)
@@ -412,8 +339,8 @@ def test_a_torch_function_mode_is_obeyed(fast_path: str, taken: list[str]) -> No
 
 def test_a_torch_dispatch_mode_is_obeyed(fast_path: str, taken: list[str]) -> None:
     """A `TorchDispatchMode` active around the forward sees the fused modules' ATen matmul."""
-    linear, row = _linear_pair()
-    unfused, merged = _merged_pair()
+    linear, row = linear_pair()
+    unfused, merged = merged_pair()
     with torch.no_grad(), PlusOneDispatchMode():
         for rows in _rows(fast_path):
             x = torch.randn(rows, K)
@@ -424,7 +351,7 @@ def test_a_torch_dispatch_mode_is_obeyed(fast_path: str, taken: list[str]) -> No
 
 def test_a_torch_dispatch_subclass_is_obeyed(fast_path: str, taken: list[str]) -> None:
     """An input that is a `__torch_dispatch__` wrapper subclass: its matmul override runs."""
-    linear, row = _linear_pair()
+    linear, row = linear_pair()
     with torch.no_grad():
         for rows in _rows(fast_path):
             x = PlusOneWrapper(torch.randn(rows, K))
@@ -435,7 +362,7 @@ def test_a_torch_dispatch_subclass_is_obeyed(fast_path: str, taken: list[str]) -
 def test_a_functorch_transform_is_obeyed(fast_path: str, taken: list[str]) -> None:
     """Under `torch.func.vmap` the operands are batched tensors (plain `torch.Tensor` by
     type): the fused module computes each sample as the unfused one does."""
-    linear, row = _linear_pair()
+    linear, row = linear_pair()
     x = torch.randn(3, 1, K)
     with torch.no_grad():
         got = torch.func.vmap(row)(x)
@@ -455,8 +382,8 @@ def test_reduced_matmul_precision_takes_f_linear(
     """Under a reduced float32 matmul precision the fused modules run `F.linear` (which
     follows the setting), never a kernel that ignores it. On an AVX2 CPU both compute the
     same numbers, so the spy is the check."""
-    linear, row = _linear_pair()
-    unfused, merged = _merged_pair()
+    linear, row = linear_pair()
+    unfused, merged = merged_pair()
     setting()
     with torch.no_grad():
         for rows in _rows(fast_path):
@@ -534,7 +461,7 @@ def test_backend_kernels_run_only_where_the_contract_holds(marked: str, restore_
         with PlusOneMode():
             assert not any(_is_marked(t) for t in _marked_calls(marked, x))
         assert not any(_is_marked(t) for t in _marked_calls(marked, x.as_subclass(PlusOneTensor)))
-        _mkldnn_matmul_bf16()
+        mkldnn_matmul_bf16()
         assert [_is_marked(t) for t in _marked_calls(marked, x)] == [True, True, True, False]
 
 
@@ -604,7 +531,7 @@ def test_moe_experts_under_cpu_autocast_are_the_unfused_experts(
     assert taken == []
 
 
-@pytest.mark.parametrize("setting", [_legacy_medium, _mkldnn_matmul_bf16])
+@pytest.mark.parametrize("setting", [_legacy_medium, mkldnn_matmul_bf16])
 def test_moe_experts_under_reduced_precision_take_the_reference(
     monkeypatch, taken: list[str], setting, restore_precision
 ) -> None:
@@ -622,85 +549,3 @@ def test_moe_experts_under_reduced_precision_take_the_reference(
             )
             torch.testing.assert_close(got, module(hidden, ids, weights))
     assert taken == []
-
-
-# --------------------------------------------------------------------------------------------
-# Under torch.compile
-
-
-@pytest.fixture
-def native_only(monkeypatch) -> None:
-    """The native kernel forced on (the operator path under compile needs a loaded kernel)."""
-    force_native_on(monkeypatch)
-
-
-@pytest.mark.parametrize("rows", [1, 16])
-def test_compiled_modules_under_cpu_autocast_are_the_unfused_ones(
-    native_only, taken: list[str], rows: int
-) -> None:
-    """Autocast around a compiled fused module: Dynamo guards on autocast, and the trace
-    routes the product to `F.linear` (no `fusion::linear_product`, whose float32 output would
-    contradict autocast), so the compiled module returns the unfused module's bfloat16."""
-    linear, row = _linear_pair()
-    unfused, merged = _merged_pair()
-    x = torch.randn(1, rows, K)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        for fused, reference in ((row, linear), (merged, unfused)):
-            got, targets = compiled_call_targets(fused, x)
-            with torch.no_grad():
-                want = reference(x)
-            assert not any("decode_linear" in t for t in targets), targets
-            assert got.dtype == want.dtype == torch.bfloat16
-            torch.testing.assert_close(got, want)
-    assert taken == []
-
-
-def test_compiled_modules_under_a_device_context_keep_the_fast_path(
-    native_only, taken: list[str]
-) -> None:
-    """`torch.device(...)` around compiling and running: the factory-only mode is plain, so
-    the trace still takes `fusion::linear_product`, which runs the native kernel."""
-    _, row = _linear_pair()
-    x = torch.randn(1, 4, K)
-    with torch.device("cpu"):
-        got, targets = compiled_call_targets(row, x)
-    assert targets == ["fusion.linear_product"]
-    torch.testing.assert_close(got, F.linear(x, row.weight, row.bias).detach())
-    assert taken == ["native"]
-
-
-def test_compiled_modules_under_a_function_mode_obey_it(native_only, taken: list[str]) -> None:
-    """A `TorchFunctionMode` active while compiling and running: the traced forward calls
-    `F.linear`, which the mode sees (Dynamo traces the mode), as the compiled unfused
-    linear's does. (With a backend that runs the graph's Python, the mode sees it again at
-    run time and adds 2.0: the same for both, which is what is compared.)"""
-    linear, row = _linear_pair()
-    x = torch.randn(1, 4, K)
-    with PlusOneMode():
-        got, targets = compiled_call_targets(row, x)
-        want, _ = compiled_call_targets(linear, x)
-    assert not any("decode_linear" in t for t in targets), targets
-    assert torch.equal(got, want)
-    with torch.no_grad():
-        assert not torch.equal(got, F.linear(x, linear.weight, linear.bias))
-    assert taken == []
-
-
-def test_compiled_modules_read_precision_settings_when_they_run(
-    native_only, taken: list[str], restore_precision
-) -> None:
-    """A precision setting changed after compiling (Dynamo does not guard on the oneDNN
-    ones): the `fusion::linear_product` operator asks the predicate when it runs, so the
-    compiled module then runs `F.linear`, without recompiling."""
-    _, row = _linear_pair()
-    x = torch.randn(1, 4, K)
-    torch._dynamo.reset()
-    compiled = torch.compile(row, backend="eager", fullgraph=True)
-    with torch.no_grad():
-        compiled(x)
-        assert taken == ["native"]
-        _mkldnn_matmul_bf16()
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            got = compiled(x)
-        assert torch.equal(got, F.linear(x, row.weight, row.bias))
-    assert taken == ["native"]

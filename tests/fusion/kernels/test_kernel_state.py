@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from fusion import kernels
-from fusion.kernels import native_build, native_gemm, onednn_backend
-from fusion.kernels.native_gemm import NATIVE
-from fusion.kernels.onednn_backend import ROW_MACHINE
-from fusion.kernels.torch_ref import TorchKernels
+from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.native import build as native_build
+from fusion.kernels.native import gemm as native_gemm
+from fusion.kernels.native.gemm import NATIVE
+from fusion.kernels.onednn import ROW_MACHINE
+from fusion.kernels.reference import TorchKernels
 
 
 def _no_builds(monkeypatch) -> None:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusion
-from fusion.kernels.torch_ref import moe_experts
-from tests.fusion.fusers.test_moe import HIDDEN, qwen3_block
+from fusion.kernels.reference import moe_experts
+from tests.fusion.fusers.moe_helpers import HIDDEN, qwen3_block
 
 
 def _reference(hidden, gate_up, down, ids, weights):

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from fusion.kernels import ops, torch_ref
+from fusion.kernels import ops
+from fusion.kernels import reference as torch_ref
 from fusion.kernels.norm_variant import DEFAULT_VARIANT, NormVariant
-from fusion.modules import FusedRMSNorm
+from fusion.runtime.merged import FusedRMSNorm
 
 GEMMA = NormVariant(offset=1.0, weight_after_cast=False)
 F32 = frozenset({(torch.float32, torch.float32)})

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fusion
-from fusion.kernels import ops, torch_ref
+from fusion.kernels import ops
+from fusion.kernels import reference as torch_ref
 from tests.fusion.tiny_models import tiny_model, token_ids
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion.kernels import native_gemm, policy
+from fusion.kernels import policy
 from fusion.kernels.calibration import Entry, Ratio, Table
+from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.policy import POLICY, allowed, row_bucket
 
 SHAPE = (64, 32, 32, 128)

@@ -14,7 +14,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before fusion imports triton
 
 from fusion import kernels
-from fusion.kernels import torch_ref
+from fusion.kernels import reference as torch_ref
 
 # Triton is optional (the `gpu` extra, not `test`): without it the host module has no kernels
 # to import, which is an ImportError of ours, not a missing module, so ask for Triton itself.

@@ -1,0 +1,144 @@
+"""The forward `decode_linear` installs on one plain `nn.Linear`: `nn.Linear.forward`'s
+function, with the decode-sized CPU kernels behind it, and no visible change of type.
+
+The module keeps its class (exactly `nn.Linear`), its Parameters, hooks, name and place;
+only `module.forward` becomes a `LinearForward` (an instance attribute, as
+`fusion.runtime.bound.BoundForward` is for rewritten forwards). Type-keyed tools therefore see the
+unfused model: `torch.ao.quantization.quantize_dynamic(model, {nn.Linear})` replaces the
+module with a new quantised one (this forward goes with the old module), `isinstance` and
+`type(m) is nn.Linear` answer as before, and a patch of `nn.Linear.forward` is obeyed.
+
+Why it is safe: per call, before anything else, the premises of "this call computes
+`F.linear(x, module.weight, module.bias)`" are checked (`premise_failure`): the module is
+still exactly an `nn.Linear` (a class swap, a parametrization's subclass, `__class__`
+assignment: no longer), `nn.Linear.forward` is still torch's own (a monkeypatch), the
+global `F` it reads is still `torch.nn.functional` and `F.linear` is still torch's own, and
+the call is the one-tensor call that forward takes. When one fails the call runs
+`type(module).forward(module, *args, **kwargs)`, what the unfused module runs, counted in
+`guard_failures` (the reason in `last_failure`). When they hold, the product is the kernel
+the policy chooses (`ops.product('linear', ...)`), which asks the dispatcher's contract
+(`contract.plain_dense`: no autocast, mode, subclass, functorch transform or reduced
+precision) and its operand rules itself, and reads the weight and bias as they are now
+(ordinary attribute access: pruning's pre-hooks, a replaced Parameter, in-place writes are
+all seen); anything else is `F.linear`. Nothing is cached between calls.
+
+`copy.deepcopy` and pickling (`torch.save`) give a copy whose forward reads the copy
+(`__deepcopy__`, `__reduce__`); Dynamo traces it (the premises are identity tests Dynamo
+guards on; the kernel is the `fusion::linear_product` operator while tracing).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import linear as linear_module
+
+from fusion.kernels import ops
+from fusion.kernels.policy import POLICY
+from fusion.runtime.bound import install_forward
+
+LINEAR_FORWARD = nn.Linear.__dict__["forward"]
+"""torch's own `nn.Linear.forward`, taken when fusion is imported: the function whose
+result the fast path stands in for. A later patch of `nn.Linear.forward` is seen per call."""
+
+FUNCTIONAL = F
+LINEAR = F.linear
+"""`torch.nn.functional` and its `linear`: what `LINEAR_FORWARD` reads (the global `F` of
+`torch.nn.modules.linear`, then `F.linear`), watched by identity like its own binding."""
+
+_SIGNATURE = inspect.signature(LINEAR_FORWARD)
+_SIGNATURE = _SIGNATURE.replace(parameters=list(_SIGNATURE.parameters.values())[1:])
+
+
+def premise_failure(
+    module: nn.Module, args: tuple[Any, ...] = (None,), kwargs: Any = None
+) -> str | None:
+    """Why a call of `module` with `args` / `kwargs` may not take the fast path now, or None:
+    the module is not exactly `nn.Linear`, `nn.Linear.forward`, the `F` it reads or
+    `F.linear` is no longer torch's own, or the call is not one positional input. The
+    `decode_linear` fuser refuses on the same answer (with the default one-input call)."""
+    if type(module) is not nn.Linear:
+        return f"the module is a {type(module).__name__}, not exactly nn.Linear"
+    if nn.Linear.forward is not LINEAR_FORWARD:
+        return "nn.Linear.forward was replaced"
+    if linear_module.F is not FUNCTIONAL or FUNCTIONAL.linear is not LINEAR:
+        return "torch.nn.functional.linear (read by nn.Linear.forward) was replaced"
+    if len(args) != 1 or kwargs:
+        return "the call is not one positional input"
+    return None
+
+
+class LinearForward:
+    """`nn.Linear.forward` of `module`, computed by the kernel the policy chooses for its
+    shape (`backend` as `fusion.fuse(backend=...)`), or by the class's forward where a
+    premise fails (module docstring)."""
+
+    fusion_installed = True  # `fusion.analysis.callpath.FUSION_INSTALLED`
+
+    def __init__(self, module: nn.Module, backend: str = "auto") -> None:
+        # Only stored: unpickling calls this with a module whose state is not restored yet.
+        self.module = module
+        self.backend = backend
+        self.guard_failures = 0
+        self.last_failure: str | None = None
+        self.__signature__ = _SIGNATURE
+        self.__name__ = "forward"
+        self.__qualname__ = "Linear.forward"
+        self.__doc__ = LINEAR_FORWARD.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        # `premise_failure`, inlined: this runs on every call of a large projection
+        if (
+            type(module) is not nn.Linear
+            or nn.Linear.forward is not LINEAR_FORWARD
+            or linear_module.F is not FUNCTIONAL
+            or FUNCTIONAL.linear is not LINEAR
+            or len(args) != 1
+            or kwargs
+        ):
+            if not torch.compiler.is_compiling():
+                self.guard_failures += 1
+                self.last_failure = premise_failure(module, args, kwargs)
+            return type(module).forward(module, *args, **kwargs)
+        x = args[0]
+        weight, bias = module.weight, module.bias
+        if not torch.compiler.is_compiling() and POLICY.idle("linear", self.backend):
+            return LINEAR(x, weight, bias)  # nothing to choose: `nn.Linear`'s cost
+        decoded = ops.product("linear", tuple(weight.shape), self.backend, x, weight, bias)
+        return LINEAR(x, weight, bias) if decoded is None else decoded
+
+    @property
+    def __self__(self) -> nn.Module:
+        return self.module
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (LinearForward, (self.module, self.backend))
+
+    def rebound(self, module: nn.Module) -> LinearForward:
+        """This forward for `module`, a shallow copy of `self.module` (`bound.CopyHook`)."""
+        return LinearForward(module, self.backend)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LinearForward:
+        # the module is in `memo` already when its own deep copy reaches this attribute
+        return LinearForward(copy.deepcopy(self.module, memo), self.backend)
+
+    def __repr__(self) -> str:
+        return f"<decode forward of {type(self.module).__name__} (installed by fusion)>"
+
+
+def linear_forward(module: nn.Module) -> LinearForward | None:
+    """The `LinearForward` installed on `module`, or None."""
+    forward = module.__dict__.get("forward")
+    return forward if isinstance(forward, LinearForward) else None
+
+
+def install(module: nn.Module, backend: str) -> None:
+    """Install a `LinearForward` as `module.forward` (this instance only; a shallow copy
+    gets one of its own: `bound.install_forward`)."""
+    install_forward(module, LinearForward(module, backend))

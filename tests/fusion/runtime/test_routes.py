@@ -1,0 +1,187 @@
+"""Routes: a rewritten forward runs its class's original where every kernel it could choose
+was measured to lose (`fusion.runtime.routes`), and nowhere else. The tables are written by hand
+(`test_policy.py`'s helpers); nothing here is timed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusion
+from fusion.kernels.calibration import Entry, Ratio, Table
+from fusion.kernels.policy import POLICY, row_bucket
+from fusion.runtime import bound, routes
+from fusion.runtime.guards import ChildGuard
+from fusion.runtime.merged import FusedRMSNorm, MergedLinear
+from tests.fusion.tiny_models import tiny_model, token_ids
+
+WIN = Ratio(1.4, 1.2, 1.6)
+LOSS = Ratio(0.6, 0.5, 0.7)
+
+
+def fused_model(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
+    unfused = tiny_model("qwen3").to(dtype).eval()
+    fused = copy.deepcopy(unfused)
+    assert fusion.fuse(fused).applied
+    return unfused, fused
+
+
+def merged_modules(model: torch.nn.Module) -> list[MergedLinear]:
+    return [m for m in model.modules() if isinstance(m, MergedLinear)]
+
+
+def bound_forwards(model: torch.nn.Module) -> list[bound.BoundForward]:
+    found = [m.__dict__.get("forward") for m in model.modules()]
+    return [f for f in found if isinstance(f, bound.BoundForward) and f._route is not None]
+
+
+def measured(model: torch.nn.Module, rows: int, dtype: str, **ratios: Ratio) -> Table:
+    """A table measuring every merged projection's stacked product of `model` at `rows`."""
+    table = Table("routes")
+    for merged in merged_modules(model):
+        table.add(
+            Entry(
+                op="stacked",
+                shape=merged.kernel_shape,
+                dtype=dtype,
+                rows=row_bucket(rows),
+                threads=torch.get_num_threads(),
+                median_us={"reference": 100.0, **{k: 100.0 / r.median for k, r in ratios.items()}},
+                ratios=dict(ratios),
+                rounds=9,
+            )
+        )
+    return table
+
+
+def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def calls(model: torch.nn.Module) -> tuple[int, int]:
+    """(original calls by route, merged projections' own calls) over the model."""
+    return (
+        sum(f.original_calls for f in bound_forwards(model)),
+        sum(m.shard_calls + m.stacked_calls for m in merged_modules(model)),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_references_run_the_original_and_compute_the_same(dtype) -> None:
+    unfused, fused = fused_model(dtype)
+    ids = token_ids(batch=1, seq=5)
+    assert bound_forwards(fused), "qwen3's attention and MLP rewrites have routes"
+    POLICY.set_table(measured(fused, 5, str(dtype).removeprefix("torch."), stacked=LOSS))
+    assert torch.equal(forward(fused, ids), forward(unfused, ids))
+    original, merged = calls(fused)
+    assert original == len(bound_forwards(fused)) and merged == 0
+
+
+def test_nothing_measured_runs_the_rewrite() -> None:
+    unfused, fused = fused_model()
+    ids = token_ids(batch=1, seq=5)
+    torch.testing.assert_close(forward(fused, ids), forward(unfused, ids))
+    original, merged = calls(fused)
+    assert original == 0 and merged == len(merged_modules(fused))
+
+
+def test_a_winner_another_bucket_or_dtype_runs_the_rewrite() -> None:
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=WIN))
+    forward(fused, token_ids(batch=1, seq=5))
+    assert calls(fused)[0] == 0
+    POLICY.set_table(measured(fused, 64, "float32", stacked=LOSS))  # another row bucket
+    forward(fused, token_ids(batch=1, seq=5))
+    assert calls(fused)[0] == 0
+    POLICY.set_table(measured(fused, 5, "bfloat16", stacked=LOSS))  # another dtype
+    forward(fused, token_ids(batch=1, seq=5))
+    assert calls(fused)[0] == 0
+
+
+@pytest.mark.parametrize("mode", ["reference", "eligible"])
+def test_only_the_measured_mode_routes(mode) -> None:
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    POLICY.use(mode)
+    forward(fused, token_ids(batch=1, seq=5))
+    assert calls(fused)[0] == 0
+
+
+def test_recording_asks_runs_every_product() -> None:
+    """The calibration records what the products ask by running the model: a route would
+    hide the products it measures."""
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    with POLICY.recording_asks():
+        forward(fused, token_ids(batch=1, seq=5))
+    assert calls(fused)[0] == 0
+    assert {ask[0] for ask in POLICY.asked} >= {"stacked"}
+
+
+def test_a_hook_on_a_fused_child_keeps_the_rewrite() -> None:
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    seen = []
+    merged = merged_modules(fused)[0]
+    merged.register_forward_hook(lambda module, args, out: seen.append(module))
+    forward(fused, token_ids(batch=1, seq=5))
+    assert seen == [merged]
+    assert calls(fused)[0] == len(bound_forwards(fused)) - 1
+
+
+def test_a_replaced_child_still_computes_the_unfused_function() -> None:
+    """After fusing, a user swaps a shard for another linear: routed or not, the forward is
+    the original's, which calls the new child."""
+    unfused, fused = fused_model()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    for model in (unfused, fused):
+        attention = model.model.layers[0].self_attn
+        replacement = torch.nn.Linear(
+            attention.q_proj.in_features, attention.q_proj.out_features, bias=False
+        )
+        torch.manual_seed(3)
+        torch.nn.init.normal_(replacement.weight)
+        attention.q_proj = replacement
+    ids = token_ids(batch=1, seq=5)
+    assert torch.equal(forward(fused, ids), forward(unfused, ids))
+
+
+def test_compiled_code_never_routes() -> None:
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    route = bound_forwards(fused)[0]._route
+    x = torch.randn(1, 5, route.merged[0].in_features)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def takes(x):
+        return x + 1 if route.takes_original((x,), {}) else x - 1
+
+    assert route.takes_original((x,), {})
+    assert torch.equal(takes(x), x - 1)
+
+
+def test_route_of_needs_merged_projections_and_known_children() -> None:
+    _, fused = fused_model()
+    attention = fused.model.layers[0].self_attn
+    forward_fn = type(attention).forward
+    merged = ChildGuard.of(attention, "qkv_proj", called=True)
+    norm = ChildGuard("q_norm", attention.q_norm, FusedRMSNorm, True)
+    assert routes.route_of((merged,), forward_fn) is not None
+    assert routes.route_of((), forward_fn) is None  # nothing it could choose
+    assert routes.route_of((merged, norm), forward_fn) is None  # a fused child of another kind
+    route = routes.route_of((merged,), forward_fn)
+    assert route.first == "hidden_states"
+    wrong_width = torch.randn(1, 5, route.merged[0].in_features + 1)
+    assert not route.takes_original((wrong_width,), {})
+    assert not route.takes_original((), {"hidden_states": None})
+
+
+def test_the_report_says_where_a_route_runs() -> None:
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 1, "float32", stacked=LOSS))
+    choices = [c for c in fusion.kernel_choices(fused) if c.op == "stacked"]
+    assert choices and all("runs its class's original (route)" in c.decode[1] for c in choices)
+    assert not any("route" in c.prefill[1] for c in choices)  # 128 rows: not measured
