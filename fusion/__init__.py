@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fusion import apply, kernels
+from fusion.checkpoint import unfused_state_dict
 from fusion.errors import RewriteRefused
 from fusion.kernels import available_backends, ops
 from fusion.report import Applied, FusionReport, Skipped
@@ -27,6 +28,7 @@ __all__ = [
     "calibrate",
     "fuse",
     "plan",
+    "unfused_state_dict",
 ]
 
 

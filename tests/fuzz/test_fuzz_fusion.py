@@ -1,4 +1,4 @@
-"""Safety fuzzing of `fusion.fuse` (DESIGN.md, oracle 4) on generated Transformers-shaped
+"""Safety fuzzing of `fusion.fuse` (docs/design.md, oracle 4) on generated Transformers-shaped
 modules.
 
 Property, per generated shape: after `fusion.fuse`, a module is either untouched or computes
