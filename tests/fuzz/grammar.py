@@ -504,7 +504,7 @@ def assemble(shape: str, top: Part, construct: str, input_lines: Sequence[str]) 
     )
 
 
-def _linear_kind(draw: Draw, part: Part, attr: str, safe: bool) -> str:
+def linear_kind(draw: Draw, part: Part, attr: str, safe: bool) -> str:
     """The class used for projection `attr`: nn.Linear mostly, a subclass sometimes."""
     options = ["nn.Linear"] * 7 + ["SubLinear"]
     if not safe:
@@ -518,7 +518,7 @@ def _linear_kind(draw: Draw, part: Part, attr: str, safe: bool) -> str:
     return kind
 
 
-def _projection_hooks(draw: Draw, part: Part, attrs: Sequence[str], safe: bool) -> None:
+def projection_hooks(draw: Draw, part: Part, attrs: Sequence[str], safe: bool) -> None:
     """Hooks on projections (hazards: a merged projection stops firing them)."""
     if safe or draw(st.integers(0, 4)) != 0:
         return
@@ -560,14 +560,16 @@ state. `enable_grad` (grad is on wherever the oracle records gradients) and
 `nullcontext` change nothing, but an engine that cannot tell may refuse them."""
 
 
-def _region(draw: Draw, safe: bool) -> str | None:
+def draw_region(draw: Draw, safe: bool) -> str | None:
+    """The region (`REGIONS`) one projection call sits in, None mostly; changing ones only
+    when not `safe`."""
     options: list[tuple[str | None, int]] = [(None, 14), ("enable_grad", 1), ("null_context", 1)]
     if not safe:
         options += [("no_grad", 2), ("autocast", 1), ("grad_toggle", 1)]
     return draw(weighted(options))
 
 
-def _in_region(region: str | None, lines: Sequence[str], bound: str) -> list[str]:
+def in_region(region: str | None, lines: Sequence[str], bound: str) -> list[str]:
     """`lines` (binding `bound`) inside `region` (`REGIONS`), unchanged for None."""
     if region is None:
         return list(lines)
@@ -587,7 +589,8 @@ Attribute lookup finds the method first; an analysis that reads the child proves
 call where Python runs a write."""
 
 
-def _ints(values: Sequence[int]) -> st.SearchStrategy[int]:
+def ints(values: Sequence[int]) -> st.SearchStrategy[int]:
+    """One of `values` (the first shrinks best)."""
     return st.sampled_from(list(values))
 
 

@@ -19,13 +19,13 @@ from tests.fuzz.grammar import (
     Draw,
     Part,
     Slot,
-    _in_region,
-    _ints,
-    _linear_kind,
-    _projection_hooks,
-    _region,
+    draw_region,
     draw_statements,
+    in_region,
+    ints,
+    linear_kind,
     method,
+    projection_hooks,
     weighted,
 )
 
@@ -94,15 +94,15 @@ class Attention:
 
 def _draw_attention(draw: Draw, part: Part, safe: bool, hidden: int | None) -> Attention:
     """The sizes, the projections' classes and biases, the q/k norm and the in-place forms."""
-    head_dim = draw(_ints([4, 2, 8]))
-    kv_heads = draw(_ints([1, 2]))
-    groups = draw(_ints([1, 2, 3]))
-    hidden = hidden if hidden is not None else draw(_ints([16, 8, 12]))
-    batch, seq = draw(_ints([2, 1])), draw(_ints([3, 1, 4]))
+    head_dim = draw(ints([4, 2, 8]))
+    kv_heads = draw(ints([1, 2]))
+    groups = draw(ints([1, 2, 3]))
+    hidden = hidden if hidden is not None else draw(ints([16, 8, 12]))
+    batch, seq = draw(ints([2, 1])), draw(ints([3, 1, 4]))
     busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
     x = draw(st.sampled_from(["hidden_states", "hidden_states", "x"]))
     biases = {p: draw(st.booleans()) for p in ("q", "k", "v", "o")}
-    kinds = {p: _linear_kind(draw, part, f"{p}_proj", safe) for p in ("q", "k", "v")}
+    kinds = {p: linear_kind(draw, part, f"{p}_proj", safe) for p in ("q", "k", "v")}
     norm = draw(st.sampled_from([None, None, "nn.RMSNorm", "HeadRMSNorm", "InplaceHeadRMSNorm"]))
     if norm in ("HeadRMSNorm", "InplaceHeadRMSNorm"):
         part.snippets.append(norm)
@@ -157,7 +157,7 @@ def _draw_forward_choices(draw: Draw, a: Attention, part: Part, safe: bool) -> N
     a.dropout = draw(st.booleans())
     a.returns_tuple = draw(st.booleans())
     a.regions = regions = {
-        p: (_region(draw, safe) if a.guards[p] == "none" else None) for p in order
+        p: (draw_region(draw, safe) if a.guards[p] == "none" else None) for p in order
     }
     if len(set(regions.values())) > 1:
         for p, region in regions.items():
@@ -217,7 +217,7 @@ def _projection_call(a: Attention, part: Part, p: str) -> list[str]:
     if guard != "none":
         part.features.append(f"guard:{p}:{guard}")
     if guard == "none":
-        return _in_region(a.regions[p], [f"{n} = {expr}"], n)
+        return in_region(a.regions[p], [f"{n} = {expr}"], n)
     if guard == "ternary":
         return [f"{n} = {expr} if self.{p}_proj is not None else None"]
     if guard in ("if_none", "truthy"):
@@ -341,7 +341,7 @@ def _attention_inputs(draw: Draw, a: Attention, part: Part) -> list[str]:
     b, s = a.batch, a.seq
     inputs = [f"args.append(torch.randn({b}, {s}, {a.hidden}, generator=generator))"]
     if a.cache:
-        past = draw(_ints([2, 0]))
+        past = draw(ints([2, 0]))
         shape = f"{b}, {a.kv_heads}, {{}}, {a.head_dim}"
         if a.cache_kind == "SimpleCache":
             make = (
@@ -397,7 +397,7 @@ def attention_part(
         *method("forward", params, body),
         *(["", *SHADOW_METHOD] if a.shadow else []),
     ]
-    _projection_hooks(draw, part, [f"{p}_proj" for p in ("q", "k", "v")], safe)
+    projection_hooks(draw, part, [f"{p}_proj" for p in ("q", "k", "v")], safe)
     part.cache_argument = a.cache
     part.returns_tuple = a.returns_tuple
     part.inputs = _attention_inputs(draw, a, part)

@@ -10,11 +10,11 @@ from tests.fuzz.grammar import (
     Draw,
     Part,
     Slot,
-    _ints,
-    _linear_kind,
-    _projection_hooks,
     draw_statements,
+    ints,
+    linear_kind,
     method,
+    projection_hooks,
     weighted,
 )
 
@@ -63,8 +63,8 @@ class Mlp:
 def _draw_mlp(draw: Draw, part: Part, hidden: int | None) -> Mlp:
     """The widths, the spelling, the activation, operand order, down projection and biases."""
     hidden_given = hidden is not None
-    hidden = hidden if hidden is not None else draw(_ints([16, 8, 12]))
-    inter = draw(_ints([24, 8, 16]))
+    hidden = hidden if hidden is not None else draw(ints([16, 8, 12]))
+    inter = draw(ints([24, 8, 16]))
     busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
     x = draw(st.sampled_from(["x", "hidden_states", "hidden_state"]))
     form = draw(weighted([("expr", 5), ("split", 2), ("functional", 1), ("already_fused", 1)]))
@@ -106,7 +106,7 @@ def _mlp_init(draw: Draw, m: Mlp, part: Part, safe: bool) -> tuple[list[str], li
         projections = ["gate_up_proj"]
     else:
         for p in ("gate", "up"):
-            kind = _linear_kind(draw, part, f"{p}_proj", safe)
+            kind = linear_kind(draw, part, f"{p}_proj", safe)
             init.append(f"self.{p}_proj = {kind}({m.hidden}, {m.inter}, bias={m.biases[p]})")
         projections = ["gate_proj", "up_proj"]
     if m.down:
@@ -155,9 +155,9 @@ def _mlp_inputs(draw: Draw, hidden: int) -> list[str]:
     """make_inputs()'s statement: hidden states of rank 3 or 2."""
     rank = draw(st.sampled_from([3, 2]))
     shape = (
-        f"{draw(_ints([2, 1]))}, {draw(_ints([3, 1]))}, {hidden}"
+        f"{draw(ints([2, 1]))}, {draw(ints([3, 1]))}, {hidden}"
         if rank == 3
-        else f"{draw(_ints([5, 1]))}, {hidden}"
+        else f"{draw(ints([5, 1]))}, {hidden}"
     )
     return [f"args.append(torch.randn({shape}, generator=generator))"]
 
@@ -176,7 +176,7 @@ def glu_part(draw: Draw, safe: bool, name: str = "GeneratedMLP", hidden: int | N
         *method("forward", f"self, {m.x}", body),
     ]
     if m.form != "already_fused":
-        _projection_hooks(draw, part, projections, safe)
+        projection_hooks(draw, part, projections, safe)
         if not safe and draw(st.integers(0, 6)) == 0:
             part.snippets.append("hooks")
             part.hooks.append("{m}.act_fn.register_forward_hook(halve_output_hook)")

@@ -12,8 +12,8 @@ from tests.fuzz.grammar import (
     Part,
     Slot,
     Stmt,
-    _ints,
     draw_statements,
+    ints,
     method,
     weighted,
 )
@@ -73,10 +73,10 @@ class Moe:
 
 def _draw_moe(draw: Draw, name: str, hidden: int | None) -> Moe:
     """The widths, expert count and top-k, the activation, the layout and the return value."""
-    hidden = hidden if hidden is not None else draw(_ints([8, 12]))
-    experts = draw(_ints([3, 2, 4]))
-    top_k = draw(_ints([2, 1]))
-    inter = draw(_ints([8, 16]))
+    hidden = hidden if hidden is not None else draw(ints([8, 12]))
+    experts = draw(ints([3, 2, 4]))
+    top_k = draw(ints([2, 1]))
+    inter = draw(ints([8, 16]))
     act = draw(st.sampled_from(["silu", "gelu"]))
     norm_topk = draw(st.booleans())
     layout = draw(st.sampled_from(["module_list", "packed"]))
@@ -303,6 +303,6 @@ def moe_part(draw: Draw, safe: bool, name: str = "GeneratedMoE", hidden: int | N
         _moe_hook(draw, m, part)
     part.returns_tuple = m.returns_logits
     part.inputs = [
-        f"args.append(torch.randn({draw(_ints([2, 1]))}, {draw(_ints([3, 1]))}, {m.hidden}, generator=generator))"
+        f"args.append(torch.randn({draw(ints([2, 1]))}, {draw(ints([3, 1]))}, {m.hidden}, generator=generator))"
     ]
     return part

@@ -10,8 +10,8 @@ from tests.fuzz.grammar import (
     Draw,
     Part,
     Slot,
-    _ints,
     draw_statements,
+    ints,
     method,
     weighted,
 )
@@ -36,7 +36,7 @@ class Norm:
 
 def _draw_norm(draw: Draw, part: Part, hidden: int | None) -> Norm:
     """The width, eps, and the spelling of each step (or the near miss that is no RMSNorm)."""
-    hidden = hidden if hidden is not None else draw(_ints([16, 8, 12]))
+    hidden = hidden if hidden is not None else draw(ints([16, 8, 12]))
     eps = draw(st.sampled_from([1e-6, 1e-5, 0.1]))
     busy = draw(weighted([(0, 2), (1, 2), (2, 1)]))  # statements a slot may take
     eps_attr = draw(st.sampled_from(["variance_epsilon", "eps"]))
@@ -169,6 +169,6 @@ def rmsnorm_part(
         part.hooks.append("{m}.register_forward_hook(halve_output_hook)")
         part.hazards.append("hook:norm")
     part.inputs = [
-        f"args.append(torch.randn({draw(_ints([2, 1]))}, {draw(_ints([3, 1]))}, {n.hidden}, generator=generator) * 2.0)"
+        f"args.append(torch.randn({draw(ints([2, 1]))}, {draw(ints([3, 1]))}, {n.hidden}, generator=generator) * 2.0)"
     ]
     return part

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from tests.fuzz.grammar import SHAPES, Draw, GeneratedModule, Part, _ints, assemble, method
+from tests.fuzz.grammar import SHAPES, Draw, GeneratedModule, Part, assemble, ints, method
 from tests.fuzz.shape_attention import attention_part
 from tests.fuzz.shape_mlp import glu_part
 from tests.fuzz.shape_moe import moe_part
@@ -60,7 +60,7 @@ __all__ = [
 def decoder_layer_part(draw: Draw, safe: bool) -> Part:
     """A pre-norm decoder layer nesting a generated attention block, two RMSNorms and a
     gated MLP: fusion must find and replace the children inside a parent."""
-    hidden = draw(_ints([16, 8]))
+    hidden = draw(ints([16, 8]))
     attention = attention_part(draw, safe, "LayerAttention", hidden=hidden)
     mlp = glu_part(draw, safe, "LayerMLP", hidden=hidden)
     norm = rmsnorm_part(draw, safe, "LayerRMSNorm", hidden=hidden)
