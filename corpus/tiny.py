@@ -442,14 +442,58 @@ def shrink_kwargs(
         widths = _default_widths(config)
     fields = config_fields(type(config))
     values = config_values(config)
-    defaults = class_defaults(type(config))
-    kw: dict[str, Any] = {}
-
     explicit = explicit or {}
+    derived = _Derived(explicit, class_defaults(type(config)))
+    kw = _shrink_fields(config, fields, values, derived, sizes, fill, tokens, widths, explicit)
 
-    def derived(name: str) -> bool:
-        return name not in explicit and name in defaults and defaults[name] is None
+    # Key/value heads follow the (tiny) query heads they divide.
+    heads_name, default_heads = _first(values, _HEADS_NAMES)
+    tiny_heads = _tiny(kw, values, heads_name) if heads_name else sizes.heads
+    _shrink_kv_heads(fields, values, kw, derived, sizes, fill, tiny_heads, default_heads)
+    _shrink_linear_attention_heads(values, kw)
 
+    _auxiliary_vocabs(values, kw, fields)
+    _equal_head_dims(values, kw)
+    _restore_products(values, kw)
+
+    _shrink_per_layer_lists(config, fields, values, kw, sizes)
+    _shrink_rope_lists(values, kw, sizes, tiny_heads)
+    _shrink_top_level_original_positions(values, kw)
+    return kw
+
+
+@dataclass(frozen=True)
+class _Derived:
+    """Whether an attribute is derived by the config: not given explicitly and ``None`` by
+    default (the constructor computes it from the others, so it is left out of the kwargs)."""
+
+    explicit: Mapping[str, Any]
+    defaults: Mapping[str, Any]
+
+    def __call__(self, name: str) -> bool:
+        return name not in self.explicit and name in self.defaults and self.defaults[name] is None
+
+
+def _tiny(kw: Mapping[str, Any], values: Mapping[str, Any], name: str | None) -> Any:
+    """The tiny value of ``name``: the shrunk one where set, else the config's own (None for none)."""
+    return kw.get(name, values.get(name)) if name else None
+
+
+def _shrink_fields(
+    config: Any,
+    fields: Iterable[str],
+    values: Mapping[str, Any],
+    derived: _Derived,
+    sizes: Sizes,
+    fill: bool,
+    tokens: _TokenMap,
+    widths: frozenset[int],
+    explicit: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The kwargs of every field taken one by one: sub-configs shrunk recursively (as dicts with
+    their ``model_type``), token ids remapped, the rules of size-like names applied, and
+    unrecognised widths equal to a model width following the tiny hidden size."""
+    kw: dict[str, Any] = {}
     for name in fields:
         d = values.get(name)
         if is_config(d):
@@ -479,13 +523,21 @@ def shrink_kwargs(
         new = rule(d, sizes)
         if new is not KEEP and new != values.get(name):
             kw[name] = new
+    return kw
 
-    def tiny(name: str | None) -> Any:
-        return kw.get(name, values.get(name)) if name else None
 
-    # Key/value heads follow the (tiny) query heads they divide.
-    heads_name, default_heads = _first(values, _HEADS_NAMES)
-    tiny_heads = tiny(heads_name) if heads_name else sizes.heads
+def _shrink_kv_heads(
+    fields: Iterable[str],
+    values: Mapping[str, Any],
+    kw: dict[str, Any],
+    derived: _Derived,
+    sizes: Sizes,
+    fill: bool,
+    tiny_heads: Any,
+    default_heads: Any,
+) -> None:
+    """Set every key/value-heads attribute in ``kw`` to divide the tiny query heads it pairs
+    with (filled where derived, for the main one only; MLA's kv heads stay == heads)."""
     # MLA projects K/V per query head from a shared latent: its kv heads must stay == heads.
     mla = is_int(values.get("kv_lora_rank"))
     for name in fields:
@@ -498,72 +550,89 @@ def shrink_kwargs(
         if derived(name) and (not fill or mla or not primary):
             continue
         d_heads = values.get(other) if other else default_heads
-        t_heads = tiny(other) if other and is_int(tiny(other)) else tiny_heads
+        tiny_other = _tiny(kw, values, other)
+        t_heads = tiny_other if other and is_int(tiny_other) else tiny_heads
         if not is_int(t_heads):
             continue
         new = _kv_heads(None if derived(name) else values.get(name), d_heads, t_heads, sizes)
         if new != values.get(name):
             kw[name] = new
-    # Linear-attention value heads: keep the value/key ratio.
+
+
+def _shrink_linear_attention_heads(values: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """Linear-attention value heads: keep the value/key ratio over at most 2 key heads."""
     k, v = values.get("linear_num_key_heads"), values.get("linear_num_value_heads")
     if is_int(k) and is_int(v) and k > 0:
         tk = min(k, 2)
         kw["linear_num_key_heads"] = tk
         kw["linear_num_value_heads"] = tk * (v // k) if v % k == 0 else min(v, tk)
 
-    _auxiliary_vocabs(values, kw, fields)
-    _equal_head_dims(values, kw)
-    _restore_products(values, kw)
 
-    # Per-layer lists: decide the layer count so every distinct layer kind survives.
+def _shrink_per_layer_lists(
+    config: Any,
+    fields: Iterable[str],
+    values: Mapping[str, Any],
+    kw: dict[str, Any],
+    sizes: Sizes,
+) -> None:
+    """Per-layer lists: decide the layer count so every distinct layer kind survives, then
+    resize every per-layer attribute (and per-layer config overrides) to the kept layers."""
     count_name, n = _layer_count(values)
     implicit = count_name is None
     if implicit:
         count_name, n = _implicit_layer_list(values)
-    if count_name and is_int(n):
-        attrs = _per_layer_attrs(values, fields, n)
-        overrides = _per_layer_overrides(config)
-        if overrides:  # heterogeneous layers are a layer kind of their own
-            sig = [repr(sorted(overrides.get(i, {}).items())) for i in range(n)]
-            attrs.append(_PerLayer("per_layer_config", "list", sig))
-        minimum = min(n, sizes.layers)
-        kept = _keep_layers(attrs, n, minimum) if attrs else list(range(minimum))
-        if not implicit:
-            kw[count_name] = len(kept)
-        for a in attrs:
-            if a.name != "per_layer_config":
-                kw[a.name] = _resize(a, kept, sizes)
-        if overrides:
-            kw["per_layer_config"] = {
-                new: _shrink_layer_override(overrides[old], values, kw, sizes)
-                for new, old in enumerate(kept)
-                if old in overrides
-            }
+    if not (count_name and is_int(n)):
+        return
+    attrs = _per_layer_attrs(values, fields, n)
+    overrides = _per_layer_overrides(config)
+    if overrides:  # heterogeneous layers are a layer kind of their own
+        sig = [repr(sorted(overrides.get(i, {}).items())) for i in range(n)]
+        attrs.append(_PerLayer("per_layer_config", "list", sig))
+    minimum = min(n, sizes.layers)
+    kept = _keep_layers(attrs, n, minimum) if attrs else list(range(minimum))
+    if not implicit:
+        kw[count_name] = len(kept)
+    for a in attrs:
+        if a.name != "per_layer_config":
+            kw[a.name] = _resize(a, kept, sizes)
+    if overrides:
+        kw["per_layer_config"] = {
+            new: _shrink_layer_override(overrides[old], values, kw, sizes)
+            for new, old in enumerate(kept)
+            if old in overrides
+        }
 
-    # Rope per-frequency lists follow the tiny rotary dimension.
+
+def _shrink_rope_lists(
+    values: Mapping[str, Any], kw: dict[str, Any], sizes: Sizes, tiny_heads: Any
+) -> None:
+    """Rope per-frequency lists follow the tiny rotary dimension."""
     rope_name = next((r for r in ("rope_parameters", "rope_scaling") if r in values), None)
-    if rope_name and isinstance(values.get(rope_name), dict):
-        hd = tiny("head_dim") if is_int(tiny("head_dim")) else None
-        if hd is None:
-            h = tiny("hidden_size")
-            ok = is_int(h) and is_int(tiny_heads) and tiny_heads > 0
-            hd = h // tiny_heads if ok else sizes.head_dim
-        half = int(hd * _partial_factor(values[rope_name], values)) // 2
-        tiny_max = tiny("max_position_embeddings")
-        new_rope = _shrink_rope(values[rope_name], half, tiny_max if is_int(tiny_max) else None)
-        if new_rope != values[rope_name]:
-            kw[rope_name] = new_rope
-    # A top-level original context length (Phi-3 style) keeps its ratio to the context length.
+    if not (rope_name and isinstance(values.get(rope_name), dict)):
+        return
+    hd = _tiny(kw, values, "head_dim") if is_int(_tiny(kw, values, "head_dim")) else None
+    if hd is None:
+        h = _tiny(kw, values, "hidden_size")
+        ok = is_int(h) and is_int(tiny_heads) and tiny_heads > 0
+        hd = h // tiny_heads if ok else sizes.head_dim
+    half = int(hd * _partial_factor(values[rope_name], values)) // 2
+    tiny_max = _tiny(kw, values, "max_position_embeddings")
+    new_rope = _shrink_rope(values[rope_name], half, tiny_max if is_int(tiny_max) else None)
+    if new_rope != values[rope_name]:
+        kw[rope_name] = new_rope
+
+
+def _shrink_top_level_original_positions(values: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """A top-level original context length (Phi-3 style) keeps its ratio to the context length."""
     orig, max_d = (
         values.get("original_max_position_embeddings"),
         values.get("max_position_embeddings"),
     )
-    tiny_max = tiny("max_position_embeddings")
+    tiny_max = _tiny(kw, values, "max_position_embeddings")
     if is_int(orig) and is_int(max_d) and is_int(tiny_max) and orig >= tiny_max and max_d > 0:
         kw["original_max_position_embeddings"] = _shrink_original_positions(
             orig, max_d / orig, tiny_max
         )
-    return kw
 
 
 def _paired_heads(kv_name: str, values: Mapping[str, Any]) -> str | None:

@@ -14,7 +14,7 @@ compares, and a plain `error <= limit` is False for NaN). Where the reference it
 (modules may return additive -inf masks) the output must hold the same infinity, else the error
 is inf; a NaN in the reference can never be matched, so it is inf too.
 
-Tolerance rule (DESIGN.md, oracle 1): rounding is allowed, a changed function is not. The fused
+Tolerance rule (docs/design.md, oracle 1): rounding is allowed, a changed function is not. The fused
 error against a float64 reference may not exceed a small multiple of the unfused error against
 the same reference, plus a dtype floor for the case where the unfused output is almost exact::
 

@@ -1,4 +1,4 @@
-"""Lifecycle parity (DESIGN.md, oracle 6): a fused model is judged against its unfused twin on
+"""Lifecycle parity (docs/design.md, oracle 6): a fused model is judged against its unfused twin on
 what users do after fusing, not only on one eval forward.
 
 Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line detail:

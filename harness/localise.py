@@ -1,4 +1,4 @@
-"""Per-module localisation (DESIGN.md, oracle 2): which fused module changed the function?
+"""Per-module localisation (docs/design.md, oracle 2): which fused module changed the function?
 
 Forward pre-hooks record the inputs of every fused module's counterpart during the unfused
 forward; each fused module (same qualname in the fused model) is then re-run on exactly those

@@ -1,4 +1,4 @@
-"""Golden fusion plans (DESIGN.md, oracle 3): what fusion does to every architecture, per
+"""Golden fusion plans (docs/design.md, oracle 3): what fusion does to every architecture, per
 Transformers line, in `corpus/expected/<transformers major.minor>.json`.
 
 A *plan entry* summarises one architecture's result, with nothing in it that varies from run to

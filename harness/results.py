@@ -63,7 +63,7 @@ every architecture it lists builds and runs, and a worker death is never expecte
 
 LIFECYCLE_VERDICTS = ("pass", "fail", "n/a")
 """Verdicts of a lifecycle check (`ArchResult.lifecycle`: generate, a training step, save and
-load, ... after fusing; see DESIGN oracle 6)."""
+load, ... after fusing; see docs/design.md, oracle 6)."""
 
 
 @dataclass(frozen=True)

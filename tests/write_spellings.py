@@ -3,7 +3,7 @@
 A write the engine must see can be spelled in dozens of ways (augmented assignment, `_`
 methods, `out=`, `inplace=`, item stores, through views, containers, closures, helpers,
 `exec`...). Three test families need them and used to keep three tables that drifted: the
-fuzzer writes them to a projection's input and to its output (tests/fuzz/strategies.py), the
+fuzzer writes them to a projection's input and to its output (tests/fuzz/grammar.py), the
 piece-write tests write them to each split piece of a merged GEMM
 (tests/fusion/analysis/test_piece_writes_spellings.py), and the alias unit tests write them to the
 input between two projections (tests/fusion/analysis/test_alias.py). They all draw from `WRITES`, so

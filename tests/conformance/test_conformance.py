@@ -11,7 +11,7 @@ corpus problem, harness.results.CORPUS_PROBLEMS) is an expected failure with its
 the suite fails only on fusion failures, as `fusion-harness run` exits 3 for those and 1 only
 for fusion failures; FUSION_HARNESS_STRICT_CORPUS=1 makes them fail (`--strict-corpus`).
 
-Plan conformance (DESIGN.md, oracle 3): each architecture's fusion plan is compared with the
+Plan conformance (docs/design.md, oracle 3): each architecture's fusion plan is compared with the
 golden file of the installed Transformers line, corpus/expected/<major.minor>.json
 (harness.plans). Any difference fails the test with the difference in words: a fusion that
 disappeared, a new refusal, a new fusion (to be reviewed), another status. A golden file may

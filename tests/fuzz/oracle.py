@@ -28,6 +28,9 @@ and fresh random inputs:
 
 Forwards run with autograd enabled (the default mode a user calls a model in), which is the
 stricter mode: in-place writes to views are checked there.
+
+The comparisons it makes are in `tests.fuzz.comparisons`; its verdicts (`Failure`, `Outcome`)
+and their tally in `tests.fuzz.tally`.
 """
 
 from __future__ import annotations
@@ -36,16 +39,13 @@ import copy
 import dataclasses
 import importlib.util
 import itertools
-import json
 import linecache
 import math
 import sys
 import traceback
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -54,14 +54,15 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import numerics
 from fusion.fusers import registry
-from fusion.report import FusionReport
 from fusion.runtime.checkpoint import unfused_named
+from fusion.report import FusionReport
 from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
 from tests.fusion.merged_paths import measured_references, stacked_products
+from tests.fuzz.comparisons import compare, same_state, state, structure
 from tests.fuzz.edits import Edit, EditSpec, patches, resolve
-from tests.fuzz.strategies import SHAPES, GeneratedModule
+from tests.fuzz.strategies import GeneratedModule
+from tests.fuzz.tally import Failure, Outcome
 
 TOLERANCE = 1e-5
 """Largest relative error (max |fused - unfused| / max |unfused|) a fused output may show."""
@@ -127,40 +128,6 @@ AMBIENT: dict[str, tuple[Any, float]] = {
 _COUNTER = itertools.count()
 
 
-@dataclass(frozen=True)
-class Failure:
-    """Why one example violates the fusion property."""
-
-    kind: str
-    message: str
-    detail: str = ""
-    observed: float | None = None
-    tolerance: float | None = None
-
-    @property
-    def signature(self) -> str:
-        """What makes two failures "the same" for de-duplicating repro bundles."""
-        return f"{self.kind}|{self.message.splitlines()[0][:120]}"
-
-
-@dataclass
-class Outcome:
-    """The verdict on one example: `status` is fused, refused or crashed (the unfused
-    forward itself raised: a generator bug, counted but not a fusion failure)."""
-
-    status: str
-    report: FusionReport | None = None
-    failure: Failure | None = None
-    crash: str = ""
-    """Why the unfused forward raised (crashed), or why a post-fuse edit example was not
-    judged (`n/a`: no site for its kind; `discarded`: the unfused model refuses the edit,
-    or both models raise after it)."""
-
-    @property
-    def fusers(self) -> tuple[str, ...]:
-        return tuple(sorted({r.fuser for r in self.report.applied})) if self.report else ()
-
-
 # -- loading --------------------------------------------------------------------------------------
 
 
@@ -199,91 +166,6 @@ def make_inputs(module: ModuleType, seed: int) -> tuple[tuple[Any, ...], dict[st
     return module.make_inputs(torch.Generator().manual_seed(seed + 1))
 
 
-# -- comparisons ----------------------------------------------------------------------------------
-
-
-def relative_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
-    """`fusion.numerics.relative_error` with NaN as a value (`matching_nans`): the unfused
-    output of a generated module may hold NaN, and the fused one must hold it in the same
-    places. Infinite when shapes, dtypes or NaN positions differ, or where the measure says
-    NaN (never a NaN here: `max` over errors must see the worst); exact for integer tensors."""
-    if expected.shape != actual.shape or expected.dtype != actual.dtype:
-        return math.inf
-    if not expected.is_floating_point():
-        return 0.0 if torch.equal(expected, actual) else math.inf
-    error = numerics.relative_error(actual.detach(), expected.detach(), matching_nans=True)
-    return math.inf if math.isnan(error) else error
-
-
-def state(value: Any, depth: int = 0) -> Any:
-    """A comparable snapshot of everything reachable from `value`: tensors (cloned), and
-    the contents of containers and plain objects (a KV cache's attributes)."""
-    if depth > 6:
-        return repr(type(value))
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)):
-        return [state(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {key: state(item, depth + 1) for key, item in value.items()}
-    if isinstance(value, nn.Module):
-        return f"<{type(value).__name__}>"
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return {key: state(item, depth + 1) for key, item in vars(value).items()}
-    return value
-
-
-def compare(expected: Any, actual: Any, where: str = "") -> tuple[float, str]:
-    """The largest relative error between two snapshots and where it occurs."""
-    if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
-        if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
-            return math.inf, f"{where or 'value'}: tensor vs {type(actual).__name__}"
-        return relative_error(expected, actual), where or "value"
-    if isinstance(expected, list) and isinstance(actual, list):
-        if len(expected) != len(actual):
-            return math.inf, f"{where}: {len(expected)} vs {len(actual)} items"
-        worst: tuple[float, str] = (0.0, where)
-        for index, (a, b) in enumerate(zip(expected, actual)):
-            worst = max(worst, compare(a, b, f"{where}[{index}]"), key=lambda pair: pair[0])
-        return worst
-    if isinstance(expected, dict) and isinstance(actual, dict):
-        if expected.keys() != actual.keys():
-            return math.inf, f"{where}: keys {sorted(expected)} vs {sorted(actual)}"
-        worst = (0.0, where)
-        for key in expected:
-            worst = max(
-                worst, compare(expected[key], actual[key], f"{where}.{key}"), key=lambda p: p[0]
-            )
-        return worst
-    return (
-        (0.0, where) if expected == actual else (math.inf, f"{where}: {expected!r} vs {actual!r}")
-    )
-
-
-def structure(module: nn.Module) -> list[tuple[str, type, tuple[str, ...], bool]]:
-    """What must not change when nothing is applied: every submodule's name, type, own
-    parameter/buffer names, and whether it has an instance-level forward."""
-    return [
-        (
-            name,
-            type(child),
-            tuple(
-                n
-                for n, _ in itertools.chain(
-                    child.named_parameters(recurse=False), child.named_buffers(recurse=False)
-                )
-            ),
-            "forward" in child.__dict__,
-        )
-        for name, child in module.named_modules()
-    ]
-
-
-def _same_state(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def _plan(module: nn.Module) -> FusionReport | None:
     """What `fusion.plan` decides for a copy (the forward sources for a repro bundle when
     `fuse` itself raised), or None when planning raises too."""
@@ -312,7 +194,7 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
             failure = Failure("fuse-error", f"{type(exc).__name__}: {exc}", _tail(exc))
             return Outcome("fused", _plan(original), failure)
         status = "fused" if report.applied else "refused"
-        if not report.applied and (structure(fused) != before or not _same_state(original, fused)):
+        if not report.applied and (structure(fused) != before or not same_state(original, fused)):
             return Outcome(
                 status,
                 report,
@@ -752,156 +634,3 @@ def check_edit(generated: GeneratedModule, spec: EditSpec, seed: int, directory:
                 failure = failure or _ambient_failure(module, seed, *pristine)
                 failure = _labelled(failure, label)
             return Outcome("fused", report, failure)
-
-
-# -- the tally ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Tally:
-    """fused / refused / crashed counts per shape, for all modules and for safe ones, and
-    which fusers applied. Shared by the property tests and the pytest terminal summary.
-
-    A module counts as fused when any fuser applied anywhere in it (a decoder layer whose
-    norms fused counts, whatever its attention did); `fusers` says which. When a property
-    fails, the calls Hypothesis makes while shrinking are counted too.
-
-    With `checkpoint` set, the tally so far is written there (JSON, replaced atomically)
-    every `every` examples: a run of hours that is stopped or crashes keeps its counts."""
-
-    counts: dict[str, Counter[str]] = field(default_factory=dict)
-    fusers: dict[str, Counter[str]] = field(default_factory=dict)
-    families: dict[str, Counter[str]] = field(default_factory=dict)
-    """Per grammar family (a hazard's or feature's label up to its first ':', e.g.
-    `region`, `guard`, `upcast`): how the examples that drew it ended."""
-    checkpoint: Path | None = None
-    every: int = 100
-
-    def save(self, path: Path) -> None:
-        """Writes `to_json()` to `path` through a temporary file, so a reader never sees a
-        half-written tally."""
-        partial = path.with_name(path.name + ".tmp")
-        partial.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        partial.replace(path)
-
-    def examples(self) -> int:
-        """Examples recorded so far, every shape together."""
-        return sum(row["examples"] for row in self.counts.values())
-
-    def record(self, generated: GeneratedModule, outcome: Outcome) -> None:
-        row = self.counts.setdefault(generated.shape, Counter())
-        row[outcome.status] += 1
-        row["examples"] += 1
-        if generated.safe:
-            row["safe"] += 1
-            row[f"safe_{outcome.status}"] += 1
-        if outcome.failure is not None:
-            row["failures"] += 1
-        for name in outcome.fusers:
-            self.fusers.setdefault(generated.shape, Counter())[name] += 1
-        for family in dict.fromkeys(
-            label.split(":", 1)[0] for label in (*generated.hazards, *generated.features)
-        ):
-            row = self.families.setdefault(family, Counter())
-            row[outcome.status] += 1
-            row["examples"] += 1
-            if outcome.failure is not None:
-                row["failures"] += 1
-        if self.checkpoint is not None and self.examples() % self.every == 0:
-            self.save(self.checkpoint)
-
-    def record_edit(self, shape: str, kind: str, outcome: Outcome) -> None:
-        """One post-fuse edit example: counted in its edit kind's family (`edit-<kind>`) and
-        in the `edit:<shape>` row, never in the generated module's own families, whose
-        counts stay those of `test_fuse_is_safe`."""
-        for row in (
-            self.families.setdefault(f"edit-{kind}", Counter()),
-            self.counts.setdefault(f"edit:{shape}", Counter()),
-        ):
-            row[outcome.status] += 1
-            row["examples"] += 1
-            if outcome.failure is not None:
-                row["failures"] += 1
-        if self.checkpoint is not None and self.examples() % self.every == 0:
-            self.save(self.checkpoint)
-
-    def merge(self, other: dict[str, Any]) -> None:
-        """Add a `to_json()` dict (e.g. from an xdist worker)."""
-        for shape, row in other.get("counts", {}).items():
-            self.counts.setdefault(shape, Counter()).update(row)
-        for shape, row in other.get("fusers", {}).items():
-            self.fusers.setdefault(shape, Counter()).update(row)
-        for family, row in other.get("families", {}).items():
-            self.families.setdefault(family, Counter()).update(row)
-
-    def safe_fused_ratio(self, shape: str) -> float:
-        row = self.counts.get(shape, Counter())
-        return row["safe_fused"] / row["safe"] if row["safe"] else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "counts": {shape: dict(row) for shape, row in self.counts.items()},
-            "fusers": {shape: dict(row) for shape, row in self.fusers.items()},
-            "families": {family: dict(row) for family, row in sorted(self.families.items())},
-            "safe_fused_ratio": {shape: self.safe_fused_ratio(shape) for shape in self.counts},
-        }
-
-    def lines(self) -> list[str]:
-        """A small table: one row per shape."""
-        out = [
-            f"{'shape':<14}{'examples':>9}{'fused':>7}{'refused':>8}{'crashed':>8}{'failed':>7}"
-            f"{'safe':>6}{'safe fused':>11}  fusers"
-        ]
-        for shape in [s for s in SHAPES if s in self.counts] + sorted(
-            set(self.counts) - set(SHAPES)
-        ):
-            row = self.counts[shape]
-            fusers = ", ".join(f"{k}={v}" for k, v in sorted(self.fusers.get(shape, {}).items()))
-            out.append(
-                f"{shape:<14}{row['examples']:>9}{row['fused']:>7}{row['refused']:>8}"
-                f"{row['crashed']:>8}{row['failures']:>7}{row['safe']:>6}"
-                f"{self.safe_fused_ratio(shape):>10.0%}  {fusers}"
-            )
-        if self.families:
-            out.append(
-                f"{'family':<14}{'examples':>9}{'fused':>7}{'refused':>8}{'failed':>7}{'n/a':>6}"
-            )
-            for family, row in sorted(self.families.items()):
-                # n/a: crashed (the unfused forward raised), or for an edit kind, no site or
-                # discarded (the unfused model refuses the edit, or both raise after it)
-                other = row["examples"] - row["fused"] - row["refused"]
-                out.append(
-                    f"{family:<14}{row['examples']:>9}{row['fused']:>7}{row['refused']:>8}"
-                    f"{row['failures']:>7}{other:>6}"
-                )
-        return out
-
-
-SESSION_TALLY = Tally()
-"""Every example checked in this process (printed at the end of the pytest session)."""
-
-
-def outcome_summary(outcome: Outcome) -> dict[str, Any]:
-    """A JSON-ready summary of an outcome (for bundles and notes)."""
-    report = outcome.report
-    return {
-        "status": outcome.status,
-        "failure": (
-            {
-                key: (
-                    repr(value) if isinstance(value, float) and not math.isfinite(value) else value
-                )
-                for key, value in dataclasses.asdict(outcome.failure).items()
-            }
-            if outcome.failure
-            else None
-        ),
-        "applied": [
-            {"qualname": r.qualname, "fuser": r.fuser, "description": r.description}
-            for r in (report.applied if report else [])
-        ],
-        "skipped": [
-            {"qualname": r.qualname, "fuser": r.fuser, "reason": r.reason}
-            for r in (report.skipped if report else [])
-        ],
-    }

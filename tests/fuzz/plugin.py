@@ -4,7 +4,7 @@ Loaded by tests/fuzz/conftest.py. Under pytest-xdist the controller never import
 conftest, so a run that wants the tally merged across workers names this plugin itself:
 `pytest -p tests.fuzz.plugin -n auto tests/fuzz` (the `fuzz` tox environment does).
 
-- Every process tallies the examples it checks (`tests.fuzz.oracle.SESSION_TALLY`).
+- Every process tallies the examples it checks (`tests.fuzz.tally.SESSION_TALLY`).
 - An xdist worker hands its tally to the controller (`workeroutput`), which merges them.
 - The process that owns the terminal prints the table in the terminal summary and, when
   `FUZZ_TALLY_JSON=<path>` is set, writes it there as JSON.
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.fuzz.oracle import SESSION_TALLY
+from tests.fuzz.tally import SESSION_TALLY
 
 TALLY_ENV = "FUZZ_TALLY_JSON"
 _WORKER_KEY = "fusion_fuzz_tally"

@@ -40,10 +40,9 @@ from tests.fuzz.oracle import (
     GRAD_TOLERANCE,
     PREMISE_SITES,
     TOLERANCE,
-    Outcome,
-    outcome_summary,
 )
 from tests.fuzz.strategies import GeneratedModule
+from tests.fuzz.tally import Outcome, outcome_summary
 
 HARNESS_KIND = {
     "fuse-error": "fuse-error",

@@ -26,8 +26,9 @@ from tests.fuzz.edits import (
     resolve,
     self_reads,
 )
-from tests.fuzz.oracle import Tally, check_edit
+from tests.fuzz.oracle import check_edit
 from tests.fuzz.strategies import GeneratedModule
+from tests.fuzz.tally import Tally
 
 SOURCE = """\
 import torch

@@ -1,4 +1,4 @@
-"""Safety fuzzing of `fusion.fuse` (DESIGN.md, oracle 4) on generated Transformers-shaped
+"""Safety fuzzing of `fusion.fuse` (docs/design.md, oracle 4) on generated Transformers-shaped
 modules.
 
 Property, per generated shape: after `fusion.fuse`, a module is either untouched or computes
@@ -37,10 +37,11 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 from tests.fuzz.edits import edit_specs
-from tests.fuzz.oracle import SESSION_TALLY, Tally, check, check_edit
+from tests.fuzz.oracle import check, check_edit
 from tests.fuzz.profiles import FUZZ_SETTINGS
 from tests.fuzz.repro import write_bundle
 from tests.fuzz.strategies import SHAPES, GeneratedModule, generated_modules
+from tests.fuzz.tally import SESSION_TALLY, Tally
 
 SEEDS = st.integers(0, 2**16 - 1)
 FINDINGS = Path(__file__).with_name("findings")

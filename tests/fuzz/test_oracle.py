@@ -21,10 +21,12 @@ from fusion.report import FusionReport
 from fusion.runtime import merged as modules
 from fusion.runtime.merged import MergedLinear
 from tests.fusion import merged_paths
-from tests.fuzz.oracle import Tally, check, relative_error
+from tests.fuzz.comparisons import relative_error
+from tests.fuzz.oracle import check
 from tests.fuzz.profiles import REPO
 from tests.fuzz.repro import write_bundle
 from tests.fuzz.strategies import GeneratedModule
+from tests.fuzz.tally import Tally
 
 SOURCE = """\
 import torch
