@@ -1,7 +1,7 @@
-"""`python -m harness.bench ...`: the bench command without the CLI wiring."""
+"""`python -m harness.bench ...`: the bench command without the CLI wiring (harness.speed.bench)."""
 
 import sys
 
-from harness.bench.cli import main
+from harness.speed.bench.cli import main
 
 sys.exit(main())
