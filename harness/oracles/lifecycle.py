@@ -7,7 +7,7 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
   Tokens that diverge where the unfused model's top two scores are closer than the rounding
   allowance are a near-tie, not a verdict (`n/a`, with the margin).
 - `train`: one training-mode forward and backward (labels = inputs), same seed: the loss and
-  every gradient, mapped back to unfused parameter names (`fusion.checkpoint.unfused_named`);
+  every gradient, mapped back to unfused parameter names (`fusion.inspection.unfused_named`);
   a frozen parameter must stay without gradient; then one SGD step and an eval forward.
 - `save-pretrained`: `state_dict()` entries must share storage exactly where the unfused
   model's do (savers that deduplicate by storage, such as accelerate's `save_model`, keep one
@@ -59,7 +59,7 @@ Each operation gets its own verdict, `pass`, `fail` or `n/a`, with a one-line de
 - `route`: with a calibration table measuring every merged product to lose at every row
   bucket (what `fusion.calibrate` writes where fusion only costs), the rewritten forwards
   that call merged projections run their classes' originals on the fused state
-  (`fusion.routes`): the logits must agree with the unfused model's, and a route must have
+  (`FusedForward.routed`): the logits must agree with the unfused model's, and a route must have
   been taken. `n/a` without such a forward, or outside the `measured` policy mode.
 - `quantize-dynamic`: `torch.ao.quantization.quantize_dynamic(model, {nn.Linear},
   dtype=torch.qint8)` of copies of both models (the fused one after its first forward): the
@@ -114,16 +114,11 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import source
-from fusion.bound import BoundForward
-from fusion.callpath import installed_forward
-from fusion.checkpoint import unfused_named
+from fusion import inspection
 from fusion.errors import RewriteRefused
-from fusion.guards import ChildGuard
+from fusion.inspection import preserved_globals, unfused_named
 from fusion.kernels.calibration import Entry, Table
 from fusion.kernels.policy import MAX_BUCKET, POLICY, row_bucket
-from fusion.modules import MergedLinear
-from fusion.trace import preserved_globals
 from harness.oracles import localise
 from harness.oracles.parity import logits_of
 
@@ -672,7 +667,7 @@ def self_reads(cls: type, method: str = "forward", limit: int = 16) -> SelfReads
             continue
         seen.add(name)
         try:
-            funcdef = source.method_source(cls, name)
+            funcdef = inspection.method_source(cls, name)
         except RewriteRefused:
             continue
         found = _function_reads(funcdef)
@@ -923,18 +918,18 @@ def _fused_state(model: nn.Module) -> tuple[int, int, int]:
     whose Parameters still view their stacked weight): what a copy must keep to still be
     the fused model, not merely compute like it."""
     forwards = [
-        m.__dict__["forward"]
+        m
         for m in model.modules()
         # one fusion installed (a `LinearForward` too), or a bound function other than the
         # class's own (a pickled bound method restores as that, which is no rewrite)
         if "forward" in m.__dict__
         and (
-            installed_forward(m)
+            inspection.has_installed_forward(m)
             or getattr(m.__dict__["forward"], "__func__", None) not in (None, type(m).forward)
         )
     ]
-    guarded = sum(isinstance(f, BoundForward) and f.failure() is None for f in forwards)
-    stacked = sum(isinstance(m, MergedLinear) and m.views_hold() for m in model.modules())
+    guarded = sum(f.rewrite and f.failure is None for f in inspection.fused_forwards(model))
+    stacked = sum(p.views_hold for p in inspection.merged_projections(model))
     return len(forwards), guarded, stacked
 
 
@@ -970,16 +965,9 @@ def _device_type(model: nn.Module) -> str:
 
 def watched_children(model: nn.Module) -> set[int]:
     """ids of the modules a rewritten forward's guards watch as plainly called
-    (`fusion.guards.ChildGuard`): a hook on one of them makes that forward run its original
+    (`fusion.inspection.FusedForward.watched`): a hook on one of them makes that forward run its original
     instead, so an oracle that hooks them would judge the unfused path."""
-    watched: set[int] = set()
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, BoundForward):
-            watched.update(
-                id(g.child) for g in forward.guards if isinstance(g, ChildGuard) and not g.called
-            )
-    return watched
+    return {id(child) for f in inspection.fused_forwards(model) for _, child in f.watched}
 
 
 @contextlib.contextmanager
@@ -1189,15 +1177,11 @@ class Doubled(nn.Module):
 def guarded_children(model: nn.Module) -> list[tuple[str, str]]:
     """(qualified name of a module with a rewritten forward, the name of a child its guards
     watch as plainly called), merged projections' shards first."""
-    found: list[tuple[bool, str, str]] = []
-    for qualname, module in model.named_modules():
-        forward = module.__dict__.get("forward")
-        if not isinstance(forward, BoundForward):
-            continue
-        for guard in forward.guards:
-            if isinstance(guard, ChildGuard) and not guard.called:
-                shard = isinstance(guard.child, nn.Linear)
-                found.append((not shard, qualname, guard.name))
+    found = [
+        (not isinstance(child, nn.Linear), f.qualname, name)
+        for f in inspection.fused_forwards(model)
+        for name, child in f.watched
+    ]
     return [site[1:] for site in sorted(found)]
 
 
@@ -1229,18 +1213,17 @@ def _guard_round_trip(ctx: Context) -> str:
         if children is None:
             continue
         parents = [m.get_submodule(qualname) for m in (unfused, fused)]
-        forward = parents[1].__dict__["forward"]
         where = f"{qualname + '.' if qualname else ''}{name}"
         want = _unfused(f"a forward with {where} replaced", lambda u=unfused: _logits(u, ctx))
         got = _logits(fused, ctx)
         _compare(f"logits with {where} replaced", got, want, ctx.allowance)
-        failures = forward.guard_failures
+        failures = inspection.guard_failures(parents[1])
         if failures == 0:
             continue  # this forward did not run on these inputs: the next site
         for parent, child in zip(parents, children):
             setattr(parent, name, child)
         _compare(f"logits with {where} put back", _logits(fused, ctx), ctx.fused_logits, 0.0)
-        if forward.guard_failures != failures:
+        if inspection.guard_failures(parents[1]) != failures:
             raise _Failed(f"with {where} put back, {qualname} still runs its original forward")
         return f"{where} replaced: original forward ran, logits agree; put back: fused again"
     raise _NotApplicable("no guarded rewritten forward runs on these inputs")
@@ -1252,7 +1235,7 @@ def _references_measured(model: nn.Module) -> Table:
     (no kernel won): what `fusion.calibrate` writes on a machine where fusion only costs."""
     table = Table("lifecycle: every merged product measured to lose")
     buckets = sorted({row_bucket(rows) for rows in range(1, MAX_BUCKET + 1)})
-    for merged in (m for m in model.modules() if isinstance(m, MergedLinear)):
+    for merged in inspection.merged_projections(model):
         for dtype in ("float32", "bfloat16", "float16", "float64"):
             for bucket in buckets:
                 table.add(
@@ -1272,16 +1255,12 @@ def _references_measured(model: nn.Module) -> Table:
 
 def _route(ctx: Context) -> str:
     """Where a calibration measured every merged product to lose, the rewritten forwards
-    run their classes' originals on the fused state (`fusion.routes`): the logits agree with
+    run their classes' originals on the fused state (`FusedForward.routed`): the logits agree with
     the unfused model's, and at least one forward took the route."""
     if POLICY.mode != "measured":
         raise _NotApplicable(f"kernel policy mode {POLICY.mode!r}: routes are measured-mode only")
     fused = copy.deepcopy(ctx.fused)
-    forwards = [
-        f
-        for m in fused.modules()
-        if isinstance(f := m.__dict__.get("forward"), BoundForward) and f._route is not None
-    ]
+    forwards = [f for f in inspection.fused_forwards(fused) if f.routed]
     if not forwards:
         raise _NotApplicable("no rewritten forward has a route (no merged projection it calls)")
     previous = POLICY.table
@@ -1290,7 +1269,7 @@ def _route(ctx: Context) -> str:
         got = _logits(fused, ctx)
     finally:
         POLICY.set_table(previous)
-    taken = sum(f.original_calls for f in forwards)
+    taken = sum(inspection.original_calls(f.module) for f in forwards)
     if not taken:
         raise _NotApplicable("no route taken on these inputs (hooks, or another input width)")
     _compare("logits on the route", got, ctx.unfused_logits, ctx.allowance)
@@ -1370,7 +1349,7 @@ def _lora_targets(model: nn.Module) -> list[str]:
     """Two shard names (or one) of the model's first merged projection (attention comes
     before the MLP): what a user names in `LoraConfig(target_modules=...)` (`q_proj` and
     `k_proj`). Not a GLU's gate without its up projection: PEFT refuses that split."""
-    first = next((m for m in model.modules() if isinstance(m, MergedLinear)), None)
+    first = next(iter(inspection.merged_projections(model)), None)
     return [] if first is None else list(first.shard_names[:2])
 
 

@@ -24,7 +24,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "rmsnorm": ("rmsnorm",),
     "moe": ("moe",),
 }
-"""Fuser family -> its fusers (`fusion.registry.FUSERS` names)."""
+"""Fuser family -> its fusers (`fusion.inspection.fuser_names()`)."""
 
 _FAMILY_OF = {fuser: family for family, fusers in FAMILIES.items() for fuser in fusers}
 

@@ -15,7 +15,7 @@ With `--fusion`, every Transformers `PreTrainedModel` the tests build is passed 
   unfused keys into the model it constructed, which must therefore still be unfused. The
   loading info it returns (`output_loading_info=True`) then describes the model returned:
   a missing `q_proj.weight` is reported as the fused `qkv_proj.weight` it loads into
-  (`fusion.checkpoint.fused_names`), so missing keys name the returned model's parameters,
+  (`fusion.inspection.fused_names`), so missing keys name the returned model's parameters,
   as they do unfused.
 
 `--fusion-system NAME` puts another system under test (harness.runner.systems) in fusion.fuse's place:
@@ -135,7 +135,7 @@ def _rename_missing(model: Any, info: Any) -> None:
     parameter names, in place, keeping the container type. A fused parameter is missing when
     any slice of it was (its other slices loaded, but the tensor as a whole holds
     initialised values)."""
-    from fusion.checkpoint import fused_names
+    from fusion.inspection import fused_names
 
     if not isinstance(info, dict) or not isinstance(info.get("missing_keys"), (list, set)):
         return

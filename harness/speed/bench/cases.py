@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fusion.fusers.moe.experts import experts_child
+from fusion.inspection import is_moe_block
 
 TOKENS = (1, 16, 512, 4096)
 """Token counts of the full grid: decode, small batch, prefill chunk, long prefill."""
@@ -442,9 +442,9 @@ def streamed_weight_bytes(decoder: torch.nn.Module) -> int | None:
     """The bytes of weight one forward of a dense `decoder` stack must read from memory at
     least once: every parameter but the embedding table (a forward gathers a few of its rows,
     it does not stream it). None where a module holds experts (the MoE fuser's own test,
-    `experts_child`): which experts a forward reads depends on the routing, so no floor holds
+    `fusion.inspection.is_moe_block`): which experts a forward reads depends on the routing, so no floor holds
     for every input."""
-    if any(experts_child(module) is not None for module in decoder.modules()):
+    if any(is_moe_block(module) for module in decoder.modules()):
         return None
     return sum(
         p.numel() * p.element_size()

@@ -2,7 +2,7 @@
 
     python -m harness.bench.guard_cost [--arch GLOB ...] [--threads N] [--budget S]
 
-A rewritten forward (`fusion.bound.BoundForward`) asks `failure()` before every call: its
+A rewritten forward (`fusion.inspection.FusedForward` with `rewrite`) asks `failure()` before every call: its
 child guards (identity, class, hooks), then the global names it reads; a fused MoE block
 asks whether its experts still hold, fused experts whether their proof's premises do. This
 times each such check alone, per fused module of a tiny corpus model fused on the CPU, and beside it the
@@ -30,9 +30,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion.bound import BoundForward
-from fusion.experts_modules import FusedExperts
-from fusion.moe_modules import FusedMoE
+from fusion import inspection
 from harness.base import architectures
 from harness.speed.bench.timers import iqr, time_cpu
 
@@ -85,39 +83,13 @@ class Check:
 
 
 def guard_checks(model: nn.Module) -> list[Check]:
-    """Every per-call guard check of a fused model, in module order: rewritten forwards
-    (`BoundForward.failure`), fused MoE blocks (`FusedMoE.routing_guard` and `_experts_hold`;
-    `guards` counts the reads both compare) and fused experts
-    (`FusedExperts.guards_hold`)."""
-    found = []
-    for name, module in model.named_modules():
-        name = name or "<root>"
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, BoundForward):
-            watched = forward.globals_guard
-            found.append(
-                Check(
-                    name,
-                    module,
-                    lambda f=forward: f.failure() is None,
-                    len(forward.guards),
-                    len(watched.entries) if watched is not None else 0,
-                )
-            )
-        elif isinstance(module, FusedMoE):
-            found.append(
-                Check(
-                    name,
-                    module,
-                    lambda m=module: (
-                        m.routing_guard.holds() and m._experts_hold(getattr(m, m.experts_name))
-                    ),
-                    len(module.routing_guard.checks) + len(module.experts_guard.checks),
-                )
-            )
-        elif isinstance(module, FusedExperts):
-            found.append(Check(name, module, module.guards_hold))
-    return found
+    """Every per-call guard check of a fused model, in module order
+    (`fusion.inspection.guard_checks`): rewritten forwards, fused MoE blocks and fused
+    experts; the root module is named "<root>"."""
+    return [
+        Check(c.qualname or "<root>", c.module, c.holds, c.guards, c.globals_watched)
+        for c in inspection.guard_checks(model)
+    ]
 
 
 def module_cost(check: Check, budget_s: float) -> GuardCost:
