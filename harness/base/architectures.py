@@ -22,12 +22,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from harness.base.errors import InputError
+
 PLUGINS_ENV = "FUSION_HARNESS_TEST_PLUGINS"
 
 Builder = Callable[..., nn.Module]
 
 
-class UnknownArchitecture(ValueError):
+class UnknownArchitecture(ValueError, InputError):
     """A requested name or glob matches no architecture."""
 
 
@@ -35,7 +37,7 @@ class BuilderExit(RuntimeError):
     """A model builder raised SystemExit (see `build`)."""
 
 
-class PluginError(ImportError):
+class PluginError(ImportError, InputError):
     """A test plugin module is missing or does not define HARNESS_ARCHITECTURES."""
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from harness.base.errors import InputError
+
 try:  # POSIX only; elsewhere a results file is not locked (see ResultsWriter)
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -182,7 +184,7 @@ class ArchResult:
         return sum(self.applied.values())
 
 
-class ResultsError(ValueError):
+class ResultsError(ValueError, InputError):
     """A results file that cannot be used (bad line, other dtype/device/seed, locked, not
     writable); the message is one line meant for the user."""
 

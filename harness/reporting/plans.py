@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.base.errors import InputError
 from harness.base.results import ArchResult
 
 FORMAT = 1
@@ -70,7 +71,7 @@ the float64 reference cannot judge it). A fusion failure (fail, fused-error, fus
 crash/timeout fails conformance even when recorded: fusion is fail-closed."""
 
 
-class PlanError(ValueError):
+class PlanError(ValueError, InputError):
     """A golden file that is missing or unusable (the message says what to do)."""
 
 

@@ -50,6 +50,7 @@ from corpus.catalog import model_class
 from corpus.overrides import deep_merge, override
 from corpus.tiny import shrink_kwargs
 from fusion.kernels import policy
+from harness.base.errors import InputError
 from harness.base.results import ArchResult
 from harness.oracles import localise
 from harness.reporting import plans
@@ -84,7 +85,7 @@ NEVER_DOWNLOADS = (
 )
 
 
-class OwnModelError(ValueError):
+class OwnModelError(ValueError, InputError):
     """A PATH, config or machine the check refuses; the message is one line for the user
     (the command exits 2)."""
 

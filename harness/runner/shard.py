@@ -24,11 +24,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.base.errors import InputError
 from harness.base.results import ArchResult, ResultsError
 from harness.reporting.plans import entry_of
 
 
-class ShardError(ValueError):
+class ShardError(ValueError, InputError):
     """A --shard value that is not K/N with 1 <= K <= N."""
 
 

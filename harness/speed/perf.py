@@ -35,7 +35,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +47,6 @@ from corpus.inputs import make_inputs
 from corpus.overrides import deep_merge, override
 from corpus.tiny import config_values, is_config
 from harness.base import architectures
-from harness.cli.argtypes import Parser, positive_float, positive_int
 from harness.speed.bench.table import machine_info
 from harness.speed.bench.timers import (
     MALLOC_ENV,
@@ -518,53 +516,6 @@ def document(records: Sequence[ArchPerf], options: PerfOptions) -> dict[str, Any
 # The command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The options of `fusion-harness perf` (the `--perf-*` spellings are those of
-    `fusion-harness run --perf`)."""
-    parser = Parser(
-        prog="fusion-harness perf",
-        description="Performance verdict per architecture: build it at its real default "
-        "widths (LAYERS layers, a small vocabulary, random weights), fuse and calibrate a "
-        "copy, time the unfused and fused decoder forwards interleaved at each token count, "
-        f"and judge the per-round ratios unfused / fused: 'slower' when the upper quartile is "
-        f"below {SLOWER}, 'faster' when the lower quartile is above {FASTER}, else 'same'. "
-        "Architectures run one at a time. Exit status: 1 if any architecture is 'slower', "
-        "0 otherwise (skipped and errored ones are reported, not failed), 2 bad usage.",
-    )
-    parser.add_argument(
-        "--arch",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="A",
-        help="architectures: names or globs (default: every corpus architecture)",
-    )
-    parser.add_argument("--tokens", "--perf-tokens", default=",".join(map(str, TOKENS)))
-    parser.add_argument("--layers", "--perf-layers", type=positive_int, default=LAYERS)
-    parser.add_argument(
-        "--max-gb",
-        "--perf-max-gb",
-        type=positive_float,
-        default=MAX_GB,
-        help=f"skip an architecture whose two models need more (default {MAX_GB})",
-    )
-    parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary cap ({VOCAB})")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and ids (0)")
-    parser.add_argument(
-        "--budget",
-        type=positive_float,
-        default=BUDGET_S,
-        help="seconds of calls per variant and count",
-    )
-    parser.add_argument("--clock", choices=("wall", "process"), default="wall")
-    parser.add_argument("--no-calibrate", action="store_true", help="time uncalibrated")
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE")
-    return parser
-
-
 def options_from_args(args: argparse.Namespace) -> PerfOptions:
     """`PerfOptions` from parsed arguments; PerfError for values that cannot work."""
     try:
@@ -597,10 +548,9 @@ def options_from_args(args: argparse.Namespace) -> PerfOptions:
     )
 
 
-def main(argv: Sequence[str]) -> int:
-    """`fusion-harness perf ARGS`: prints the table and returns the exit status (0, 1 if any
-    architecture is slower, 2 for options that cannot work)."""
-    args = build_parser().parse_args(list(argv))
+def run_from_args(args: argparse.Namespace) -> int:
+    """`fusion-harness perf ARGS` (parsed by harness.cli.perf): prints the table and returns
+    the exit status (0, 1 if any architecture is slower, 2 for options that cannot work)."""
     try:
         options = options_from_args(args)
         archs = architectures.select(args.arch, architectures.available())

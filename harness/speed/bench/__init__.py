@@ -26,7 +26,7 @@ Memory-bound kernels (RMSNorm, act-and-mul) also report achieved bandwidth on th
 fraction of the card's copy bandwidth, measured here with a large `Tensor.copy_`.
 
 Layout: `timers` (the timers and the machine's copy bandwidth), `cases` (the case catalogue
-and grids), `table` (running a case, the rows and the speedup table), `cli` (the command).
+and grids), `table` (running a case, the rows and the speedup table), `cli` (the run of the command; its options are harness.cli.bench's).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from harness.speed.bench.cases import (
     moe_case,
     norm_eps,
 )
-from harness.speed.bench.cli import DTYPES, add_parser, main, run_from_args
+from harness.speed.bench.cli import DTYPES, run_from_args
 from harness.speed.bench.table import (
     Row,
     compiled_ratios,
@@ -98,7 +98,6 @@ __all__ = [
     "Row",
     "Unavailable",
     "VariantUnavailable",
-    "add_parser",
     "compiled_ratios",
     "copy_bandwidth",
     "cpu_info",
@@ -111,7 +110,6 @@ __all__ = [
     "iqr",
     "kernel_cases",
     "machine_info",
-    "main",
     "malloc_env_set",
     "measure",
     "model_cases",

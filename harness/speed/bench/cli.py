@@ -17,7 +17,6 @@ import torch
 
 from fusion.kernels import policy
 from fusion.kernels.calibration import stream_bytes
-from harness.cli.argtypes import Parser, positive_float, positive_int
 from harness.runner.arch_check import DTYPES
 from harness.speed.bench.cases import (
     KERNELS,
@@ -38,98 +37,6 @@ from harness.speed.bench.timers import (
 )
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `bench` subcommand to a `fusion-harness` subparsers object; its handler is
-    stored as `handler` (called with the parsed namespace, returns the exit status)."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="fused vs unfused timings",
-        description="Time fused vs unfused kernels and model slices at real model widths and "
-        "print a speedup table (on GPU also achieved bandwidth against the card's copy "
-        "bandwidth). Default: the reduced grid; --full for every width and token count.",
-    )
-    _add_arguments(parser)
-    parser.set_defaults(handler=run_from_args)
-    return parser
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default=None,
-        help="default float32 on cpu, bfloat16 on cuda",
-    )
-    parser.add_argument(
-        "--kernel",
-        action="append",
-        choices=[*KERNELS, *MODELS],
-        metavar="K",
-        help=f"what to time (repeatable; default all): {', '.join((*KERNELS, *MODELS))}",
-    )
-    parser.add_argument(
-        "--tokens",
-        action="append",
-        type=positive_int,
-        metavar="N",
-        help="token counts (repeatable)",
-    )
-    parser.add_argument("--full", action="store_true", help="the full grid (long on CPU)")
-    parser.add_argument(
-        "--models",
-        action="store_true",
-        help="end to end instead: Llama-3.2-1B (2 layers), Qwen3-0.6B (4 layers) and "
-        "Qwen3-30B-A3B (32 experts, 2 layers) widths, unfused vs fused decoder forward",
-    )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="with --models: also both under torch.compile (Inductor; compiling takes "
-        "minutes on a CPU), printing fused+compiled vs compiled",
-    )
-    parser.add_argument(
-        "--budget",
-        type=positive_float,
-        default=0.3,
-        metavar="S",
-        help="seconds per variant (default 0.3)",
-    )
-    parser.add_argument(
-        "--no-calibrate",
-        dest="calibrate",
-        action="store_false",
-        help="model cases: time the fused model with this machine's calibration table as it "
-        "is (default: measure its kernels at each token count first, `fusion.calibrate`, "
-        "cached per machine, so 'fused' is what fusion.fuse gives a user here)",
-    )
-    parser.add_argument(
-        "--copies",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="model cases: time N separate copies of the unfused and of the fused model, "
-        "taking turns, and pool their rounds (default 1). Where a model's weights lie in "
-        "memory moves its speed by a few per cent, so one copy each cannot resolve a "
-        "difference that small; the table notes each copy's median",
-    )
-    parser.add_argument("--json", type=str, default=None, metavar="FILE", help="write rows here")
-    parser.add_argument(
-        "--clock",
-        choices=["wall", "process"],
-        default="wall",
-        help="CPU clock: wall (elapsed) or process (this process's CPU time: steadier on a "
-        "machine shared with other work; counts every thread's time)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="torch CPU threads (default: torch's; 1 gives steadier numbers on a busy machine)",
-    )
-
-
 def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
     """Restart this command with `MALLOC_ENV` set (glibc reads it only at process start)."""
     env = {**os.environ, **MALLOC_ENV, "FUSION_BENCH_NO_REEXEC": "1"}
@@ -138,7 +45,7 @@ def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
         file=sys.stderr,
     )
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "harness.speed.bench", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "harness.bench", *argv], env)
 
 
 def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
@@ -246,13 +153,3 @@ def _run_and_print(
             json.dump(document, f, indent=1)
             f.write("\n")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`fusion-harness bench` as a standalone command (`python -m harness.bench`)."""
-    parser = Parser(prog="fusion-harness bench", description=__doc__.split("\n")[0])
-    _add_arguments(parser)
-    if argv is None:  # started as a command: may restart itself with MALLOC_ENV
-        argv = sys.argv[1:]
-        return run_from_args(parser.parse_args(argv), argv)
-    return run_from_args(parser.parse_args(list(argv)), None)

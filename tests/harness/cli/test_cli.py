@@ -185,11 +185,12 @@ def test_list_reports_a_build_failure(capsys, monkeypatch):
 
 
 def test_help_and_usage_errors_do_not_import_torch():
-    """Before: `--help` imported torch, Transformers and the bench module (4-7 s)."""
+    """Before: `--help` imported torch, Transformers and the bench module (4-7 s). Every
+    command's --help (bench, perf and calibrate included) and a usage error answer without."""
     code = (
         "import sys, contextlib, io\n"
         "from harness import cli\n"
-        "for argv in (['--help'], ['run', '--help'], ['show', '--help'], ['repro', '--help']):\n"
+        "for argv in [['--help'], ['bench', '--arch'], *([c, '--help'] for c in cli.COMMANDS)]:\n"
         "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "        cli.main(argv)\n"
         "heavy = [m for m in ('torch', 'transformers', 'corpus', 'fusion') if m in sys.modules]\n"
@@ -310,7 +311,7 @@ def test_json_on_a_full_device_keeps_the_verdict(tmp_path, capsys):
 def test_an_unwritable_default_repro_dir_is_a_warning(tmp_path, unwritable_dir, monkeypatch):
     monkeypatch.chdir(unwritable_dir)
     args = cli.build_parser().parse_args(["run"])
-    assert cli._repro_dir(args) is None  # no bundles, but the sweep runs
+    assert cli.common.repro_dir(args) is None  # no bundles, but the sweep runs
 
 
 @pytest.mark.slow  # several sweep processes: tens of seconds
@@ -397,7 +398,7 @@ def test_a_closed_stdout_costs_neither_the_json_nor_the_exit_status(tmp_path):
 def test_the_resume_hint_repeats_the_original_arguments(argv, expected):
     """Before: the hint was `run --resume FILE`, which resumed a 10-architecture sweep as the
     whole corpus."""
-    assert cli.resume_command(argv, Path("r.jsonl")) == f"fusion-harness {expected}"
+    assert cli.run.resume_command(argv, Path("r.jsonl")) == f"fusion-harness {expected}"
 
 
 def test_list_into_a_closed_pipe_stops_quietly():

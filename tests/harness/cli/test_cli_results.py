@@ -182,8 +182,8 @@ def test_bad_shard_options_are_refused_before_the_sweep(tmp_path, capsys, argv, 
 
 def test_a_shard_has_its_own_default_results_file():
     args = argparse.Namespace(dtype="bfloat16", device="cuda:1")
-    assert cli._default_results(args) == Path("results/sweep-bfloat16-cuda1.jsonl")
-    assert cli._default_results(args, Shard(2, 3)) == Path(
+    assert cli.run.default_results(args) == Path("results/sweep-bfloat16-cuda1.jsonl")
+    assert cli.run.default_results(args, Shard(2, 3)) == Path(
         "results/sweep-bfloat16-cuda1-shard2of3.jsonl"
     )
 

@@ -121,7 +121,7 @@ def test_results_files_and_resume_keep_systems_apart(tmp_path):
     assert sweep.default_results(fusion) == Path("results/sweep-float32-cpu.jsonl")
     assert sweep.default_results(inductor) == Path("results/sweep-inductor-float32-cpu.jsonl")
     args = cli.build_parser().parse_args(["run", "--system", "inductor"])
-    assert cli._default_results(args) == sweep.default_results(inductor)
+    assert cli.run.default_results(args) == sweep.default_results(inductor)
     with pytest.raises(ResultsError, match="system 'fusion'"):
         sweep.previous_results(tmp_path / "r.jsonl", inductor, [_result()])
     done = sweep.previous_results(tmp_path / "r.jsonl", inductor, [_result(system="inductor")])

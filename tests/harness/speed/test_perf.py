@@ -253,3 +253,19 @@ def test_one_architecture_end_to_end(tmp_path, monkeypatch, capsys):
     text = json.dumps(doc)
     assert json.loads(text)["records"][0] == dataclasses.asdict(record)
     assert doc["thresholds"] == {"slower": perf.SLOWER, "faster": perf.FASTER}
+
+
+def test_the_commands_defaults_are_perfs_own():
+    """harness.cli.perf and harness.cli.calibrate spell them out so that their parsers do not
+    import torch."""
+    from fusion.kernels import calibration as kernel_calibration
+    from harness.cli import calibrate as calibrate_command
+    from harness.cli import perf as perf_command
+    from harness.speed import calibration
+    from harness.speed import perf as speed_perf
+
+    for name in ("SLOWER", "FASTER", "TOKENS", "LAYERS", "VOCAB", "MAX_GB", "BUDGET_S"):
+        assert getattr(perf_command, name) == getattr(speed_perf, name), name
+    assert list(speed_perf.DTYPES) == list(perf_command.common.DTYPE_NAMES)
+    assert list(calibrate_command.MODELS) == list(calibration.MODELS)
+    assert calibrate_command.BUDGET_S == kernel_calibration.BUDGET_S
