@@ -33,13 +33,20 @@ def add_parser(commands: Any) -> None:
     )
     common.add_arch_option(run)
     common.add_model_options(run)
-    run.add_argument(
+    _add_sweep_options(run)
+    _add_output_options(run)
+    _add_verdict_options(run)
+
+
+def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
+    """How the sweep runs: --perf, workers, timeout, the system under test."""
+    parser.add_argument(
         "--perf",
         action="store_true",
         help="the performance verdict instead of the parity sweep: the same as "
         "`fusion-harness perf` with the other options (see `fusion-harness perf --help`)",
     )
-    run.add_argument(
+    parser.add_argument(
         "-j",
         "--jobs",
         type=positive_int,
@@ -47,7 +54,7 @@ def add_parser(commands: Any) -> None:
         metavar="N",
         help="worker processes (default: number of CPUs)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--timeout",
         type=positive_float,
         default=None,
@@ -55,7 +62,7 @@ def add_parser(commands: Any) -> None:
         help="seconds one architecture may take before its worker is killed (default 120; "
         "600 for the inductor systems, whose first call compiles; 300 for vllm)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--system",
         choices=list(common.SYSTEM_NAMES),
         default=common.SYSTEM_NAMES[0],
@@ -65,7 +72,11 @@ def add_parser(commands: Any) -> None:
         "its layers' native forwards (only where vLLM imports: tox -e vllm-peer's "
         "environment); all are judged by the same parity oracle",
     )
-    run.add_argument(
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """Where results, the JSON summary and repro bundles go."""
+    parser.add_argument(
         "--results",
         type=Path,
         default=None,
@@ -74,22 +85,26 @@ def add_parser(commands: Any) -> None:
         "(default results/sweep-DTYPE-DEVICE.jsonl, with --shard "
         "results/sweep-DTYPE-DEVICE-shardKofN.jsonl)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--resume",
         type=Path,
         default=None,
         metavar="FILE",
         help="continue the sweep recorded in this JSONL file: skip what it holds, append the rest",
     )
-    run.add_argument("--json", type=Path, metavar="FILE", help="also write a JSON summary here")
-    run.add_argument(
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write a JSON summary here")
+    parser.add_argument(
         "--repro-dir",
         type=Path,
         default=None,
         metavar="DIR",
         help=f"where repro bundles of failures go (default {common.DEFAULT_REPRO_DIR})",
     )
-    run.add_argument(
+
+
+def _add_verdict_options(parser: argparse.ArgumentParser) -> None:
+    """What is judged and what fails the run: lifecycle, golden plans, gates, shards."""
+    parser.add_argument(
         "--lifecycle",
         choices=("off", "quick", "full", "all"),
         default="quick",
@@ -100,17 +115,17 @@ def add_parser(commands: Any) -> None:
         "`tox -e conformance` runs); 'all' compiles every architecture (seconds each); 'off' "
         "skips them",
     )
-    run.add_argument(
+    parser.add_argument(
         "--update-expected",
         action="store_true",
         help="write the fusion plans of this run into the golden file of the installed "
         "Transformers line, corpus/expected/MAJOR.MINOR.json (only the architectures run are "
         "replaced), and print what changed; review it as a git diff",
     )
-    common.add_flag(run, "--strict-corpus", common.STRICT_CORPUS_HELP)
-    common.add_flag(run, "--fail-on-drift-loss", common.DRIFT_HELP)
-    common.add_flag(run, "--wide", common.WIDE_HELP)
-    run.add_argument(
+    common.add_flag(parser, "--strict-corpus", common.STRICT_CORPUS_HELP)
+    common.add_flag(parser, "--fail-on-drift-loss", common.DRIFT_HELP)
+    common.add_flag(parser, "--wide", common.WIDE_HELP)
+    parser.add_argument(
         "--shard",
         metavar="K/N",
         default=None,
@@ -118,7 +133,7 @@ def add_parser(commands: Any) -> None:
         "partition (sorted names round-robin, or balanced by --balance), the same on every "
         "machine; merge the shards' results files with `fusion-harness merge`",
     )
-    run.add_argument(
+    parser.add_argument(
         "--balance",
         type=Path,
         default=None,
@@ -137,6 +152,27 @@ def run(args: argparse.Namespace) -> int:
     verdict: the table is printed first, the failure is one line on stderr, and the exit
     status is the sweep's (1 or 130) or, for a sweep that was green, 2.
     """
+    planned = _plan(args)
+    swept = _sweep(args, planned)
+    return _report(args, planned, swept)
+
+
+@dataclasses.dataclass
+class _Planned:
+    """What a run decided before sweeping: its outputs (probed), options and architectures."""
+
+    results_path: Path
+    repro_dir: Path | None
+    options: Any
+    timeout: float
+    line: str
+    reference: Any
+    names: list[str]
+
+
+def _plan(args: argparse.Namespace) -> _Planned:
+    """Check every output and option, start the worker server, choose the architectures (of
+    the shard); UsageError (exit 2) before anything runs for what cannot work."""
     if args.resume and args.results and args.resume != args.results:
         raise common.UsageError(
             "--resume FILE is also the results file; do not pass a different --results"
@@ -151,8 +187,7 @@ def run(args: argparse.Namespace) -> int:
         common.probe_file(args.json, "--json")
     repro_dir = common.repro_dir(args)
 
-    from harness.reporting import drift, summary
-    from harness.runner import pool, progress, shard, sweep, systems
+    from harness.runner import pool, shard, systems
 
     pool.start_server()  # its imports overlap with ours (corpus enumeration below)
     options = common.check_options(args)
@@ -169,24 +204,39 @@ def run(args: argparse.Namespace) -> int:
         chosen = shard.pick(names, part, durations)
         print(f"shard {part}: {len(chosen)} of {len(names)} architectures", file=sys.stderr)
         names = chosen
+    return _Planned(results_path, repro_dir, options, timeout, line, reference, names)
+
+
+def _sweep(args: argparse.Namespace, planned: _Planned) -> Any:
+    """The sweep (harness.runner.sweep) with its progress bar; its `SweepRun`."""
+    from harness.runner import progress, sweep
+
     sweep_options = sweep.SweepOptions(
-        architectures=names,
-        check=options,
+        architectures=planned.names,
+        check=planned.options,
         jobs=args.jobs,
-        timeout=timeout,
-        results=results_path,
+        timeout=planned.timeout,
+        results=planned.results_path,
         resume=args.resume is not None,
-        repro_dir=repro_dir,
+        repro_dir=planned.repro_dir,
     )
     bar = progress.Progress()
     try:
-        run = sweep.sweep(sweep_options, on_start=bar.start, on_result=bar.advance)
+        return sweep.sweep(sweep_options, on_start=bar.start, on_result=bar.advance)
     finally:
         bar.close()
+
+
+def _report(args: argparse.Namespace, planned: _Planned, run: Any) -> int:
+    """The verdict of a finished (or interrupted) sweep: --json first, then the table, drift,
+    the exit explanation or the resume command, the golden file update; the exit status."""
+    from harness.reporting import drift, summary
+
+    options, results_path = planned.options, planned.results_path
     verdict = summary.exit_status(run.results, strict_corpus=args.strict_corpus)
     found = None
-    if reference is not None and not run.interrupted:
-        found = drift.drift(run.results, reference, line=line)
+    if planned.reference is not None and not run.interrupted:
+        found = drift.drift(run.results, planned.reference, line=planned.line)
         verdict = drift.exit_status(verdict, found, gate=args.fail_on_drift_loss)
     status = common.EXIT_INTERRUPTED if run.interrupted else verdict
     if run.write_error:
@@ -197,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         # summary file.
         document = summary.json_document(
             run.results,
-            options={**vars(options), "jobs": args.jobs, "timeout": timeout},
+            options={**vars(options), "jobs": args.jobs, "timeout": planned.timeout},
             wall=run.wall,
             interrupted=run.interrupted,
             status=status,
@@ -214,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     if not run.interrupted and verdicts.explain(verdict, run.results, found):
         print(verdicts.explain(verdict, run.results, found), file=sys.stderr)
     if run.interrupted:
-        missing = len(names) - len(run.results)
+        missing = len(planned.names) - len(run.results)
         again = resume_command(getattr(args, "argv", None), results_path)
         print(
             f"interrupted: {missing} architectures not run; continue with `{again}`",

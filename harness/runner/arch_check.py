@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import json
 import math
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,9 +30,19 @@ import torch
 from torch import nn
 
 from harness.base import architectures
-from harness.base.results import ArchResult, Failure, ModuleResult, Refusal
+from harness.base.results import ArchResult, Failure, ModuleResult
 from harness.oracles import lifecycle, localise, parity, ties, warned
 from harness.runner import systems
+from harness.runner.arch_records import (
+    applied_by_qualname,
+    count_by_class,
+    failure_record,
+    group_refusals,
+    model_failure,
+    module_failure,
+    module_result,
+    signature,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -173,63 +182,33 @@ def check_model(
         with warned.capture() as fusing_warnings:
             prepared = system.apply(fused)
     except Exception as exc:
-        failure = _failure(system.apply_status, None, None, None, exc)
+        failure = failure_record(system.apply_status, None, None, None, exc)
         result = _result(
             name, options, started, system.apply_status, failure.message, failures=[failure]
         )
         return Checked(result, subject)
     fused, report = prepared.model, prepared.report
-    applied: dict[str, list] = {}
-    fusion_fields: dict[str, Any] = {}
     if report is not None:
         subject = dataclasses.replace(subject, applied=tuple(report.applied))
-        applied = _applied_by_qualname(report.applied)
-        fusion_fields = {
-            "applied": dict(report.counts()),
-            "applied_by_class": count_by_class(report.applied),
-            "refusals": group_refusals(report.skipped),
-            "kernels": [str(choice) for choice in getattr(report, "kernels", ())],
-        }
-    elif prepared.applied:
-        fusion_fields = {"applied": dict(prepared.applied)}
+    applied, fusion_fields = _fusion_fields(prepared)
 
     progress("forwards: unfused, float64 reference, fused")
     runs = _Forwards()
     alone = localise.block_children(model) if system.localise_alone else []
     try:
-        with (
-            warned.capture() as runs.unfused_warnings,
-            localise.record_calls(model, list(dict.fromkeys([*applied, *alone]))) as recorded,
-        ):
-            runs.unfused = _forward(model, inputs, options.torch_dtype)
+        _unfused_forward(runs, model, inputs, options, applied, alone)
     except Exception as exc:
         message = f"unfused model does not run: {localise.one_line(exc)}"
         return Checked(
             _result(name, options, started, "forward-error", message, **fusion_fields), subject
         )
-    runs.calls = {q: recorded[q] for q in applied}
-    runs.alone_calls = {q: recorded[q] for q in alone}
     _run_reference_and_fused(runs, reference, fused, inputs, options.torch_dtype)
     note = system.note()  # before a localisation applies the system again
     progress("judging the logits and every fused module")
     judged = _judge(runs, model, fused, reference, inputs, options, applied, system)
     status, message = judged.status, judged.message
-    cycle: dict[str, dict[str, str]] = {}
-    if runs.fused_error is None and not system.lifecycle:
-        cycle = not_applicable(system, options.lifecycle)
-    elif runs.fused_error is None:
-        cycle = lifecycle.check(
-            name,
-            model,
-            fused,
-            inputs,
-            options.torch_dtype,
-            parity.logits_of(runs.unfused),
-            parity.logits_of(runs.fused),
-            mode=options.lifecycle,
-            fuse=lambda model: system.apply(model).report,
-            progress=progress,
-        )
+    cycle = _lifecycle(name, model, fused, inputs, options, runs, system, progress)
+    if runs.fused_error is None and system.lifecycle:
         status, message = _with_lifecycle(status, message, cycle, judged.failures)
     warnings_record = _warnings(runs, fusing_warnings, system.diagnostics)
     status, message = _with_fused_warnings(
@@ -238,22 +217,81 @@ def check_model(
     message = _with_note(status, message, note)
     message = _with_compiler_warnings(message, warnings_record.get("compiler", []))
     verdict = judged.verdict
+    errors = {
+        "unfused_error": verdict.unfused_error if verdict else None,
+        "fused_error": verdict.fused_error if verdict else None,
+        "tolerance": verdict.tolerance if verdict else None,
+    }
     result = _result(
-        name,
-        options,
-        started,
-        status,
-        message,
-        **fusion_fields,
-        unfused_error=verdict.unfused_error if verdict else None,
-        fused_error=verdict.fused_error if verdict else None,
-        tolerance=verdict.tolerance if verdict else None,
-        modules=judged.modules,
-        failures=judged.failures,
-        lifecycle=cycle,
+        name, options, started, status, message, **fusion_fields, **errors,
+        modules=judged.modules, failures=judged.failures, lifecycle=cycle,
         warnings=warnings_record,
-    )
+    )  # fmt: skip
     return Checked(result, subject)
+
+
+def _fusion_fields(prepared: Any) -> tuple[dict[str, list], dict[str, Any]]:
+    """({qualname: applied records}, the result fields of what the system applied) of a
+    system's prepared model: the FusionReport's counts, classes, refusals and kernels, or
+    only the counts a system without a report gives."""
+    report = prepared.report
+    if report is not None:
+        return applied_by_qualname(report.applied), {
+            "applied": dict(report.counts()),
+            "applied_by_class": count_by_class(report.applied),
+            "refusals": group_refusals(report.skipped),
+            "kernels": [str(choice) for choice in getattr(report, "kernels", ())],
+        }
+    return {}, ({"applied": dict(prepared.applied)} if prepared.applied else {})
+
+
+def _unfused_forward(
+    runs: _Forwards,
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    options: CheckOptions,
+    applied: Mapping[str, list],
+    alone: list[str],
+) -> None:
+    """The unfused forward into `runs`, recording the inputs of every fused module and of
+    each block child judged alone; raises what the unfused model raises."""
+    with (
+        warned.capture() as runs.unfused_warnings,
+        localise.record_calls(model, list(dict.fromkeys([*applied, *alone]))) as recorded,
+    ):
+        runs.unfused = _forward(model, inputs, options.torch_dtype)
+    runs.calls = {q: recorded[q] for q in applied}
+    runs.alone_calls = {q: recorded[q] for q in alone}
+
+
+def _lifecycle(
+    name: str,
+    model: nn.Module,
+    fused: nn.Module,
+    inputs: Mapping[str, Any],
+    options: CheckOptions,
+    runs: _Forwards,
+    system: systems.System,
+    progress: Callable[[str], None],
+) -> dict[str, dict[str, str]]:
+    """The lifecycle verdicts (harness.oracles.lifecycle.check) where the fused forward ran
+    and the system has them; `n/a` for a system without; none after a fused error."""
+    if runs.fused_error is not None:
+        return {}
+    if not system.lifecycle:
+        return not_applicable(system, options.lifecycle)
+    return lifecycle.check(
+        name,
+        model,
+        fused,
+        inputs,
+        options.torch_dtype,
+        parity.logits_of(runs.unfused),
+        parity.logits_of(runs.fused),
+        mode=options.lifecycle,
+        fuse=lambda model: system.apply(model).report,
+        progress=progress,
+    )
 
 
 def _warnings(
@@ -359,10 +397,10 @@ def _judge(
         mask=mask,
     )
     modules = [module_result(check, applied[check.qualname]) for check in checks]
-    failures = [_module_failure(check, applied[check.qualname]) for check in checks]
+    failures = [module_failure(check, applied[check.qualname]) for check in checks]
     failures = [f for f in failures if f is not None]
     if runs.fused_error is not None:
-        failures.insert(0, _failure(system.forward_kind, None, None, None, runs.fused_error))
+        failures.insert(0, failure_record(system.forward_kind, None, None, None, runs.fused_error))
         return _Judged(system.forward_status, failures[0].message, None, modules, failures)
     if runs.reference_error is not None:
         reason = f"float64 reference does not run: {localise.one_line(runs.reference_error)}"
@@ -378,11 +416,11 @@ def _judge(
         if verdict.status == "fail":
             verdict = _near_ties(verdict, runs, model, reference, inputs, options, mask)
         if verdict.status == "fail":
-            failures.insert(0, _model_failure(verdict))
+            failures.insert(0, model_failure(verdict))
             if system.localise_alone:
                 found = _localise_alone(runs.alone_calls, model, reference, system, options, mask)
                 modules += [module_result(check, records) for check, records in found]
-                failures += [f for f in (_module_failure(*pair) for pair in found) if f]
+                failures += [f for f in (module_failure(*pair) for pair in found) if f]
                 if found and not any(check.verdict.status == "fail" for check, _ in found):
                     verdict = dataclasses.replace(
                         verdict,
@@ -390,7 +428,7 @@ def _judge(
                         f"{system.name} was applied to alone agrees with eager: the departure "
                         "arises only in the whole model's graph",
                     )
-                    failures[0] = _model_failure(verdict)
+                    failures[0] = model_failure(verdict)
     status, message = _overall(verdict, modules)
     return _Judged(status, message, verdict, modules, failures)
 
@@ -577,116 +615,6 @@ def _overall(verdict: parity.Verdict, modules: list[ModuleResult]) -> tuple[str,
     if unsure:
         return "inconclusive", f"{unsure[0].qualname}: {unsure[0].reason}"
     return "pass", ""
-
-
-def _applied_by_qualname(records) -> dict[str, list]:
-    """Applied records grouped by qualname, in report order."""
-    grouped: dict[str, list] = {}
-    for record in records:
-        grouped.setdefault(record.qualname, []).append(record)
-    return grouped
-
-
-def _fusers(records) -> str:
-    return "+".join(dict.fromkeys(r.fuser for r in records))
-
-
-def module_result(check: localise.ModuleCheck, records) -> ModuleResult:
-    """The recorded form of a module check, with the class and fuser(s) from the report.
-
-    A module the forward never called (a vision tower, cross-attention without encoder states)
-    is "unused": it cannot have changed these logits, so it does not make the run inconclusive.
-    """
-    v = check.verdict
-    return ModuleResult(
-        qualname=check.qualname,
-        source_class=records[0].source_class,
-        fuser=_fusers(records),
-        status="unused" if check.calls == 0 else v.status,
-        fused_error=v.fused_error,
-        unfused_error=v.unfused_error,
-        tolerance=v.tolerance,
-        reason=v.reason,
-        calls=check.calls,
-    )
-
-
-def count_by_class(applied) -> dict[str, dict[str, int]]:
-    """Applied records counted per module class and fuser: {class: {fuser: instances}}."""
-    counts: dict[str, dict[str, int]] = {}
-    for record in applied:
-        per_fuser = counts.setdefault(record.source_class, {})
-        per_fuser[record.fuser] = per_fuser.get(record.fuser, 0) + 1
-    return counts
-
-
-def group_refusals(skipped) -> list[Refusal]:
-    """Skipped records counted per (fuser, class, reason), first qualname as the example."""
-    groups: dict[tuple, list[str]] = {}
-    for record in skipped:
-        key = (record.fuser, record.source_class, record.reason)
-        groups.setdefault(key, []).append(record.qualname)
-    return [
-        Refusal(fuser=f, source_class=c, reason=r, count=len(q), example=q[0])
-        for (f, c, r), q in groups.items()
-    ]
-
-
-def signature(kind: str, fuser: str | None, source_class: str | None, message: str) -> str:
-    """What makes two failures "the same": kind, fuser, class and the message's shape.
-
-    Numbers, hex addresses and layer indices are folded so the same bug in layer 0 and layer 1
-    (or with another observed error) has one signature.
-    """
-    shape = re.sub(r"0x[0-9a-fA-F]+", "0x_", message)
-    shape = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", shape)
-    return f"{kind}|{fuser or '-'}|{source_class or '-'}|{shape}"
-
-
-def _failure(kind, qualname, fuser, source_class, exc: BaseException) -> Failure:
-    message = localise.one_line(exc)
-    return Failure(
-        kind=kind,
-        qualname=qualname,
-        fuser=fuser,
-        source_class=source_class,
-        message=message,
-        detail=localise.tail(exc),
-        signature=signature(kind, fuser, source_class, message),
-    )
-
-
-def _model_failure(verdict: parity.Verdict) -> Failure:
-    # The message shape (not the numbers) goes into the signature: NaN vs out-of-tolerance.
-    return Failure(
-        kind="model-parity",
-        qualname=None,
-        fuser=None,
-        source_class=None,
-        message=f"logits: {verdict.reason}",
-        observed=verdict.fused_error,
-        tolerance=verdict.tolerance,
-        signature=signature("model-parity", None, None, verdict.reason),
-    )
-
-
-def _module_failure(check: localise.ModuleCheck, records) -> Failure | None:
-    if check.verdict.status != "fail":
-        return None
-    fuser, source_class = _fusers(records), records[0].source_class
-    kind = "module-error" if check.raised else "module-parity"
-    message = check.raised or check.verdict.reason
-    return Failure(
-        kind=kind,
-        qualname=check.qualname,
-        fuser=fuser,
-        source_class=source_class,
-        message=message,
-        detail=check.detail,
-        observed=None if check.raised else check.verdict.fused_error,
-        tolerance=None if check.raised else check.verdict.tolerance,
-        signature=signature(kind, fuser, source_class, message),
-    )
 
 
 def _subject(name: str, model: nn.Module, options: CheckOptions) -> Subject:
