@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     repro_dir = common.repro_dir(args)
 
     from harness.reporting import summary
-    from harness.runner import own_model_check, progress
+    from harness.runner import own_model_check, own_model_memory, progress
 
     options = dataclasses.replace(
         common.check_options(args), lifecycle="all" if args.lifecycle == "full" else args.lifecycle
@@ -84,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"checking {prepared.source.path}: {prepared.describe()}", flush=True)
     estimate = None
     if prepared.parameters is not None:
-        estimate = own_model_check.estimate_memory(
+        estimate = own_model_memory.estimate_memory(
             prepared.parameters, options.dtype, options.lifecycle
         )
-    available = own_model_check.available_memory(options.device)
-    print(own_model_check.check_memory(estimate, available, force=args.force), flush=True)
+    available = own_model_memory.available_memory(options.device)
+    print(own_model_memory.check_memory(estimate, available, force=args.force), flush=True)
     steps = progress.Steps("check")
     try:
         outcome = own_model_check.run_check(prepared, options, repro_dir=repro_dir, progress=steps)

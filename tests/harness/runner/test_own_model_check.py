@@ -13,7 +13,7 @@ import corpus
 import fusion
 from harness import cli
 from harness.oracles import lifecycle
-from harness.runner import own_model_check
+from harness.runner import own_model_check, own_model_memory
 from harness.runner.arch_check import CheckOptions
 from harness.runner.own_model_check import OwnModelError
 from tests.harness.fakes import faulty_fuse
@@ -192,11 +192,11 @@ def test_parameters_are_counted_without_memory():
 
 
 def test_memory_estimate_is_three_models_plus_the_lifecycle_peak():
-    off = own_model_check.estimate_memory(1000, "float32", "off")
+    off = own_model_memory.estimate_memory(1000, "float32", "off")
     assert off.items == (("unfused", 4000), ("fused copy", 4000), ("float64 reference", 8000))
     assert (off.total, off.disk) == (16_000, 0)
-    quick = own_model_check.estimate_memory(1000, "bfloat16", "quick")
-    assert quick.total == 2000 + 2000 + 8000 + own_model_check.LIFECYCLE_COPIES * 2000 == 40_000
+    quick = own_model_memory.estimate_memory(1000, "bfloat16", "quick")
+    assert quick.total == 2000 + 2000 + 8000 + own_model_memory.LIFECYCLE_COPIES * 2000 == 40_000
     assert quick.disk == 4000
     assert "40 kB for 1,000 parameters in bfloat16" in quick.format()
     assert "lifecycle peak (14 model copies) 28 kB" in quick.format()
@@ -204,28 +204,28 @@ def test_memory_estimate_is_three_models_plus_the_lifecycle_peak():
 
 def test_mem_available_is_read_from_meminfo(tmp_path):
     text = "MemTotal:       32000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n"
-    assert own_model_check.parse_mem_available(text) == 2048 * 1024
-    assert own_model_check.parse_mem_available("MemTotal: 1 kB\n") is None
+    assert own_model_memory.parse_mem_available(text) == 2048 * 1024
+    assert own_model_memory.parse_mem_available("MemTotal: 1 kB\n") is None
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(text, encoding="ascii")
-    assert own_model_check.available_memory("cpu", meminfo) == (2048 * 1024, "MemAvailable")
-    assert own_model_check.available_memory("cpu", tmp_path / "absent") is None
+    assert own_model_memory.available_memory("cpu", meminfo) == (2048 * 1024, "MemAvailable")
+    assert own_model_memory.available_memory("cpu", tmp_path / "absent") is None
 
 
 def test_an_estimate_over_the_available_memory_is_refused_unless_forced():
-    estimate = own_model_check.estimate_memory(1000, "float32", "off")  # 16 kB
-    assert "MemAvailable 16 kB" in own_model_check.check_memory(
+    estimate = own_model_memory.estimate_memory(1000, "float32", "off")  # 16 kB
+    assert "MemAvailable 16 kB" in own_model_memory.check_memory(
         estimate, (16_000, "MemAvailable"), force=False
     )
     with pytest.raises(OwnModelError, match=r"would not fit.*--force"):
-        own_model_check.check_memory(estimate, (15_999, "MemAvailable"), force=False)
-    assert own_model_check.check_memory(estimate, (15_999, "MemAvailable"), force=True).endswith(
+        own_model_memory.check_memory(estimate, (15_999, "MemAvailable"), force=False)
+    assert own_model_memory.check_memory(estimate, (15_999, "MemAvailable"), force=True).endswith(
         "over it, --force"
     )
     with pytest.raises(OwnModelError, match="does not report its available memory"):
-        own_model_check.check_memory(estimate, None, force=False)
+        own_model_memory.check_memory(estimate, None, force=False)
     with pytest.raises(OwnModelError, match="cannot estimate"):
-        own_model_check.check_memory(None, (10**12, "MemAvailable"), force=False)
+        own_model_memory.check_memory(None, (10**12, "MemAvailable"), force=False)
 
 
 def test_a_real_size_model_that_does_not_fit_is_refused_before_building(
@@ -233,7 +233,7 @@ def test_a_real_size_model_that_does_not_fit_is_refused_before_building(
 ):
     _write_config(tmp_path, LLAMA_3_2_1B)
     monkeypatch.setattr(
-        own_model_check, "available_memory", lambda device: (8 * 10**9, "MemAvailable")
+        own_model_memory, "available_memory", lambda device: (8 * 10**9, "MemAvailable")
     )
     monkeypatch.setattr(own_model_check, "build_model", _never_called)
     assert cli.main(["check", str(tmp_path), "--lifecycle", "off"]) == 2
