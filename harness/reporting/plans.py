@@ -264,8 +264,8 @@ def update(
     only those), every known-unbuildable architecture is refreshed from `unbuildable`, and
     architectures neither in `known` nor unbuildable are dropped. A result that crashed or
     timed out (`INTERRUPTED`) never replaces a recorded entry: it says how this run went,
-    not what the architecture does (musicgen on 4.57 took ~120 s under the full lifecycle and
-    timed out at the default limit under `-j 2`), so the entry is kept and the change says
+    not what the architecture does (a slow model under the full lifecycle can time out at the
+    default limit on a loaded machine), so the entry is kept and the change says
     why. Returns {architecture: the diff in words} of every entry that changed or was kept
     over such a result.
     """

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.base.results import STATUSES, ArchResult, to_dict
+from harness.reporting import table as text_table
 
 EXIT_GREEN = 0
 EXIT_FUSION_FAILURE = 1
@@ -220,7 +221,7 @@ _SHRINK = ((0, 20), (1, 16), (0, 12), (3, 14), (1, 12))
 architecture name to 20 first, then the fusions, then the name again, then the lifecycle.
 The narrowest widths plus the fixed columns fit in 100 for any result (see test_summary)."""
 
-_GAP = "  "
+_GAP = text_table.GAP
 
 
 def _fit(cell: str, width: int) -> str:
@@ -259,20 +260,11 @@ def format_table(
         row += [_error(r.unfused_error, short=not wide), _error(r.fused_error, short=not wide)]
         row += [_error(r.tolerance), f"{r.seconds:.2f}"] if wide else [f"{r.seconds:.1f}"]
         rows.append(row)
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    widths = text_table.column_widths([header, *rows])
     if not wide:
         widths = _narrow_widths(widths, width)
     right = set(range(4, len(header)))
-
-    def line(row: Sequence[str]) -> str:
-        cells = (
-            _fit(c, w).rjust(w) if i in right else _fit(c, w).ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths))
-        )
-        return _GAP.join(cells).rstrip()
-
-    rule = _GAP.join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *(line(row) for row in rows)])
+    return text_table.render(header, rows, right=right, widths=widths, fit=_fit)
 
 
 def format_legend(*, wide: bool = False) -> str:

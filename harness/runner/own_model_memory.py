@@ -28,10 +28,10 @@ LIFECYCLE_COPIES = 14
 the unfused, fused and reference models. Held: `optimizer-before-fuse` keeps an unfused copy,
 a snapshot of its parameters, their gradients and AdamW's two moment buffers (5), and a fused
 copy with its gradients and two moments (4), kept for the operations after it
-(`harness.oracles.lifecycle._fused_late`); AdamW's foreach step adds two parameter-sized temporaries:
-11. Measured: a 28,972,032-parameter Qwen3 config in float32 (116 MB a copy) peaked at
-2.08 GB of resident memory above the interpreter's own, the three models (464 MB) plus 14
-copies (the allocator keeps freed blocks of the earlier operations), so 14 is used."""
+(`harness.oracles.lifecycle.training._fused_late`); AdamW's foreach step adds two parameter-sized temporaries:
+11. Measured on a small Qwen3 config in float32, the peak resident memory above the
+interpreter's own was the three models plus 14 copies (the allocator keeps freed blocks of
+the earlier operations), so 14 is used."""
 
 LIFECYCLE_DISK_COPIES = 2
 """Checkpoints `save-pretrained` writes to the temporary directory (unfused and fused)."""

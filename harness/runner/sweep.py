@@ -69,8 +69,8 @@ def setup_worker(plugins: tuple[str, ...]) -> None:
     """Run once per worker: import the heavy modules and test plugins, quiet the libraries.
 
     One intra-op thread per worker: on tiny models a second thread only adds synchronisation
-    (a 12x64 matmul takes microseconds alone and ~30 ms when its threads contend with another
-    worker's), so parallelism comes from -j, never from inside a worker.
+    (a small matmul whose threads contend with another worker's takes orders of magnitude
+    longer than alone), so parallelism comes from -j, never from inside a worker.
     """
     import torch
     import transformers

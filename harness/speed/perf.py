@@ -47,6 +47,7 @@ from corpus.inputs import make_inputs
 from corpus.overrides import deep_merge, override
 from corpus.tiny import config_values, is_config
 from harness.base import architectures
+from harness.reporting import table as text_table
 from harness.speed.bench.table import machine_info
 from harness.speed.bench.timers import (
     MALLOC_ENV,
@@ -479,17 +480,7 @@ def format_table(records: Sequence[ArchPerf]) -> str:
                     t.verdict,
                 ]
             )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    numeric = {1, 2, 3}
-    lines = []
-    for n, row in enumerate(table):
-        cells = [
-            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table.render(header, table[1:], right={1, 2, 3})
 
 
 def summary_line(records: Sequence[ArchPerf]) -> str:

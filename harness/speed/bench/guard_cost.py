@@ -10,8 +10,8 @@ whole decode step (one token through the fused model), so the closing figure is 
 of a decode step the guards take. The guard check's work does not depend on the model's
 widths (it reads module dictionaries and global namespaces, never a tensor), but its cost
 does: inside a real-width decode step each check runs after weight streams have emptied the
-caches (a fused attention's check: about 10 us a call measured inside a Qwen3-0.6B-width
-step on a 2-core Xeon, 2.4 us warm here), so the figures here are warm lower bounds, and the
+caches (a fused attention's check measured inside a Qwen3-0.6B-width step costs several
+times its warm figure here), so the figures here are warm lower bounds, and the
 share printed is the tiny model's (a real model's step is far longer).
 
 Timings are `timers.time_cpu` medians (rounds of at least a millisecond) with the IQR.

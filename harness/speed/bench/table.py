@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from harness.reporting import table as text_table
 from harness.speed.bench.cases import UNFUSED, Case, Unavailable, variant_of
 from harness.speed.bench.timers import iqr, malloc_env_set, measure, time_cpu_interleaved
 
@@ -188,16 +189,8 @@ def format_table(rows: Sequence[Row], *, bandwidth: bool = False, ceiling: str =
                 f"{r.kernel} {r.variant} {r.shape} T={r.tokens}: copies' medians "
                 f"({len(r.unfused_copy_ms)} unfused, {len(r.fused_copy_ms)} {r.variant}): unfused {_span(r.unfused_copy_ms)} ms, {r.variant} {_span(r.fused_copy_ms)} ms"
             )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     numeric = set(range(3, len(header))) - {4}
-    lines = []
-    for n, row in enumerate(table):
-        cells = [
-            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = [text_table.render(table[0], table[1:], right=numeric)]
     return "\n".join(lines + (["", *notes] if notes else []))
 
 

@@ -392,7 +392,7 @@ def _edit_attributes(model, inputs, fuse) -> lifecycle.OpVerdict:
     unfused = copy.deepcopy(model)
     fuse(model)
     ctx = lifecycle.Context("llama", unfused, model, inputs, torch.float32, None, None, fuse)
-    logits = lifecycle._logits(unfused, ctx), lifecycle._logits(model, ctx)
+    logits = lifecycle.core._logits(unfused, ctx), lifecycle.core._logits(model, ctx)
     ctx = dataclasses.replace(ctx, unfused_logits=logits[0], fused_logits=logits[1])
     return lifecycle.run_operation("edit-attributes", ctx)
 
