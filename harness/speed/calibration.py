@@ -22,7 +22,7 @@ import fusion
 from fusion.kernels import calibration
 from fusion.kernels.policy import POLICY
 from harness.oracles import localise
-from harness.runner import own_model_check
+from harness.runner import own_model_check, own_model_memory
 from harness.speed.bench.cases import END_TO_END
 
 MODELS = {name: (arch, config) for name, arch, config in END_TO_END}
@@ -65,13 +65,13 @@ def _memory_line(name: str, config: Any, layers: int, dtype: str, *, force: bool
             f"{name}: cannot estimate the memory this model needs (it does not construct on "
             "the meta device: sizes too large to count?); --force builds it anyway"
         )
-    size = parameters * own_model_check.dtype_bytes(getattr(torch, dtype))
-    estimate = own_model_check.MemoryEstimate(parameters, dtype, (("model", size), ("fused", size)))
-    available = own_model_check.available_memory("cpu")
+    size = parameters * own_model_memory.dtype_bytes(getattr(torch, dtype))
+    estimate = own_model_memory.MemoryEstimate(parameters, dtype, (("model", size), ("fused", size)))
+    available = own_model_memory.available_memory("cpu")
     if available is None:
         return f"{estimate.format()}; available memory unknown"
     free, where = available
-    line = f"{estimate.format()}; {where} {own_model_check.human_bytes(free)}"
+    line = f"{estimate.format()}; {where} {own_model_memory.human_bytes(free)}"
     if estimate.total <= free or force:
         return line + ("; over it, --force" if estimate.total > free else "")
     raise ValueError(

@@ -1,7 +1,8 @@
 """Fused vs unfused timings: correct timers, benchmark cases and the speedup table.
 
-The `fusion-harness bench` command (`python -m harness.bench`): options, the restart with
-`MALLOC_ENV` on CPU, and the run that prints the table (and writes JSON).
+The run of `fusion-harness bench` (`python -m harness.bench`) once its options are parsed
+(harness.cli.bench spells them out): the restart with `MALLOC_ENV` on CPU, and the run that
+prints the table (and writes JSON).
 """
 
 from __future__ import annotations

@@ -413,3 +413,15 @@ def test_list_into_a_closed_pipe_stops_quietly():
     _, err = proc.communicate(timeout=120)
     assert first.split()[:2] == ["gpt2", "ok"]
     assert proc.returncode == 0 and err == b"", err
+
+
+def test_one_table_of_commands_one_dispatch():
+    """Before: bench, perf and calibrate were matched by hand on argv with stub subparsers for
+    --help; now every command is a module with add_parser and run in cli.COMMANDS."""
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    assert list(commands.choices) == list(cli.COMMANDS)
+    for name, module in cli.COMMANDS.items():
+        assert callable(module.add_parser) and callable(module.run), name
+    assert parser.parse_args(["perf", "--tokens", "1"]).command == "perf"
+    assert parser.parse_args(["bench", "--kernel", "qkv"]).kernel == ["qkv"]
