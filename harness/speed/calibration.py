@@ -66,7 +66,9 @@ def _memory_line(name: str, config: Any, layers: int, dtype: str, *, force: bool
             "the meta device: sizes too large to count?); --force builds it anyway"
         )
     size = parameters * own_model_memory.dtype_bytes(getattr(torch, dtype))
-    estimate = own_model_memory.MemoryEstimate(parameters, dtype, (("model", size), ("fused", size)))
+    estimate = own_model_memory.MemoryEstimate(
+        parameters, dtype, (("model", size), ("fused", size))
+    )
     available = own_model_memory.available_memory("cpu")
     if available is None:
         return f"{estimate.format()}; available memory unknown"
