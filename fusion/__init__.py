@@ -15,6 +15,8 @@ Every rewrite either provably computes the same function or is refused with a re
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -22,6 +24,7 @@ from fusion import kernels
 from fusion.engine import apply
 from fusion.engine.tuning import calibrate, kernel_choices
 from fusion.errors import RewriteRefused
+from fusion.fusers import registry
 from fusion.kernels import available_backends, ops
 from fusion.report import Applied, FusionReport, Skipped
 from fusion.runtime.checkpoint import unfused_state_dict
@@ -40,7 +43,27 @@ __all__ = [
 ]
 
 
-def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
+def _chosen_fusers(fusers: Iterable[str] | None) -> tuple | None:
+    """The fuser classes named in `fusers`, in the registry's priority order (None: all).
+    ValueError naming every unknown name; TypeError for a bare string."""
+    if fusers is None:
+        return None
+    if isinstance(fusers, str):
+        raise TypeError(f"fusers: an iterable of fuser names, not the string {fusers!r}")
+    names = list(fusers)
+    known = [f.name for f in registry.FUSERS]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown fuser name{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; known: {', '.join(known)}"
+        )
+    return tuple(f for f in registry.FUSERS if f.name in names)
+
+
+def fuse(
+    model: nn.Module, backend: str = "auto", *, fusers: Iterable[str] | None = None
+) -> FusionReport:
     """Fuse `model` in place, instance by instance, and report what was applied and refused.
 
     `backend` names the kernel backend the fused modules call: `auto` chooses per op, shape
@@ -52,7 +75,12 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
     tensors are inference tensors is refused whole (`apply.inference_refusal`). Never
     raises for a model it cannot fuse; raises TypeError if `model` is not an nn.Module,
     ValueError for an unknown backend or one that cannot run on the model's devices.
+
+    `fusers` names the fusers to try (`fusion.inspection.fuser_names()`; default: every
+    one), in their usual priority order whatever the order given; ValueError names any
+    unknown name.
     """
+    chosen = _chosen_fusers(fusers)
     devices = set()
     if isinstance(model, nn.Module):
         devices = {t.device for t in (*model.parameters(), *model.buffers())} or {"cpu"}
@@ -63,7 +91,7 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
             )
         for device in devices:
             kernels.get(backend, device)  # ValueError naming why it cannot run there
-    report = apply.run(model, backend=backend)
+    report = apply.run(model, backend=backend, fusers=chosen)
     if devices and report.applied:
         # Probe kernels and load the policy's table now, not inside a later torch.compile
         # trace (compiled code only reads them); with inference mode off, as `apply.run`
@@ -75,7 +103,7 @@ def fuse(model: nn.Module, backend: str = "auto") -> FusionReport:
     return report
 
 
-def plan(model: nn.Module) -> FusionReport:
+def plan(model: nn.Module, *, fusers: Iterable[str] | None = None) -> FusionReport:
     """What `fuse` would do to `model`, without changing it (matching, rewriting and
-    per-instance validation all run; nothing is installed)."""
-    return apply.run(model, dry_run=True)
+    per-instance validation all run; nothing is installed). `fusers` as in `fuse`."""
+    return apply.run(model, dry_run=True, fusers=_chosen_fusers(fusers))

@@ -1,19 +1,18 @@
 """harness: differential testing of fused vs unfused Transformers models.
 
-Modules, one responsibility each:
+Packages are layers; a module imports only from its own layer and the layers below it
+(the import-linter contract states the same):
 
-    cli, __main__   the `fusion-harness` command (run, list, show, repro, bench)
-    check           one architecture end to end: build, fuse a copy, three forwards, verdicts
-    parity          the oracle: tolerance rule, error measure, masking, NaN (pure functions)
-    localise        per-module localisation: record fused modules' inputs, re-run, judge
-    results         result records and the JSONL results file
-    pool            long-lived worker processes with per-task timeout and crash replacement
-    preload         what the workers' forkserver imports once
-    sweep           the corpus through `check` in the pool: JSONL, resume, Ctrl-C safety
-    progress        progress bar / plain progress lines
-    summary         totals, final table, JSON document, exit status
-    plans           golden fusion plans per Transformers line: entries, files, diffs in words
-    repro           repro bundles: write, validate, replay
-    architectures   corpus names, --arch globs, test-plugin architectures
-    bench           fused vs unfused timings
+    cli/, __main__   the `fusion-harness` command: one module per subcommand, one dispatch
+    speed/           bench/ (fused vs unfused timings), perf, calibration
+    suites/          other test suites under fusion: the pytest plugin, Transformers' tests
+    runner/          one architecture end to end (arch_check), the corpus in worker processes
+                     (sweep, pool), systems under test, shards, repro bundles, `check PATH`
+    peers/           other fusion engines (vLLM): their decisions vs ours, their rewrites applied
+    reporting/       summary, golden plans, drift, reach, Markdown reports, the text table
+    oracles/         parity, ties, localise, warned, lifecycle
+    base/            architectures (what the corpus builds) and results (the JSONL records)
+
+Two modules keep public paths: `harness.pytest_fusion` (`-p harness.pytest_fusion`) and
+`harness.bench` (`python -m harness.bench`).
 """

@@ -27,7 +27,7 @@ fi
 VENV="${VLLM_PEER_VENV:-$DEFAULT_VENV}"
 
 # What `import vllm` and its Transformers-backend fusers need (vLLM itself goes in with
-# --no-deps); tox.ini's [testenv:vllm-peer] lists the same (tests/harness/test_vllm_peer.py).
+# --no-deps); tox.ini's [testenv:vllm-peer] lists the same (tests/harness/peers/test_vllm_peer.py).
 # Versions, vLLM's and Transformers' included, come from the constraints file alone.
 PEER_DEPS=(
     transformers

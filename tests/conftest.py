@@ -36,7 +36,7 @@ from fusion.kernels.native.gemm import NATIVE
 from fusion.kernels.onednn import ROW_MACHINE
 from fusion.kernels.policy import POLICY
 from fusion.trace.tracer import FP32_PRECISION_KEYS, preserved_globals
-from harness.shard import Shard, ShardError
+from harness.runner.shard import Shard, ShardError
 
 DEFAULT_SELECTION = "not slow and not conformance"
 

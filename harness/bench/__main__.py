@@ -1,7 +1,8 @@
-"""`python -m harness.bench ...`: the bench command without the CLI wiring."""
+"""`python -m harness.bench ...`: the bench command on its own (`fusion-harness bench`; the
+code lives in harness.speed.bench, the options in harness.cli.bench)."""
 
 import sys
 
-from harness.bench.cli import main
+from harness.cli.bench import main
 
 sys.exit(main())

@@ -189,7 +189,7 @@ RULES: tuple[Rule, ...] = (
         "either loses them or keeps a copy, and a copy unties them (an optimizer step, "
         "load_state_dict or in-place edit then reaches one user only). vLLM's merged linear is "
         "a fresh parameter filled from the checkpoint per layer: harmless for inference-only "
-        "weights, doubled memory; tests/harness/test_vllm_peer.py builds the hazard",
+        "weights, doubled memory; tests/harness/peers/test_vllm_peer.py builds the hazard",
         kind="peer-only",
         ours="tied to another module",
     ),
@@ -200,7 +200,7 @@ RULES: tuple[Rule, ...] = (
         "silu(gate) * up) and fuses the experts alone, replaying their gating op for op. "
         "vLLM's Transformers backend swaps these experts for FusedMoE with activation 'silu' "
         "whether or not it fuses the block; a clamped gate then differs once activations pass "
-        "the limit (tests/harness/test_vllm_peer.py shows it on a tiny module)",
+        "the limit (tests/harness/peers/test_vllm_peer.py shows it on a tiny module)",
         family="moe",
         kind="differ",
         ours="own gating",
@@ -441,7 +441,7 @@ def compare_arch(name: str) -> ArchComparison:
     """
     import torch
 
-    from harness import architectures
+    from harness.base import architectures
 
     try:
         model = architectures.build(name, seed=0, dtype=torch.float32, device="cpu")
@@ -515,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"vllm-peer: error: vLLM is not importable here ({exc})", file=sys.stderr)
         return 2
-    from harness import architectures
+    from harness.base import architectures
 
     try:
         names = architectures.select(args.arch, architectures.available())

@@ -2,7 +2,7 @@
 
 `harness.peers.vllm` asks vLLM what it *would* fuse; this module lets vLLM do it, so that
 the harness's parity oracle judges vLLM's rewritten forwards and layers exactly as it judges
-ours (the `vllm` system, `harness.systems`). It runs only where vLLM imports (the peer
+ours (the `vllm` system, `harness.runner.systems`). It runs only where vLLM imports (the peer
 environment: `scripts/vllm_peer.sh`, `tox -e vllm-peer`); importing this module never
 imports vLLM.
 

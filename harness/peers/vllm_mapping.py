@@ -44,9 +44,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion.analysis.callpath import FUSION_INSTALLED
-from fusion.engine import apply
-from fusion.fusers import registry
+from fusion import inspection
 
 RESULTS_ENV = "VLLM_MAPPING_JSON"
 
@@ -111,23 +109,22 @@ def _fused_copy(module: nn.Module, families: tuple[str, ...]) -> nn.Module:
     """A deep copy of `module` fused by our engine with those families' fusers only. The copy
     is fused as the child of a holder: a fuser that replaces a module (a norm becomes a
     FusedRMSNorm) installs the replacement in its parent, and a root has none."""
-    chosen = tuple(f for f in registry.FUSERS if f.name in families)
     holder = nn.Module()
     holder.add_module("module", copy.deepcopy(module))
-    apply.run(holder, fusers=chosen)
+    fusion.fuse(holder, fusers=[f for f in inspection.fuser_names() if f in families])
     return holder._modules["module"]
 
 
 def _norm_forward(fused: nn.Module) -> Any:
-    """The fused RMSNorm forward our engine gave `fused`, or None: a replacement module
-    carrying the variant itself (FusedRMSNorm), or a kept module whose instance forward
-    fusion installed (fusion.runtime.norm_forward.NormForward, which reads eps and the weight from
-    the module live). Either has `variant`."""
+    """The fused RMSNorm our engine gave `fused`, or None: a replacement module carrying the
+    variant itself (FusedRMSNorm), or a kept module whose instance forward fusion installed
+    (`fusion.inspection.FusedForward` with a `norm_variant`, which reads eps and the weight
+    from the module live). Either has `variant` (and a kept one `eps_attr`)."""
     if getattr(fused, "variant", None) is not None:
         return fused
-    forward = fused.__dict__.get("forward")
-    if getattr(type(forward), FUSION_INSTALLED, False) and hasattr(forward, "variant"):
-        return forward
+    forward = inspection.fused_forward(fused)
+    if forward is not None and forward.norm_variant is not None:
+        return SimpleNamespace(variant=forward.norm_variant, eps_attr=forward.norm_eps_attr)
     return None
 
 

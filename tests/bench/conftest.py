@@ -36,11 +36,11 @@ Regression tracking (pytest-benchmark's saved runs):
 Each case's variants share one benchmark group, so fused and unfused print side by side, and
 the terminal summary ends with a speedup table (medians, unfused / fused). On a GPU every
 round is timed with CUDA events after warm-up with the L2 flushed before it (see
-`harness.bench`); the GPU name is in the saved machine_info. Under pytest-xdist (the default
+`harness.speed.bench`); the GPU name is in the saved machine_info. Under pytest-xdist (the default
 CI run) pytest-benchmark disables timing and each benchmark runs once, as a smoke test.
 
 Other suites in this directory can use the same machinery: define `BENCH_CASES(device, dtype,
-*, full) -> list[harness.bench.Case]` in the module and take the `bench_case`,
+*, full) -> list[harness.speed.bench.Case]` in the module and take the `bench_case`,
 `bench_variant`, `bench_run` and `benchmark` fixtures.
 """
 
@@ -66,7 +66,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness import bench
+from harness.speed import bench
 
 SMOKE_ENV = "FUSION_BENCH_SMOKE"
 """`0`: the whole grid even where benchmarks are not timed; `1`: a smoke run even where they

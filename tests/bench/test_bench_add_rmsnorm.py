@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import bench
+from harness.speed import bench
 
 HIDDEN = 2048
 TOKENS = (1, 16, 512)

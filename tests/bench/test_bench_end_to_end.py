@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from harness import bench
+from harness.speed import bench
 
 
 def BENCH_CASES(device: str, dtype: torch.dtype, *, full: bool) -> list[bench.Case]:
-    """`harness.bench.end_to_end_cases` with the compiled variants."""
+    """`harness.speed.bench.end_to_end_cases` with the compiled variants."""
     tokens = bench.END_TO_END_TOKENS if full else (1, 16)
     return bench.end_to_end_cases(device, dtype, compiled=True, tokens=tokens)
 

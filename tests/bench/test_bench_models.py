@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness import bench
+from harness.speed import bench
 
 BENCH_CASES = bench.model_cases
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import bench
+from harness.speed import bench
 
 HIDDEN, EXPERTS, TOP_K = 512, 8, 2
 INTERMEDIATES = (256, 1024)

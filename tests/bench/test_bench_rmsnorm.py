@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import bench
+from harness.speed import bench
 
 HIDDENS = (512, 2048)
 TOKENS = (16, 512)

@@ -2,13 +2,13 @@
 
 Environment: FUSION_HARNESS_DTYPE (float32), FUSION_HARNESS_DEVICE (cpu), FUSION_HARNESS_SEED
 (0) and FUSION_HARNESS_LIFECYCLE (full: every lifecycle operation, torch.compile on
-harness.lifecycle.COMPILE_SELECTION) choose how every architecture is checked;
+harness.oracles.lifecycle.COMPILE_SELECTION) choose how every architecture is checked;
 FUSION_HARNESS_REPRO_DIR, when set, is where repro bundles of failures are written (a pytest
 temporary directory otherwise); FUSION_HARNESS_STRICT_CORPUS=1 fails an architecture whose
 unfused model does not build or run (an expected failure otherwise: not fusion's).
 
 `--shard K/N` (and `--shard-balance RESULTS.jsonl`) keeps shard K of N: the corpus
-architectures `fusion-harness run --shard K/N` would check (harness.shard's partition of the
+architectures `fusion-harness run --shard K/N` would check (harness.runner.shard's partition of the
 same names), the known-unbuildable ones partitioned the same way, and the whole-suite tests
 in shard 1 only, so N shards run every test exactly once.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import shard
-from harness.check import CheckOptions
-from harness.results import ResultsError, read_results
+from harness.base.results import ResultsError, read_results
+from harness.runner import shard
+from harness.runner.arch_check import CheckOptions
 
 HERE = Path(__file__).parent
 
@@ -55,7 +55,7 @@ def repro_dir(tmp_path_factory) -> Path:
 
 
 def pytest_report_header(config):
-    from harness import plans
+    from harness.reporting import plans
 
     path = plans.golden_path()
     state = "" if path.exists() else " (missing: run `fusion-harness run --update-expected`)"

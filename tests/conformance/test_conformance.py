@@ -1,19 +1,19 @@
 """The corpus as pytest parameters: one test per causal-LM architecture.
 
-Each test runs `harness.check.check_architecture`, the very function the sweep's workers run,
-and judges it with `harness.summary.exit_status`, the rule that sets the sweep's exit status.
+Each test runs `harness.runner.arch_check.check_architecture`, the very function the sweep's workers run,
+and judges it with `harness.reporting.summary.exit_status`, the rule that sets the sweep's exit status.
 Architectures the corpus cannot build (or run) are tests too: each must carry a reason and must
 still fail (a fixed one has to come back into the corpus). Runs under pytest-xdist:
 `pytest -m conformance -n auto`.
 
 An architecture whose unfused model does not build or run (build-error, forward-error: a
-corpus problem, harness.results.CORPUS_PROBLEMS) is an expected failure with its reason, so
+corpus problem, harness.base.results.CORPUS_PROBLEMS) is an expected failure with its reason, so
 the suite fails only on fusion failures, as `fusion-harness run` exits 3 for those and 1 only
 for fusion failures; FUSION_HARNESS_STRICT_CORPUS=1 makes them fail (`--strict-corpus`).
 
 Plan conformance (docs/design.md, oracle 3): each architecture's fusion plan is compared with the
 golden file of the installed Transformers line, corpus/expected/<major.minor>.json
-(harness.plans). Any difference fails the test with the difference in words: a fusion that
+(harness.reporting.plans). Any difference fails the test with the difference in words: a fusion that
 disappeared, a new refusal, a new fusion (to be reviewed), another status. A golden file may
 record a model-side break of its line (build or forward error, inconclusive reference) with the
 reason: that architecture is then an expected failure. A fusion failure never is. A missing
@@ -27,8 +27,10 @@ import warnings
 import pytest
 
 import corpus
-from harness import architectures, plans, repro, summary
-from harness.check import check_architecture
+from harness.base import architectures
+from harness.reporting import plans, summary
+from harness.runner import repro
+from harness.runner.arch_check import check_architecture
 
 BUILDABLE = architectures.available()
 UNBUILDABLE = architectures.unbuildable()

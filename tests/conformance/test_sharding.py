@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import architectures, shard
+from harness.base import architectures
+from harness.runner import shard
 
 REPO = Path(__file__).resolve().parents[2]
 

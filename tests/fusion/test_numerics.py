@@ -1,6 +1,6 @@
 """fusion.numerics: the one error measure (and its NaN rule) and the tolerance rule, shared by
 the harness's parity oracle, the fusers' self-checks and the tests (the rule's own cases are
-in tests/harness/test_parity.py, through the harness's names)."""
+in tests/harness/oracles/test_parity.py, through the harness's names)."""
 
 from __future__ import annotations
 

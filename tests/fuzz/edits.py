@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils import parametrize, prune
 
-from harness.lifecycle import Doubled
+from harness.oracles.lifecycle import Doubled
 
 EDIT_KINDS = (
     "attribute",  # a scalar the original forward reads (`self.eps`, a flag, a limit) rewritten

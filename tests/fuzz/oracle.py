@@ -55,9 +55,9 @@ from torch import nn
 
 import fusion
 from fusion.fusers import registry
-from fusion.runtime.checkpoint import unfused_named
 from fusion.report import FusionReport
-from harness.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
+from fusion.runtime.checkpoint import unfused_named
+from harness.oracles.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
 from tests.fusion.merged_paths import measured_references, stacked_products
 from tests.fuzz.comparisons import compare, same_state, state, structure
 from tests.fuzz.edits import Edit, EditSpec, patches, resolve
@@ -458,7 +458,7 @@ def _premise_failure(
 ) -> Failure | None:
     """`premise-change` when, with a child a rewritten forward's guards watch replaced after
     fusing, in both models, by a wrapper that doubles its output (a user's LoRA wrapper or
-    any replacement: `harness.lifecycle.double_child`), the outputs differ: the fused forward kept
+    any replacement: `harness.oracles.lifecycle.double_child`), the outputs differ: the fused forward kept
     running on a proof whose premise is gone. None otherwise, and where the unfused forward
     cannot run with the replacement."""
     for qualname, name in guarded_children(fused)[:PREMISE_SITES]:

@@ -1,6 +1,6 @@
 """Repro bundles for fuzzer failures: the harness's bundle format, for a generated module.
 
-`harness.repro.write_bundle` rebuilds a corpus architecture from a Transformers config; a
+`harness.runner.repro.write_bundle` rebuilds a corpus architecture from a Transformers config; a
 generated module has no config, its definition *is* its source text. This adapter writes
 the same directory layout, reusing the harness's pieces where they fit:
 
@@ -12,7 +12,7 @@ the same directory layout, reusing the harness's pieces where they fit:
     module.py       the generated module source (build() and make_inputs()): the model is
                     re-created by importing this text, never by unpickling anything
     original.py     forward sources before fusion      } when a fuser rewrote a forward
-    rewritten.py    forward sources after fusion       } (harness.repro.source_files)
+    rewritten.py    forward sources after fusion       } (harness.runner.repro.source_files)
     forward.diff    their unified diff                 }
     repro.py        self-contained: imports module.py, builds with the seed, fuses a copy,
                     runs both with autograd on, compares; exit 1 if the failure reproduces,
@@ -20,9 +20,9 @@ the same directory layout, reusing the harness's pieces where they fit:
 
 What the harness would need to replay these itself (`fusion-harness repro DIR`): a bundle
 kind that says "the model is module.py's build(), the inputs make_inputs(seed)", i.e.
-`harness.repro.rebuild` dispatching on `model_type == "generated"` to import `module.py`
+`harness.runner.repro.rebuild` dispatching on `model_type == "generated"` to import `module.py`
 from the bundle directory, and the oracle's extra failure kinds (`input-state`,
-`refused-but-changed`) in `harness.repro.KINDS`.
+`refused-but-changed`) in `harness.runner.repro.KINDS`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from harness.repro import BUNDLE_FORMAT, source_files, versions
+from harness.runner.repro import BUNDLE_FORMAT, source_files, versions
 from tests.fuzz.oracle import (
     AUTOCAST_TOLERANCE,
     GRAD_TOLERANCE,
@@ -83,7 +83,7 @@ from torch import nn
 
 import fusion
 from fusion.runtime.checkpoint import unfused_named
-from harness.lifecycle import double_child, dtype_mismatch, guarded_children, watched_children
+from harness.oracles.lifecycle import double_child, dtype_mismatch, guarded_children, watched_children
 
 
 def load_generated(directory):

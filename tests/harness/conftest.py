@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import corpus
-from harness.check import CheckOptions, make_inputs
+from harness.runner.arch_check import CheckOptions, make_inputs
 
 
 @pytest.fixture(scope="package", autouse=True)

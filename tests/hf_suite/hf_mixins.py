@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from harness.hf_tests import sdist, tester
+from harness.suites.hf_tests import sdist, tester
 
 _tests = sdist.ensure_tests(sdist.installed_version())
 _common = sdist.import_common(_tests)

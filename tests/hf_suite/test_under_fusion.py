@@ -1,7 +1,7 @@
 """CI's run of Transformers' common model tests under the fusion plugin: for a selection of
 corpus architectures (one whose fused model holds every fuser family;
 $FUSION_HF_SUITE_CI_ARCHS overrides it, e.g. `llama,qwen3_moe`), every test that passes
-unfused passes fused, except the listed exceptions (harness/hf_tests/exceptions.py). Needs
+unfused passes fused, except the listed exceptions (harness/suites/hf_tests/exceptions.py). Needs
 the network once (the Transformers sdist, cached). `tox -e hf-suite` runs five architectures.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.hf_tests import compare, tester
+from harness.suites.hf_tests import compare, tester
 
 CI_ARCHS = ("dots1",)
 """dots.llm1: one tiny model fusing every family the test asserts, as llama and qwen3_moe

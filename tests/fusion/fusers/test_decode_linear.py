@@ -240,7 +240,7 @@ def test_every_linear_taking_it_passes_parity_and_the_lifecycle(arch: str) -> No
     every lifecycle operation (generate, train, save and reload, weight edits, copies,
     compile) still pass."""
     import corpus
-    from harness.check import CheckOptions, check_model, make_inputs
+    from harness.runner.arch_check import CheckOptions, check_model, make_inputs
 
     POLICY.use("eligible")  # the suite's autouse fixture restores the default
 

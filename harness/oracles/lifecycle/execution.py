@@ -1,0 +1,221 @@
+"""Lifecycle operations that run the fused model another way: `generate`, autocast, matmul
+precision, dynamic quantization, `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+from fusion.inspection import preserved_globals
+from harness.oracles.lifecycle.core import (
+    _FLOOR,
+    Context,
+    _cast,
+    _compare,
+    _Failed,
+    _logits,
+    _NotApplicable,
+    _twins,
+    _unfused,
+)
+from harness.oracles.lifecycle.guards import dtype_mismatch, output_dtypes
+
+# --------------------------------------------------------------------------------------------
+# The operations. Each returns its pass detail or raises _NotApplicable / _Failed.
+
+
+def _generate(ctx: Context) -> str:
+    unfused, fused = ctx.unfused, ctx.fused
+    can = getattr(unfused, "can_generate", None)
+    if not callable(can) or not can():
+        raise _NotApplicable("the model cannot generate")
+    kwargs = {k: v for k, v in _cast(ctx.inputs, ctx.dtype).items() if k != "use_cache"}
+    options = dict(
+        max_new_tokens=3,
+        do_sample=False,
+        num_beams=1,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        want = _unfused("generate", lambda: unfused.generate(**kwargs, **options))
+        got = fused.generate(**kwargs, **options)
+    if torch.equal(got.sequences, want.sequences):
+        return f"{want.sequences.shape[-1] - kwargs['input_ids'].shape[-1]} tokens identical"
+    if got.sequences.shape != want.sequences.shape:
+        raise _Failed(
+            f"sequences of shape {tuple(got.sequences.shape)}, unfused "
+            f"{tuple(want.sequences.shape)}"
+        )
+    prompt = kwargs["input_ids"].shape[-1]
+    differs = (got.sequences != want.sequences).nonzero()
+    row, col = (int(i) for i in differs[0])
+    step = col - prompt
+    scores = want.scores[step][row].double()
+    margin = float(scores[want.sequences[row, col]] - scores[got.sequences[row, col]])
+    if margin <= ctx.allowance:
+        raise _NotApplicable(
+            f"tokens diverge at step {step} on a near-tie (unfused margin {margin:.3g} <= "
+            f"allowed {ctx.allowance:.3g}): not judged"
+        )
+    raise _Failed(f"token {step} of row {row} differs (unfused margin {margin:.3g})")
+
+
+def _device_type(model: nn.Module) -> str:
+    first = next(iter(model.parameters()), None)
+    return "cpu" if first is None else first.device.type
+
+
+def _autocast(ctx: Context) -> str:
+    device = _device_type(ctx.unfused)
+    unfused, fused = _twins(ctx)
+
+    def run(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.dtype]]:
+        with torch.autocast(device, dtype=torch.bfloat16), output_dtypes(model) as dtypes:
+            return _logits(model, ctx), dtypes
+
+    want, want_dtypes = _unfused("a forward under autocast", lambda: run(unfused))
+    got, got_dtypes = run(fused)
+    mismatch = dtype_mismatch(want_dtypes, got_dtypes)
+    if mismatch:
+        raise _Failed(f"under autocast {mismatch}")
+    if got.dtype != want.dtype:
+        raise _Failed(f"under autocast the logits are {got.dtype}, unfused {want.dtype}")
+    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    allowance = ctx.allowance + _FLOOR[torch.bfloat16] * max(scale, 1.0)
+    diff = _compare("logits under autocast", got, want, allowance)
+    return f"{len(got_dtypes)} modules return the unfused dtypes; logits within {diff:.3g}"
+
+
+# How much less than the unfused logits the fused ones may move under a reduced matmul
+# precision before a kernel is taken to ignore it (a blind kernel moves them by zero, or only
+# by what the layers around it move; an honest one by about as much as unfused).
+_PRECISION_MOVE_RATIO = 4.0
+
+
+def _matmul_precision(ctx: Context) -> str:
+    unfused, fused = _twins(ctx)
+    with preserved_globals():  # puts the caller's precision back, whichever API set it
+        torch.set_float32_matmul_precision("medium")
+        want = _unfused("a forward at matmul precision medium", lambda: _logits(unfused, ctx))
+        got = _logits(fused, ctx)
+    moved = float((want.double() - ctx.unfused_logits.double()).abs().max())
+    diff = _compare("logits at matmul precision medium", got, want, ctx.allowance + 4 * moved)
+    if moved == 0.0:
+        return f"logits within {diff:.3g} (the setting changes no unfused logit here)"
+    fused_moved = float((got.double() - ctx.fused_logits.double()).abs().max())
+    if fused_moved < moved / _PRECISION_MOVE_RATIO:
+        # Both models round the same matmul inputs the same way under the setting, so an
+        # honest fused model moves about as far as the unfused one; bit-identity alone is
+        # not the test: on a CPU whose own GEMMs honour the setting (AMX), the layers a
+        # fusion leaves alone move the fused logits too while a blind kernel still hides
+        # most of the unfused movement.
+        raise _Failed(
+            f"the setting moves the unfused logits by {moved:.3g} and the fused ones by only "
+            f"{fused_moved:.3g}: a fused kernel ignores it"
+        )
+    return (
+        f"logits within {diff:.3g}; the setting moved both (unfused by {moved:.3g}, "
+        f"fused by {fused_moved:.3g})"
+    )
+
+
+_QUANTIZATION_SHARE = 0.25
+"""The share of the unfused model's own quantisation error (its quantized logits against its
+float ones) that `quantize-dynamic` adds to the allowance where the float models differ:
+there a rounding difference may move a dynamically quantized activation across a step."""
+
+
+def quantized_modules(model: nn.Module) -> dict[str, str]:
+    """{qualified name: class name} of every quantized module of `model` (a class of
+    `torch.ao.nn`, what `quantize_dynamic` installs in place of the types it maps)."""
+    return {
+        name: type(module).__qualname__
+        for name, module in model.named_modules()
+        if type(module).__module__.startswith("torch.ao.nn.")
+    }
+
+
+def _quantized(model: nn.Module) -> nn.Module:
+    """`model` (a twin: a copy of the context's model) quantized in place: a third copy of a
+    large corpus model (musicgen on 4.57: 420M parameters) ran two workers out of memory."""
+    with warnings.catch_warnings():
+        # torch.ao.quantization's deprecation notices, once per call
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(
+            model, {nn.Linear}, dtype=torch.qint8, inplace=True
+        )
+
+
+def _quantized_logits(model: nn.Module, ctx: Context) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _logits(model, ctx)
+
+
+def _quantize_dynamic(ctx: Context) -> str:
+    """A type-keyed transform after fusing: the fused model's quantized modules must be the
+    unfused model's (same names, same classes), and its quantized logits the unfused one's
+    (the rewritten forwards whose children were replaced run their originals)."""
+    unfused, fused = _twins(ctx)
+    unfused = _unfused("quantize_dynamic", lambda: _quantized(unfused))
+    want = _unfused("a forward of the quantized model", lambda: _quantized_logits(unfused, ctx))
+    fused = _quantized(fused)
+    want_kinds, got_kinds = quantized_modules(unfused), quantized_modules(fused)
+    if got_kinds != want_kinds:
+        missing = sorted(set(want_kinds) - set(got_kinds))
+        extra = sorted(set(got_kinds) - set(want_kinds))
+        changed = sorted(
+            n for n in set(want_kinds) & set(got_kinds) if want_kinds[n] != got_kinds[n]
+        )
+        shown = missing[:1] or extra[:1] or changed[:1]
+        still = {n: type(m).__name__ for n, m in ctx.fused.named_modules()}
+        raise _Failed(
+            f"quantize_dynamic quantized {len(got_kinds)} modules of the fused model, "
+            f"{len(want_kinds)} of the unfused ({len(missing)} not quantized, {len(extra)} "
+            f"only fused, {len(changed)} of another class; first: {shown[0]}, a "
+            f"{still.get(shown[0], '?')} in the fused model)"
+        )
+    if not want_kinds:
+        raise _NotApplicable("quantize_dynamic quantizes no module of the unfused model")
+    got = _quantized_logits(fused, ctx)
+    moved = float((want.double() - ctx.unfused_logits.double()).abs().max())
+    identical = torch.equal(ctx.fused_logits, ctx.unfused_logits)
+    allowance = ctx.allowance + (0.0 if identical else _QUANTIZATION_SHARE * moved)
+    diff = _compare("quantized logits", got, want, allowance)
+    return (
+        f"{len(want_kinds)} modules quantized as unfused; logits within {diff:.3g} "
+        f"(quantisation moved the unfused logits by {moved:.3g})"
+    )
+
+
+def _compile(ctx: Context) -> str:
+    """Where the unfused model compiles fullgraph, the fused one must too (a graph break
+    the fusion introduced is a defect); otherwise both compile with graph breaks."""
+    import torch._dynamo
+
+    unfused, fused = _twins(ctx)
+    torch._dynamo.reset()
+    try:
+        want = _logits(torch.compile(unfused, fullgraph=True, backend="eager"), ctx)
+        fullgraph = True
+    except Exception:
+        torch._dynamo.reset()
+        unfused = copy.deepcopy(ctx.unfused)
+        want = _unfused(
+            "torch.compile", lambda: _logits(torch.compile(unfused, backend="eager"), ctx)
+        )
+        fullgraph = False
+    torch._dynamo.reset()
+    try:
+        got = _logits(torch.compile(fused, fullgraph=fullgraph, backend="eager"), ctx)
+    finally:
+        torch._dynamo.reset()
+    _compare("compiled logits", got, ctx.fused_logits, ctx.allowance)
+    _compare("compiled logits vs compiled unfused", got, want, ctx.allowance)
+    how = "fullgraph, as the unfused model" if fullgraph else "with graph breaks, as unfused"
+    return f"compiled (Dynamo, eager backend; {how}) logits agree"
