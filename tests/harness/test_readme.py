@@ -134,16 +134,9 @@ def test_links_between_pages_reach_a_page_that_exists():
 
 
 @pytest.mark.parametrize("root", sorted(ROOTS))
-def test_the_layout_names_every_package_and_only_existing_ones(root, request):
+def test_the_layout_names_every_package_and_only_existing_ones(root):
     """Before: the README's layout named every file, so every file move broke it; now one line
     per package directory, in docs/development.md."""
-    if not (REPO / ROOTS[root]).is_dir():
-        request.applymarker(
-            pytest.mark.xfail(
-                reason=f"{root}/'s package-level move (issue 47) has not landed in this tree",
-                strict=True,
-            )
-        )
     named = {p for p in _named_paths(_layout()) if p.startswith(f"{root}/")}
     existing = _package_dirs(root)
     assert existing - named == set(), f"docs/development.md's layout lacks {existing - named}"
