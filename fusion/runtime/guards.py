@@ -292,7 +292,23 @@ class GlobalsGuard:
                     space = vars(builtins)
                     entries[(id(space), name)] = (space, name, space.get(name, _MISSING))
                 elif depth < cls.DEPTH:
-                    visit(value, depth + 1)
+                    if isinstance(value, nn.Module):
+                        called_module(value, depth + 1)
+                    else:
+                        visit(value, depth + 1)
+
+        def called_module(module: nn.Module, depth: int) -> None:
+            # A module object called as a global (Transformers 5.25 makes helpers such as
+            # `apply_rotary_pos_emb` kernels `Func` modules): what runs is its forward, so its
+            # instance-level and class-level `forward` bindings are watched like names, and
+            # the class forward's code, closure (the wrapped helper) and globals like a helper.
+            for namespace in (vars(module), vars(type(module))):
+                entries[(id(namespace), "forward")] = (
+                    namespace,
+                    "forward",
+                    namespace.get("forward", _MISSING),
+                )
+            visit(getattr(type(module), "forward", None), depth)
 
         visit(fn, 0)
         functions.pop(id(fn), None)  # the rewrite: fusion's own code, reached by no name
@@ -329,6 +345,9 @@ class GlobalsGuard:
         still empty)."""
         for namespace, name, value in self.entries:
             if namespace.get(name, _MISSING) is not value:
+                if "__builtins__" not in namespace and namespace is not vars(builtins):
+                    # not a module's globals: a called module's or its class's bindings
+                    return f"the {name} of a module called as a global was replaced"
                 return f"global {name} was rebound"
         for function, *states in self.functions:
             for attribute, state in zip(_FUNCTION_STATE, states):

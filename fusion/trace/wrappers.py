@@ -125,6 +125,24 @@ def nested_code(code: types.CodeType, names: tuple[str, ...]) -> types.CodeType 
     return code
 
 
+def same_code(code: types.CodeType, proven: types.CodeType) -> bool:
+    """Is `code` the proven code object, or a copy of it differing only in its name?
+
+    torch 2.15's `context_decorator` renames its wrapper's frame (`code.replace(co_name=...)`)
+    per decorated function, so identity alone refuses every `@torch.no_grad()` forward there.
+    Safe: code objects compare equal only with the same bytecode, constants, names, variable
+    names, line and exception tables; the copy is given the proven name back before the
+    comparison and must come from the same file, so only the frame's label may differ."""
+    if code is proven:
+        return True
+    if code.co_filename != proven.co_filename:
+        return False
+    names = {"co_name": proven.co_name}
+    if hasattr(proven, "co_qualname"):  # Python >= 3.11
+        names["co_qualname"] = proven.co_qualname
+    return code.replace(**names) == proven
+
+
 def _attribute(root: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         root = getattr(root, part, None)
@@ -147,7 +165,8 @@ def known_wrapper(fn: Any) -> KnownWrapper | None:
         return None
     for known in KNOWN_WRAPPERS:
         factory = _factory_code(known.module, known.factory)
-        if factory is None or nested_code(factory, known.nested) is not code:
+        proven = None if factory is None else nested_code(factory, known.nested)
+        if proven is None or not same_code(code, proven):
             continue
         cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
         cell = cells.get(known.cell)

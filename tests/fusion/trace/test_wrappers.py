@@ -158,3 +158,27 @@ def test_every_known_wrapper_names_a_loaded_factory() -> None:
         factory = _factory_code(known.module, known.factory)
         assert factory is not None, known
         assert nested_code(factory, known.nested) is not None, known
+
+
+def test_a_renamed_copy_of_a_wrapper_code_is_known_and_an_edited_one_is_not() -> None:
+    """torch 2.15's `context_decorator` gives each wrapper a copy of its code renamed after
+    the context manager: still the proven code (the same bytecode, constants and names).
+    A copy whose body differs, or that comes from another file, is not."""
+
+    class Plain(nn.Module):
+        @torch.no_grad()
+        def forward(self, x):
+            return x
+
+    wrapper = Plain.forward
+    assert known_wrapper(wrapper) is not None
+    code = wrapper.__code__
+    wrapper.__code__ = code.replace(co_name="no_grad")
+    assert known_wrapper(wrapper) is not None
+    assert unwrap_forward(wrapper) is wrapper.__wrapped__
+    wrapper.__code__ = code.replace(co_filename="elsewhere.py")
+    assert known_wrapper(wrapper) is None
+    wrapper.__code__ = code.replace(co_consts=(*code.co_consts, "an extra constant"))
+    assert known_wrapper(wrapper) is None
+    with pytest.raises(RewriteRefused, match="not a wrapper proven"):
+        unwrap_forward(wrapper)
