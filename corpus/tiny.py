@@ -32,12 +32,22 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from corpus.layer_lists import (
+    HEADS_NAMES,
+    PerLayer,
+    first,
+    implicit_layer_list,
+    keep_layers,
+    layer_count,
+    per_layer_attrs,
+    rescale_sections,
+    resize,
+)
 from corpus.rules import KEEP, KV_PATTERN, SIZES, Sizes, is_int, rule_for
 
 __all__ = [
@@ -75,144 +85,6 @@ def config_fields(config_cls: type) -> list[str]:
     ]
 
 
-_LAYER_COUNT_NAMES = (
-    "num_hidden_layers",
-    "n_layer",
-    "n_layers",
-    "num_layers",
-    "decoder_layers",
-    "num_decoder_layers",
-)
-_INDEX_LIST_SUFFIX = re.compile(r".*(_layers|_idxs|_indices|_ids|_layer_ids)")
-_HEADS_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads")
-
-
-def _first(values: Mapping[str, Any], names: Iterable[str]) -> tuple[str | None, Any]:
-    for n in names:
-        if is_int(values.get(n)):
-            return n, values[n]
-    return None, None
-
-
-def _layer_count(values: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    return _first(values, _LAYER_COUNT_NAMES)
-
-
-def _implicit_layer_list(values: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    """A config with no layer-count attribute whose depth is the length of a list of layer
-    kinds (Reformer's ``attn_layers``): return that list's name and length."""
-    for name, v in values.items():
-        is_list = isinstance(v, (list, tuple)) and len(v) > 1
-        if "layers" in name and is_list and all(isinstance(x, str) for x in v):
-            return name, len(v)
-    return None, None
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-layer lists
-
-
-@dataclass
-class _PerLayer:
-    """A per-layer attribute: ``kind`` is 'list' (aligned values), 'str' (pattern) or 'index'."""
-
-    name: str
-    kind: str
-    value: Any
-
-
-def _per_layer_attrs(values: Mapping[str, Any], fields: Iterable[str], n: int) -> list[_PerLayer]:
-    out: list[_PerLayer] = []
-    for name in fields:
-        v = values.get(name)
-        if isinstance(v, (list, tuple)) and v:
-            ints = all(is_int(x) for x in v)
-            increasing = ints and all(a < b for a, b in itertools.pairwise(v))
-            is_index_name = bool(_INDEX_LIST_SUFFIX.fullmatch(name))
-            if (
-                is_index_name
-                and increasing
-                and all(0 <= x < n for x in v)
-                and (len(v) < n or list(v) == list(range(n)))
-            ):
-                out.append(_PerLayer(name, "index", list(v)))
-            elif len(v) == n:
-                out.append(_PerLayer(name, "list", list(v)))
-        elif isinstance(v, str) and len(v) == n and n > 1 and len(set(v)) <= 4:
-            out.append(_PerLayer(name, "str", v))
-    return out
-
-
-def _keep_layers(attrs: list[_PerLayer], n: int, minimum: int) -> list[int]:
-    """Pick layer indices so every distinct value of every per-layer attribute survives.
-
-    Greedy in layer order: a layer is kept when it shows a (attribute, value) pair not yet
-    covered. Order is preserved, so "the first k layers are dense" style prefixes keep holding.
-    Always at least ``minimum`` layers (while the original has that many).
-    """
-
-    def sig(i: int) -> list[tuple[str, Any]]:
-        pairs = []
-        for a in attrs:
-            if a.kind == "index":
-                pairs.append((a.name, i in a.value))
-            else:
-                v = a.value[i]
-                pairs.append((a.name, repr(v)))
-        return pairs
-
-    seen: set[tuple[str, Any]] = set()
-    kept: list[int] = []
-    for i in range(n):
-        new = [p for p in sig(i) if p not in seen]
-        if new:
-            kept.append(i)
-            seen.update(new)
-    for i in range(n):
-        if len(kept) >= minimum:
-            break
-        if i not in kept:
-            kept.append(i)
-    return sorted(kept)
-
-
-def _resize(attr: _PerLayer, kept: list[int], sizes: Sizes) -> Any:
-    """Resize a per-layer attribute to the kept layers; per-layer *sizes* (a list-valued
-    ``intermediate_size``) also go through the attribute's shrink rule, element by element."""
-    if attr.kind == "index":
-        return [new for new, old in enumerate(kept) if old in attr.value]
-    if attr.kind == "str":
-        return "".join(attr.value[i] for i in kept)
-    out = [attr.value[i] for i in kept]
-    rule = rule_for(attr.name)
-    if rule is not None:
-        shrunk = [rule(v, sizes) if is_int(v) else KEEP for v in out]
-        out = [v if new is KEEP else new for v, new in zip(out, shrunk)]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Rope parameters
-
-
-def _rescale_sections(sections: list[int], total: int) -> list[int]:
-    """Rescale mrope sections to sum exactly to ``total`` (the tiny rotary half-dim), in
-    proportion, keeping each non-zero section >= 1 while ``total`` allows it."""
-    old = sum(sections) or 1
-    out = [max(1, int(x * total / old)) if x else 0 for x in sections]
-    while sum(out) > total:
-        # Take from the largest section; once all are 1, drop the smallest-by-default ones.
-        if any(x > 1 for x in out):
-            j = max(range(len(out)), key=lambda k: out[k])
-        else:
-            j = min((k for k in range(len(out)) if out[k]), key=lambda k: sections[k])
-        out[j] -= 1
-    while sum(out) < total:
-        j = max(range(len(out)), key=lambda k: sections[k])
-        out[j] += 1
-    return out
-
-
 def _shrink_original_positions(original: int, factor: Any, tiny_max: int) -> int:
     """A tiny ``original_max_position_embeddings`` below ``tiny_max`` with the same ratio.
 
@@ -236,7 +108,7 @@ def _shrink_rope(rope: Any, half: int, tiny_max: int | None = None) -> Any:
         elif k == "original_max_position_embeddings" and is_int(v) and tiny_max and v >= tiny_max:
             out[k] = _shrink_original_positions(v, rope.get("factor"), tiny_max)
         elif k in ("mrope_section", "mrope_sections") and isinstance(v, list) and half > 0:
-            out[k] = _rescale_sections(v, half)
+            out[k] = rescale_sections(v, half)
         elif k in ("long_factor", "short_factor") and isinstance(v, list):
             out[k] = list(v[:half])
         else:
@@ -404,7 +276,7 @@ def _shrink_layer_override(
         t_rope = out.get("qk_rope_head_dim", kw.get("qk_rope_head_dim", rope))
         if t_hd - t_rope > 0:
             out["qk_nope_head_dim"] = t_hd - t_rope
-    heads_name = next((h for h in _HEADS_NAMES if h in layer), None)
+    heads_name = next((h for h in HEADS_NAMES if h in layer), None)
     for name, v in layer.items():
         if re.fullmatch(KV_PATTERN, name) and is_int(v):
             d_heads = layer[heads_name] if heads_name else values.get("num_attention_heads")
@@ -447,7 +319,7 @@ def shrink_kwargs(
     kw = _shrink_fields(config, fields, values, derived, sizes, fill, tokens, widths, explicit)
 
     # Key/value heads follow the (tiny) query heads they divide.
-    heads_name, default_heads = _first(values, _HEADS_NAMES)
+    heads_name, default_heads = first(values, HEADS_NAMES)
     tiny_heads = _tiny(kw, values, heads_name) if heads_name else sizes.heads
     _shrink_kv_heads(fields, values, kw, derived, sizes, fill, tiny_heads, default_heads)
     _shrink_linear_attention_heads(values, kw)
@@ -577,24 +449,24 @@ def _shrink_per_layer_lists(
 ) -> None:
     """Per-layer lists: decide the layer count so every distinct layer kind survives, then
     resize every per-layer attribute (and per-layer config overrides) to the kept layers."""
-    count_name, n = _layer_count(values)
+    count_name, n = layer_count(values)
     implicit = count_name is None
     if implicit:
-        count_name, n = _implicit_layer_list(values)
+        count_name, n = implicit_layer_list(values)
     if not (count_name and is_int(n)):
         return
-    attrs = _per_layer_attrs(values, fields, n)
+    attrs = per_layer_attrs(values, fields, n)
     overrides = _per_layer_overrides(config)
     if overrides:  # heterogeneous layers are a layer kind of their own
         sig = [repr(sorted(overrides.get(i, {}).items())) for i in range(n)]
-        attrs.append(_PerLayer("per_layer_config", "list", sig))
+        attrs.append(PerLayer("per_layer_config", "list", sig))
     minimum = min(n, sizes.layers)
-    kept = _keep_layers(attrs, n, minimum) if attrs else list(range(minimum))
+    kept = keep_layers(attrs, n, minimum) if attrs else list(range(minimum))
     if not implicit:
         kw[count_name] = len(kept)
     for a in attrs:
         if a.name != "per_layer_config":
-            kw[a.name] = _resize(a, kept, sizes)
+            kw[a.name] = resize(a, kept, sizes)
     if overrides:
         kw["per_layer_config"] = {
             new: _shrink_layer_override(overrides[old], values, kw, sizes)
