@@ -6,15 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corpus.tiny import (
-    SIZES,
-    _keep_layers,
-    _PerLayer,
-    _rescale_sections,
-    config_fields,
-    shrink_kwargs,
-    special_token_ids,
-)
+from corpus.layer_lists import PerLayer, keep_layers, rescale_sections
+from corpus.rules import SIZES
+from corpus.tiny import config_fields, shrink_kwargs, special_token_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,13 +103,13 @@ def test_shrink_never_mutates_the_default():
 
 
 def test_rescale_sections():
-    assert sum(_rescale_sections([16, 24, 24], 4)) == 4
-    assert all(x >= 1 for x in _rescale_sections([16, 24, 24], 4))
+    assert sum(rescale_sections([16, 24, 24], 4)) == 4
+    assert all(x >= 1 for x in rescale_sections([16, 24, 24], 4))
 
 
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=4), st.integers(1, 64))
 def test_rescale_sections_sums_exactly(sections, total):
-    out = _rescale_sections(sections, total)
+    out = rescale_sections(sections, total)
     assert sum(out) == total
     assert len(out) == len(sections) and all(x >= 0 for x in out)
     if total >= len(sections):
@@ -129,8 +123,8 @@ _KINDS = st.sampled_from(["full_attention", "sliding_attention", "linear_attenti
 
 @given(st.lists(_KINDS, min_size=1, max_size=40), st.integers(2, 4))
 def test_keep_layers_covers_every_kind_in_order(kinds, minimum):
-    attr = _PerLayer("layer_types", "list", kinds)
-    kept = _keep_layers([attr], len(kinds), min(minimum, len(kinds)))
+    attr = PerLayer("layer_types", "list", kinds)
+    kept = keep_layers([attr], len(kinds), min(minimum, len(kinds)))
     assert kept == sorted(set(kept))
     assert {kinds[i] for i in kept} == set(kinds)
     assert len(kept) >= min(minimum, len(kinds))
