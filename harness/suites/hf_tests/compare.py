@@ -21,7 +21,7 @@ from pathlib import Path
 from harness.suites import pytest_plugin
 from harness.suites.hf_tests import exceptions
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SUITE = REPO / "tests" / "hf_suite" / "hf_mixins.py"
 ARCHS_ENV = "FUSION_HF_SUITE_ARCHS"
 

@@ -44,3 +44,10 @@ def test_compare_splits_exceptions_from_unexpected_breaks():
 def test_test_class_of_a_node_id():
     assert compare.test_class("a/b.py::Cls::test_x") == "Cls"
     assert compare.test_class("a/b.py::test_x") == "a/b.py"
+
+
+def test_the_suite_file_it_runs_exists() -> None:
+    """The subprocess runs `compare.SUITE` from `compare.REPO`: a path off by one folder (the
+    layout move put compare.py one level deeper) runs nothing, and every count reads 0."""
+    assert (compare.REPO / "pyproject.toml").is_file()
+    assert compare.SUITE.is_file()
