@@ -45,7 +45,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -124,6 +124,14 @@ AMBIENT: dict[str, tuple[Any, float]] = {
     "torch-function-mode": (ShiftProducts, TOLERANCE),
 }
 """{name: (context factory, tolerance)}: the ambient states a forward is re-run under."""
+
+CASTS: dict[str, tuple[torch.dtype, float]] = {
+    "a bfloat16 cast": (torch.bfloat16, AUTOCAST_TOLERANCE),
+}
+"""{name: (dtype, tolerance)}: the dtypes both models are cast to (`Module.to`, inputs too)
+and re-run in: a fused norm is proven per (input, weight) dtype pair and falls back at a
+pair it did not prove (a reduced-dtype `pow(v, -0.5)`), a merged product runs in the
+weights' dtype; a kernel run at a pair it was not proven for shows here."""
 
 _COUNTER = itertools.count()
 
@@ -416,13 +424,15 @@ def _stacked_failure(
 def _ambient_failure(
     module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
 ) -> Failure | None:
-    """`ambient-state` when, under one of `AMBIENT`, the fused output differs (dtype or value)
-    from the unfused output under the same state; None otherwise, and for a state the
-    unfused forward itself cannot run under."""
-    for name, (context, tolerance) in AMBIENT.items():
-        args, kwargs = make_inputs(module, seed)
+    """`ambient-state` when, under one of `AMBIENT` or cast to one of `CASTS`, the fused
+    output differs (dtype or value) from the unfused output in the same state; None
+    otherwise, and for a state the unfused forward itself cannot run in."""
+    states = [(f"under {name}", make, tol, None) for name, (make, tol) in AMBIENT.items()]
+    states += [(f"under {name}", nullcontext, tol, dtype) for name, (dtype, tol) in CASTS.items()]
+    for name, context, tolerance, dtype in states:
+        args, kwargs = _cast(make_inputs(module, seed), dtype)
         args_fused, kwargs_fused = copy.deepcopy((args, kwargs))
-        unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
+        unfused_copy, fused_copy = _cast(copy.deepcopy((original, fused)), dtype)
         try:
             with torch.no_grad(), context(), output_dtypes(unfused_copy) as want:
                 expected = unfused_copy(*args, **kwargs)
@@ -433,20 +443,36 @@ def _ambient_failure(
                 actual = fused_copy(*args_fused, **kwargs_fused)
         except Exception as exc:
             return Failure(
-                "fused-forward-error", f"under {name}: {type(exc).__name__}: {exc}", _tail(exc)
+                "fused-forward-error", f"{name}: {type(exc).__name__}: {exc}", _tail(exc)
             )
         mismatch = dtype_mismatch(want, got)
         if mismatch:
-            return Failure("ambient-state", f"under {name}: {mismatch}")
+            return Failure("ambient-state", f"{name}: {mismatch}")
         error, where = compare(state(expected), state(actual), "output")
         if error > tolerance:
             return Failure(
                 "ambient-state",
-                f"under {name}: {where} differs (relative error {error:.3g})",
+                f"{name}: {where} differs (relative error {error:.3g})",
                 observed=error,
                 tolerance=tolerance,
             )
     return None
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    """`value` with every floating tensor and module in it cast to `dtype` (a module in
+    place, as `Module.to` does); `value` itself when `dtype` is None."""
+    if dtype is None:
+        return value
+    if isinstance(value, nn.Module):
+        return value.to(dtype)
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast(item, dtype) for key, item in value.items()}
+    return value
 
 
 PREMISE_SITES = 2

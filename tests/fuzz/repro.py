@@ -70,6 +70,7 @@ Exit status: 1 if a failure reproduces, 0 if not, 2 if the bundle cannot be repl
 Needs only torch, transformers and the fusion-harness package.
 """
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -189,10 +190,10 @@ def check(directory, fields):
         observed = gradient_error(want, got)
         if observed > {grad_tolerance!r}:
             return "gradient-parity", "gradient relative error %.3g" % observed
-    for name, (context, bound) in AMBIENT.items():
-        args, kwargs = module.make_inputs(torch.Generator().manual_seed(seed + 1))
+    for name, (context, bound, dtype) in AMBIENT.items():
+        args, kwargs = cast(module.make_inputs(torch.Generator().manual_seed(seed + 1)), dtype)
         fused_args, fused_kwargs = copy.deepcopy((args, kwargs))
-        unfused_copy, fused_copy = copy.deepcopy(original), copy.deepcopy(fused)
+        unfused_copy, fused_copy = cast(copy.deepcopy((original, fused)), dtype)
         try:
             with torch.no_grad(), context():
                 expected, want = run_recording(unfused_copy, args, kwargs)
@@ -251,9 +252,25 @@ class ShiftProducts(torch.overrides.TorchFunctionMode):
 
 
 AMBIENT = {{
-    "autocast-bf16": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), {autocast_tolerance!r}),
-    "torch-function-mode": (ShiftProducts, {tolerance!r}),
+    "autocast-bf16": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), {autocast_tolerance!r}, None),
+    "torch-function-mode": (ShiftProducts, {tolerance!r}, None),
+    "a bfloat16 cast": (contextlib.nullcontext, {autocast_tolerance!r}, torch.bfloat16),
 }}
+
+
+def cast(value, dtype):
+    """`value` with its floating tensors and modules cast to `dtype` (None: unchanged)."""
+    if dtype is None:
+        return value
+    if isinstance(value, nn.Module):
+        return value.to(dtype)
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {{key: cast(item, dtype) for key, item in value.items()}}
+    return value
 
 
 def floats(value):

@@ -73,17 +73,34 @@ def root_spellings(exprs: Iterable[Any]) -> tuple[str, ...]:
     return tuple(root for root in ROOTS if root in found) or (RSQRT,)
 
 
-def _inexact_pow(exprs: dict[tuple, Any], points: list[tuple]) -> str | None:
-    """Why a norm whose inverse root is `pow(v, -0.5)` in a reduced dtype matches no
-    variant (`expr.power`: there ATen's `pow` rounds otherwise than `rsqrt`), or None."""
-    for point in points:
-        for e in walk(exprs[point]):
-            if e.op == "pow" and e.args[1] == const(-0.5):
-                return (
-                    f"pow(v, -0.5) in {str(e.dtype).removeprefix('torch.')} rounds "
-                    "differently from rsqrt(v), and no kernel computes it"
-                )
+def _inexact_pow(expr: Any) -> str | None:
+    """Why `expr` (a norm at one dtype point) is one no kernel variant computes because its
+    inverse root is `pow(v, -0.5)` in a reduced dtype (`expr.power`: there ATen's `pow`
+    rounds otherwise than `rsqrt`), or None."""
+    for e in walk(expr):
+        if e.op == "pow" and e.args[1] == const(-0.5):
+            dtype = "a reduced dtype" if e.dtype is None else str(e.dtype).removeprefix("torch.")
+            return f"pow(v, -0.5) in {dtype} rounds otherwise than rsqrt(v); no kernel computes it"
     return None
+
+
+def _best_variant(
+    candidates: Iterable[Variant], exprs: dict[tuple, Any], must: list[tuple], points: tuple
+) -> tuple[Variant, frozenset] | None:
+    """`(variant, the points where it computes the norm's expression)` for the candidate equal
+    at every `must` point and at the most of `points` (the first of equals), or None.
+
+    Safe because only equality is trusted: a point outside the returned set runs the
+    original forward (`NormForward.failure`), so a variant that agrees at some float32 points
+    and not at float64 (one that upcasts, where the norm does not) is never run there."""
+    best: tuple[Variant, frozenset] | None = None
+    for variant in candidates:
+        if not all(kernel_expr(variant, *point) == exprs[point] for point in must):
+            continue
+        verified = frozenset(p for p in points if kernel_expr(variant, *p) == exprs[p])
+        if best is None or len(verified) > len(best[1]):
+            best = (variant, verified)
+    return best
 
 
 def _eps_candidates(module: nn.Module) -> list[str]:
@@ -175,24 +192,25 @@ def prove_variant(module: nn.Module) -> NormMatch:
         if e.op == "const" and e.value != MARKER and math.isfinite(e.value)
     }
     roots = root_spellings(exprs[point] for point in required)
-    for variant in candidate_variants(weight is not None, offsets, roots):
-        if all(kernel_expr(variant, *point) == exprs[point] for point in required):
-            verified = frozenset(
-                point
-                for point in (*required, *extra)
-                if kernel_expr(variant, *point) == exprs[point]
-            )
-            check_write_free(module)
-            return NormMatch(
-                variant=variant,
-                eps_attr=eps_attr,
-                eps_default_rule=eps_rule,
-                verified=verified,
-                weight_name=weight_name,
-                carried_buffers=_carried_buffers(module, used),
-            )
+    # A point whose own computation no kernel computes (a reduced-dtype `pow(v, -0.5)`) is
+    # left unproven, so calls at it run the original (`NormForward` checks `verified` per
+    # call); every other required point must match, so one variant covers the norm.
+    inexact = {point: _inexact_pow(exprs[point]) for point in required}
+    must = [point for point in required if inexact[point] is None]
+    candidates = candidate_variants(weight is not None, offsets, roots)
+    best = _best_variant(candidates, exprs, must, (*required, *extra)) if must else None
+    if best is not None:
+        check_write_free(module)
+        return NormMatch(
+            variant=best[0],
+            eps_attr=eps_attr,
+            eps_default_rule=eps_rule,
+            verified=best[1],
+            weight_name=weight_name,
+            carried_buffers=_carried_buffers(module, used),
+        )
     raise RewriteRefused(
-        _inexact_pow(exprs, required)
+        (None if must else next(iter(inexact.values())))
         or diagnose(native_expr, MARKER)
         or f"computes no FusedRMSNorm variant: {str(native_expr).replace(repr(MARKER), 'eps')}"
     )

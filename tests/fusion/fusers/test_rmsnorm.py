@@ -274,15 +274,34 @@ def test_root_spellings_are_told_apart() -> None:
     assert not torch.equal(outs["rsqrt"], outs["1/sqrt"])
 
 
-def test_pow_minus_half_in_a_reduced_dtype_is_refused_with_reason() -> None:
+def test_pow_minus_half_in_a_reduced_dtype_is_proven_only_where_it_is_rsqrt() -> None:
     """Without the float32 upcast, `pow(v, -0.5)` runs in bfloat16/float16, where ATen's
-    `pow` rounds otherwise than `rsqrt` on some values: no kernel computes it."""
+    `pow` rounds otherwise than `rsqrt` on some values: the norm fuses, proven at the
+    float32 and float64 inputs only, and a reduced-dtype call runs the original, bit for bit."""
     norm = _synthetic(
         "self.weight * (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.my_eps, -0.5))"
     )
+    fused, report = fused_norm(norm)
+    assert report.counts() == {"rmsnorm": 1}, reasons(report)
+    verified = norm_forward(fused).verified
+    assert {x for x, _ in verified} == {torch.float32, torch.float64}
+    reference = copy.deepcopy(norm)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(fused(x), reference(x)), dtype
+
+
+def test_pow_minus_half_in_every_dtype_is_refused_with_reason() -> None:
+    """A norm whose input is cast to bfloat16 before the root computes `pow` in a reduced
+    dtype at every point: nothing is left to prove, so it refuses and says why."""
+    norm = _synthetic(
+        "self.weight * (x * torch.pow((x.to(torch.bfloat16) ** 2).mean(-1, keepdim=True)"
+        " + self.my_eps, -0.5))"
+    )
     _, report = fused_norm(norm)
     assert report.counts() == {}
-    assert "pow(v, -0.5) in bfloat16 rounds differently from rsqrt" in reasons(report)
+    assert "pow(v, -0.5) in bfloat16 rounds otherwise than rsqrt" in reasons(report)
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
