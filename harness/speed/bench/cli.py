@@ -27,6 +27,7 @@ from harness.speed.bench.cases import (
     kernel_cases,
     model_cases,
 )
+from harness.speed.bench.decode import decode_cases, format_decode
 from harness.speed.bench.table import Row, compiled_ratios, format_table, machine_info, run_case
 from harness.speed.bench.timers import (
     MALLOC_ENV,
@@ -74,6 +75,16 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
     if args.threads:
         torch.set_num_threads(args.threads)
     selected = args.kernel or [*KERNELS, *MODELS]
+    if getattr(args, "generate", False):
+        cases = decode_cases(
+            device,
+            dtype,
+            models=args.model,
+            prompt=args.prompt,
+            new_tokens=args.new_tokens,
+            compiled=args.compile,
+        )
+        return _run_and_print(cases, args, device, dtype)
     if args.models:
         cases = end_to_end_cases(
             device,
@@ -115,7 +126,7 @@ def _run_and_print(
     # its weights once; only model cases know their bytes, so only they are measured).
     if gpu:
         copy_bw = copy_bandwidth(device)
-    elif any(c.kernel.startswith("model_") for c in cases):
+    elif any(c.kernel.startswith("model_") or c.kernel == "decode" for c in cases):
         copy_bw = read_bandwidth(stream_bytes())
     else:
         copy_bw = None
@@ -139,6 +150,10 @@ def _run_and_print(
         if gpu:
             torch.cuda.empty_cache()
     print(format_table(rows, bandwidth=copy_bw is not None, ceiling="copy" if gpu else "read"))
+    decode = format_decode(rows)
+    if decode:
+        print("\ndecode (greedy generate with the KV cache; tokens/s include the prefill):")
+        print(decode)
     compiled = compiled_ratios(rows)
     if compiled:
         print("\nfused+compiled vs compiled (above 1: fusion still pays under torch.compile):")

