@@ -17,6 +17,7 @@ from harness.cli.argtypes import positive_float, positive_int
 SLOWER = 0.97
 FASTER = 1.03
 TOKENS = (1, 128)
+GENERATE = (8, 8)
 LAYERS = 2
 VOCAB = 1024
 MAX_GB = 4.0
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Performance verdict per architecture: build it at its real default "
         "widths (LAYERS layers, a small vocabulary, random weights), fuse and calibrate a "
-        "copy, time the unfused and fused decoder forwards interleaved at each token count, "
+        "copy, time the unfused and fused decoder forwards interleaved at each token count "
+        "and a greedy generate with the KV cache, "
         f"and judge the per-round ratios unfused / fused: 'slower' when the upper quartile is "
         f"below {SLOWER}, 'faster' when the lower quartile is above {FASTER}, else 'same'. "
         "Architectures run one at a time. Exit status: 1 if any architecture is 'slower', "
@@ -54,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="architectures: names or globs (default: every corpus architecture)",
     )
     parser.add_argument("--tokens", "--perf-tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument(
+        "--generate",
+        "--perf-generate",
+        default=",".join(map(str, GENERATE)),
+        metavar="P,N",
+        help="also time greedy generate with the KV cache: a P-token prompt, N new tokens "
+        f"(default {GENERATE[0]},{GENERATE[1]}), judged like the forwards; 'off' for none",
+    )
     parser.add_argument("--layers", "--perf-layers", type=positive_int, default=LAYERS)
     parser.add_argument(
         "--max-gb",

@@ -141,6 +141,8 @@ def _perf_series(records: Sequence[Any]) -> list[Series]:
             what = f"records[{i}].timings[{j}]"
             if not isinstance(timing, dict):
                 raise SpeedDocumentError(f"{what} is not an object")
+            if timing.get("kind", "forward") != "forward":
+                continue  # a `generate` timing: tokens generated, not a forward's width
             series.points.append(
                 Point(
                     int(_number(timing.get("tokens"), f"{what}.tokens")),

@@ -48,6 +48,7 @@ from corpus.overrides import deep_merge, override
 from corpus.tiny import config_values, is_config
 from harness.base import architectures
 from harness.reporting import table as text_table
+from harness.speed.bench.decode import greedy, prompt_ids
 from harness.speed.bench.table import machine_info
 from harness.speed.bench.timers import (
     MALLOC_ENV,
@@ -64,6 +65,8 @@ FASTER = 1.03
 """A token count is `faster` when the lower quartile of unfused / fused is above this."""
 
 TOKENS = (1, 128)
+GENERATE = (8, 8)
+"""(prompt tokens, new tokens) of the greedy `generate` timed beside the forwards."""
 """Default token counts: one decode step, a prompt chunk."""
 
 LAYERS = 2
@@ -117,6 +120,8 @@ class PerfOptions:
     clock: str = "wall"
     seed: int = 0
     calibrate: bool = True
+    generate: tuple[int, int] | None = GENERATE
+    """(prompt, new tokens) of the timed greedy `generate` with the KV cache; None: none."""
     widths: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -135,6 +140,9 @@ class TokenPerf:
     ratio_q3: float
     rounds: int
     verdict: str
+    kind: str = "forward"
+    """`forward`: the decoder stack on `tokens` tokens, no cache; `generate`: a greedy
+    `generate` of `tokens` new tokens with the KV cache (`PerfOptions.generate`)."""
 
 
 @dataclass
@@ -151,6 +159,8 @@ class ArchPerf:
     fused_modules: int = 0
     calibrated: int = 0
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    """What else was found: a `generate` this model cannot run, greedy tokens that differ."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,6 +371,33 @@ def decoder_forward(model: nn.Module, tokens: int, seed: int) -> Callable[[], An
     return run
 
 
+def generate_perf(
+    model: nn.Module, fused: nn.Module, options: PerfOptions, notes: list[str]
+) -> TokenPerf | None:
+    """The `generate` timing of the two models (greedy, KV cache, `options.generate`), or
+    None with the reason in `notes` where the unfused model cannot generate (not a causal
+    LM's `generate`: then nothing of the user's decode is there to judge). Greedy tokens
+    that differ from the unfused ones are noted (with random weights near-tied logits may
+    flip under a measured kernel's rounding; the bench's trained model is where they must
+    not)."""
+    prompt, new = options.generate or GENERATE
+    try:
+        ids = prompt_ids(model, prompt, options.seed)
+        want = greedy(model, ids, new)
+    except Exception as exc:
+        notes.append(f"generate: not timed, the unfused model cannot: {_one_line(exc)}")
+        return None
+    got = greedy(fused, ids, new)
+    if not torch.equal(got, want):
+        notes.append("generate: greedy tokens differ from the unfused model's")
+    unfused_times, fused_times = time_pair(
+        lambda: greedy(model, ids, new), lambda: greedy(fused, ids, new), options
+    )
+    timing = token_perf(new, unfused_times, fused_times)
+    timing.kind = "generate"
+    return timing
+
+
 def time_pair(
     unfused: Callable[[], Any], fused: Callable[[], Any], options: PerfOptions
 ) -> tuple[list[float], list[float]]:
@@ -433,6 +470,12 @@ def measure_arch(
                 options,
             )
             record.timings.append(token_perf(tokens, unfused_times, fused_times))
+        if options.generate:
+            stage = "generate"
+            progress(f"{arch}: timing generate {options.generate[0]}+{options.generate[1]}")
+            timing = generate_perf(model, fused, options, record.notes)
+            if timing is not None:
+                record.timings.append(timing)
         record.verdict = arch_verdict(record.timings)
     except Exception as exc:  # recorded, never fatal: the next architecture still runs
         record.verdict = f"error: {stage}: {_one_line(exc)}"
@@ -473,7 +516,7 @@ def format_table(records: Sequence[ArchPerf]) -> str:
             table.append(
                 [
                     r.arch if i == 0 else "",
-                    str(t.tokens),
+                    str(t.tokens) if t.kind == "forward" else f"gen {t.tokens}",
                     f"{t.unfused_ms:.2f}",
                     f"{t.fused_ms:.2f}",
                     f"{t.ratio:.2f}x [{t.ratio_q1:.2f}-{t.ratio_q3:.2f}]",
@@ -521,6 +564,16 @@ def options_from_args(args: argparse.Namespace) -> PerfOptions:
         raise PerfError("--vocab must be at least 256 (the corpus's special token ids)")
     if args.max_gb <= 0 or args.budget <= 0:
         raise PerfError("--max-gb and --budget must be positive")
+    generate = None
+    if args.generate.strip().lower() != "off":
+        try:
+            generate = tuple(int(v) for v in args.generate.split(","))
+        except ValueError:
+            generate = ()
+        if len(generate) != 2 or min(generate) < 1:
+            raise PerfError(
+                f"--generate {args.generate!r}: expected PROMPT,NEW (two positive integers) or off"
+            )
     if args.threads is not None and args.threads < 1:
         raise PerfError("--threads must be at least 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -536,6 +589,7 @@ def options_from_args(args: argparse.Namespace) -> PerfOptions:
         clock=args.clock,
         seed=args.seed,
         calibrate=not args.no_calibrate,
+        generate=generate,
     )
 
 
@@ -560,6 +614,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     records = run(archs, options, lambda line: print(f"perf: {line}", file=sys.stderr, flush=True))
     print(format_table(records))
+    for r in records:
+        for note in r.notes:
+            print(f"{r.arch}: {note}")
     print(summary_line(records))
     if args.json:
         args.json.write_text(json.dumps(document(records, options), indent=1) + "\n")

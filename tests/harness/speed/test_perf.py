@@ -197,6 +197,8 @@ def test_format_table_rows_and_alignment():
         ["perf", "--tokens", "a,b"],
         ["perf", "--layers", "0"],
         ["perf", "--vocab", "100"],
+        ["perf", "--generate", "8"],
+        ["perf", "--generate", "0,4"],
         ["perf", "--arch", "no-such-architecture"],
         ["run", "--perf", "--perf-max-gb", "-1"],
     ],
@@ -225,6 +227,22 @@ def test_run_perf_hands_off_with_the_perf_spellings(monkeypatch):
     assert status == 1  # a slower architecture fails the command
     assert seen["archs"] == ["llama"]
     assert seen["options"].tokens == (1, 16) and seen["options"].layers == 1
+    assert seen["options"].generate == perf.GENERATE
+    cli.main(["perf", "--arch", "llama", "--generate", "off"])
+    assert seen["options"].generate is None
+    cli.main(["perf", "--arch", "llama", "--generate", "4,2"])
+    assert seen["options"].generate == (4, 2)
+
+
+def test_a_model_that_cannot_generate_is_noted_and_keeps_its_forward_verdict(monkeypatch):
+    def cannot(*args, **kwargs):
+        raise TypeError("no generate here")
+
+    monkeypatch.setattr(perf, "greedy", cannot)
+    monkeypatch.setattr(perf, "prompt_ids", lambda model, prompt, seed: torch.ones(1, prompt))
+    notes: list[str] = []
+    assert perf.generate_perf(None, None, perf.PerfOptions(), notes) is None
+    assert notes and "cannot" in notes[0] and "no generate here" in notes[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +261,12 @@ def test_one_architecture_end_to_end(tmp_path, monkeypatch, capsys):
     assert record.verdict in ("faster", "same", "slower"), record.verdict
     assert record.layers == 2 and record.fused_modules > 0
     assert record.params and record.estimate_gb and record.estimate_gb < options.max_gb
-    assert [t.tokens for t in record.timings] == [1, 4]
+    assert [(t.kind, t.tokens) for t in record.timings] == [
+        ("forward", 1),
+        ("forward", 4),
+        ("generate", perf.GENERATE[1]),
+    ]
+    assert record.notes == []  # float32, uncalibrated table: the unfused greedy tokens
     for t in record.timings:
         assert t.rounds >= 3 and t.unfused_ms > 0 and t.fused_ms > 0
         assert t.ratio_q1 <= t.ratio <= t.ratio_q3
@@ -264,7 +287,7 @@ def test_the_commands_defaults_are_perfs_own():
     from harness.speed import calibration
     from harness.speed import perf as speed_perf
 
-    for name in ("SLOWER", "FASTER", "TOKENS", "LAYERS", "VOCAB", "MAX_GB", "BUDGET_S"):
+    for name in ("SLOWER", "FASTER", "TOKENS", "GENERATE", "LAYERS", "VOCAB", "MAX_GB", "BUDGET_S"):
         assert getattr(perf_command, name) == getattr(speed_perf, name), name
     assert list(speed_perf.DTYPES) == list(perf_command.common.DTYPE_NAMES)
     assert list(calibrate_command.MODELS) == list(calibration.MODELS)
