@@ -26,22 +26,12 @@ from torch import nn
 
 from fusion.errors import RewriteRefused
 from fusion.runtime.experts import Dispatch
+from fusion.trace.wrappers import nested_code
 
 INTERFACE_MODULE = "transformers.integrations.moe"
 KNOWN_FUNCTIONS = ("grouped_mm_experts_forward", "batched_mm_experts_forward")
 """Transformers' experts functions (in `INTERFACE_MODULE`) that compute the experts function
 with the class's `_apply_gate` and flags, whatever the class."""
-
-
-def _nested_code(code: types.CodeType, *names: str) -> types.CodeType | None:
-    """The code object defined in `code` as `names[0]`, in that as `names[1]`, ... (the
-    code of a nested `def`), None if absent."""
-    for name in names:
-        consts = [c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name]
-        if len(consts) != 1:
-            return None
-        code = consts[0]
-    return code
 
 
 def _closure(function: types.FunctionType) -> dict[str, Any]:
@@ -52,7 +42,7 @@ def _closure(function: types.FunctionType) -> dict[str, Any]:
 def dispatcher_target(forward: Any, moe: types.ModuleType) -> tuple[Any, Callable] | None:
     """(interface, eager forward) when `forward` is Transformers' experts dispatcher (the
     code of `use_experts_implementation`'s inner `forward`), else None."""
-    code = _nested_code(moe.use_experts_implementation.__code__, "wrapper", "forward")
+    code = nested_code(moe.use_experts_implementation.__code__, ("wrapper", "forward"))
     if code is None or getattr(forward, "__code__", None) is not code:
         return None
     closure = _closure(forward)
