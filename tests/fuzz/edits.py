@@ -357,6 +357,26 @@ def helper_sites(model: nn.Module) -> list[tuple[str, str, bool]]:
     return sites
 
 
+def _global_module_forward(module: nn.Module, name: str, on_class: bool) -> Edit:
+    """A module object called as a global: its class's `forward` halved (`on_class`), or an
+    instance-level `forward` that halves set on it. Shared: both models call the one object."""
+    cls = type(module)
+
+    def patch(held: Patches) -> None:
+        if on_class:
+            original = cls.forward
+
+            def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                return halve(original(self, *args, **kwargs))
+
+            held.set(cls, "forward", forward)
+        else:
+            held.set(module, "forward", Halving(module.forward))
+
+    where = f"{cls.__qualname__}.forward" if on_class else f"{name}.forward"
+    return Edit("code-swap", f"{where} halved (a module called as a global)", shared=patch)
+
+
 def _helper_method(model: nn.Module, spec: EditSpec) -> Edit | None:
     sites = helper_sites(model)
     if not sites:
@@ -426,16 +446,21 @@ def _linear_subclass(model: nn.Module, spec: EditSpec) -> Edit | None:
 
 
 def _code_swap(generated: types.ModuleType, spec: EditSpec) -> Edit | None:
+    """A module-level helper's `__code__` swapped, or, for a module object called as a
+    global (`apply_rotary_kernel`, as Transformers 5.25's kernels hub makes
+    `apply_rotary_pos_emb`), its class's or its instance's `forward` replaced."""
     names = sorted(
         name
         for name, value in vars(generated).items()
-        if inspect.isfunction(value)
-        and value.__module__ == generated.__name__
-        and name not in GENERATED_ENTRY_POINTS
+        if (inspect.isfunction(value) and value.__module__ == generated.__name__)
+        or (isinstance(value, nn.Module) and type(value).__module__ == generated.__name__)
+        if name not in GENERATED_ENTRY_POINTS
     )
     if not names:
         return None
     name = names[spec.site % len(names)]
+    if isinstance(vars(generated)[name], nn.Module):
+        return _global_module_forward(vars(generated)[name], name, spec.choice % 2 == 0)
     writes = spec.choice % 2 == 1
     function = vars(generated)[name]
 

@@ -200,6 +200,17 @@ SNIPPETS: dict[str, str] = {
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+        class RotaryKernel(nn.Module):
+            """A module called as a global function (Transformers 5.25's kernels hub makes
+            `apply_rotary_pos_emb` one): its forward calls the module-level helper."""
+
+            def forward(self, q, k, cos, sin):
+                return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+        apply_rotary_kernel = RotaryKernel()
+
+
         def apply_rotary_in_place(q, k, cos, sin):
             """In place: the rotated values are copied back into q and k."""
             q.copy_(q * cos + rotate_half(q) * sin)

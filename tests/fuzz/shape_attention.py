@@ -119,7 +119,11 @@ def _draw_attention(draw: Draw, part: Part, safe: bool, hidden: int | None) -> A
     prescale = draw(weighted([(None, 5), ("augassign", 1), ("mul_", 1), ("rebind", 1)]))
     if prescale:
         part.features.append(f"prescale:{prescale}")
-    rotary = draw(weighted([(None, 5), ("functional", 2), ("in_place", 1), ("inline_setitem", 1)]))
+    rotary = draw(
+        weighted(
+            [(None, 5), ("functional", 2), ("in_place", 1), ("inline_setitem", 1), ("module", 1)]
+        )
+    )
     if rotary:
         part.snippets.append("rotary")
         part.features.append(f"rotary:{rotary}")
@@ -278,6 +282,10 @@ def _attention_in_place_forms(a: Attention, part: Part) -> list[str]:
     if a.rotary == "functional":
         body.append(
             "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)"
+        )
+    elif a.rotary == "module":
+        body.append(
+            "query_states, key_states = apply_rotary_kernel(query_states, key_states, cos, sin)"
         )
     elif a.rotary == "in_place":
         body.append("apply_rotary_in_place(query_states, key_states, cos, sin)")

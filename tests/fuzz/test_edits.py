@@ -195,3 +195,71 @@ def test_an_honest_fusion_passes_every_edit(
     assert row["examples"] == 3 and row["failures"] == 0, row
     assert tally.counts["edit:glu_mlp"]["examples"] == 3
     assert any(line.startswith(f"edit-{kind}") for line in tally.lines())
+
+
+KERNEL_SOURCE = """\
+import torch
+from torch import nn
+
+
+def double(t):
+    return t * 2.0
+
+
+class Kernel(nn.Module):
+    def forward(self, t):
+        return double(t) + 1.0
+
+
+kernel = Kernel()
+
+
+class GeneratedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return kernel(self.proj(x))
+
+
+def build():
+    return GeneratedModel()
+
+
+def make_inputs(generator):
+    return (torch.randn(2, 3, 8, generator=generator),), {}
+"""
+
+KERNEL_MODULE = GeneratedModule(
+    "attention", "GeneratedModel", KERNEL_SOURCE, (), ("module-global",)
+)
+
+
+def _kernel_snapshot_fuse(model: nn.Module) -> FusionReport:
+    """A fusion that bound the global module's forward, as it was, at fuse time."""
+    frozen = model.forward.__globals__["kernel"].forward
+    proj = model.proj
+    model.forward = lambda x: frozen(nn.Linear.forward(proj, x))
+    return FusionReport(applied=[Applied("", "snapshot", "GeneratedModel", "frozen")])
+
+
+def test_a_module_called_as_a_global_is_a_code_swap_site(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code-swap kind patches a global module's class and instance `forward` (and
+    swaps the helper it calls); a fusion that froze the module's forward fails the class and
+    instance patches, an honest one passes all three."""
+    descriptions = {}
+    for fuse, label in ((_kernel_snapshot_fuse, "snapshot"), (_honest_fuse_root, "honest")):
+        monkeypatch.setattr(oracle.fusion, "fuse", fuse)
+        for site, choice in ((0, 0), (1, 0), (1, 1)):
+            outcome = check_edit(KERNEL_MODULE, EditSpec("code-swap", site, choice), 0, tmp_path)
+            descriptions[(label, site, choice)] = outcome.failure
+    assert descriptions[("snapshot", 1, 0)] is not None  # Kernel.forward halved
+    assert descriptions[("snapshot", 1, 1)] is not None  # kernel.forward = Halving(...)
+    assert all(f is None for (label, *_), f in descriptions.items() if label == "honest")
+
+
+def _honest_fuse_root(model: nn.Module) -> FusionReport:
+    return FusionReport(applied=[Applied("", "honest", "GeneratedModel", "nothing frozen")])
