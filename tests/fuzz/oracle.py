@@ -125,6 +125,11 @@ AMBIENT: dict[str, tuple[Any, float]] = {
 }
 """{name: (context factory, tolerance)}: the ambient states a forward is re-run under."""
 
+EXACT_FUSERS = frozenset({"rmsnorm"})
+"""Fusers whose result is the original's bit for bit at every dtype pair they run at (a norm
+is proven per (input, weight) dtype pair and runs the original elsewhere): where only they
+applied, the casts of `CASTS` are compared exactly."""
+
 CASTS: dict[str, tuple[torch.dtype, float]] = {
     "a bfloat16 cast": (torch.bfloat16, AUTOCAST_TOLERANCE),
 }
@@ -258,7 +263,8 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
         failure = failure or _stacked_failure(
             module, seed, *pristine, path=measured_references, label="on the route"
         )
-        failure = failure or _ambient_failure(module, seed, *pristine)
+        exact = all(applied.fuser in EXACT_FUSERS for applied in report.applied)
+        failure = failure or _ambient_failure(module, seed, *pristine, exact_casts=exact)
         failure = failure or _premise_failure(module, seed, *pristine)
         return Outcome(status, report, failure)
 
@@ -422,13 +428,22 @@ def _stacked_failure(
 
 
 def _ambient_failure(
-    module: ModuleType, seed: int, original: nn.Module, fused: nn.Module
+    module: ModuleType,
+    seed: int,
+    original: nn.Module,
+    fused: nn.Module,
+    exact_casts: bool = False,
 ) -> Failure | None:
     """`ambient-state` when, under one of `AMBIENT` or cast to one of `CASTS`, the fused
     output differs (dtype or value) from the unfused output in the same state; None
-    otherwise, and for a state the unfused forward itself cannot run in."""
+    otherwise, and for a state the unfused forward itself cannot run in. `exact_casts`:
+    the casts must agree bit for bit (every fusion applied is a norm, proven bit-exact per
+    dtype pair and running the original at a pair it did not prove)."""
     states = [(f"under {name}", make, tol, None) for name, (make, tol) in AMBIENT.items()]
-    states += [(f"under {name}", nullcontext, tol, dtype) for name, (dtype, tol) in CASTS.items()]
+    states += [
+        (f"under {name}", nullcontext, 0.0 if exact_casts else tol, dtype)
+        for name, (dtype, tol) in CASTS.items()
+    ]
     for name, context, tolerance, dtype in states:
         args, kwargs = _cast(make_inputs(module, seed), dtype)
         args_fused, kwargs_fused = copy.deepcopy((args, kwargs))

@@ -19,6 +19,7 @@ from torch import nn
 from fusion.engine import apply
 from fusion.report import FusionReport
 from fusion.runtime import merged as modules
+from fusion.runtime import norm_forward
 from fusion.runtime.merged import MergedLinear
 from tests.fusion import merged_paths
 from tests.fuzz.comparisons import relative_error
@@ -297,3 +298,72 @@ def test_the_route_is_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     outcome = check(ATTENTION, 0, tmp_path)
     assert outcome.failure is not None and outcome.failure.kind == "module-parity", outcome
     assert "on the route" in outcome.failure.message
+
+
+POW_NORM = GeneratedModule(
+    "rmsnorm",
+    "GeneratedModel",
+    """\
+import torch
+from torch import nn
+
+
+class PowNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64) * 0.1 + 1.0)
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return self.weight * (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5))
+
+
+class GeneratedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = PowNorm()
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def build():
+    return GeneratedModel()
+
+
+def make_inputs(generator):
+    return (torch.randn(4, 96, 64, generator=generator),), {}
+""",
+    (),
+    ("handwritten",),
+)
+
+
+def test_a_norm_kernel_an_ulp_off_in_bfloat16_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A norm-only fusion is compared bit for bit after the bfloat16 cast: a fused norm is
+    proven per dtype pair (`pow(v, -0.5)` without an upcast only in float32/float64) and runs
+    the original at any other, so one ulp of difference there is a kernel run where its
+    proof does not reach. Shown with every pair taken as proven and a kernel one ulp off."""
+    outcome = check(POW_NORM, 0, tmp_path)
+    assert outcome.status == "fused" and outcome.failure is None, outcome.failure
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    original_init = norm_forward.NormForward.__init__
+    kernel = norm_forward.norm_kernel
+
+    def proven_everywhere(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.verified = frozenset((x, w) for x in dtypes for w in dtypes)
+
+    def an_ulp_off(x, *args, **kwargs):
+        out = kernel(x, *args, **kwargs)
+        if out.dtype != torch.bfloat16:
+            return out
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(norm_forward.NormForward, "__init__", proven_everywhere)
+    monkeypatch.setattr(norm_forward, "norm_kernel", an_ulp_off)
+    outcome = check(POW_NORM, 0, tmp_path)
+    assert outcome.failure is not None and outcome.failure.kind == "ambient-state", outcome
+    assert "bfloat16 cast" in outcome.failure.message
