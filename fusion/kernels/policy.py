@@ -37,9 +37,10 @@ policy only ever narrows what may run, never widens it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -68,6 +69,8 @@ PINNED: dict[str, tuple[str, ...]] = {
 }
 """Backends that name kernels: theirs run wherever eligible, unmeasured (the GPU backends'
 fused modules are the stacked GEMM: they have no products of their own)."""
+
+_MISSING = object()
 
 MAX_BUCKET = 512
 """Rows past this fall in no bucket: the reference (no fast kernel is for prompts that long)."""
@@ -101,7 +104,7 @@ class KernelPolicy:
 
     _mode: str | None = None
     _table: Table | None = None
-    _memo: dict[tuple, tuple[str, ...]] = field(default_factory=dict)
+    _memo: dict[tuple, Any] = field(default_factory=dict)
     asked: set[tuple[str, tuple[int, ...], str, int, int]] = field(default_factory=set)
     """Every (op, shape, dtype, row bucket, threads) a choice was asked for with a kernel
     to choose between: what `fusion.calibrate` measures after running a model."""
@@ -210,6 +213,16 @@ class KernelPolicy:
             chosen = self._decide(op, shape, dtype, key[3], threads, backend)
             self._memo[key] = chosen
         return chosen
+
+    def remembered(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """`compute()`, memoised under `key` with the choices, so forgotten with them (`use`,
+        `set_table`, `reset`): for a caller whose answer derives from the policy's and
+        otherwise only from `key` (a route's decision per dtype, row bucket and threads)."""
+        answer = self._memo.get(key, _MISSING)
+        if answer is _MISSING:
+            answer = compute()
+            self._memo[key] = answer
+        return answer
 
     def routes_possible(self, op: str) -> bool:
         """Could `measured_reference(op, ...)` answer True for any key now: the `measured`

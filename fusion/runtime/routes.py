@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import get_num_threads, nn
 
 from fusion.analysis.callpath import HOOK_ATTRS
 from fusion.kernels import ops
-from fusion.kernels.policy import POLICY
+from fusion.kernels.policy import POLICY, row_bucket
 from fusion.runtime.guards import ChildGuard, Guard
 from fusion.runtime.merged import ActAndMul, MergedLinear
 
@@ -44,6 +44,10 @@ class Route:
     merged: tuple[MergedLinear, ...]
     acts: tuple[ActAndMul, ...]
     first: str
+    _watched: tuple[nn.Module, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_watched", (*self.merged, *self.acts))
 
     def takes_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """True when this call may run the original forward: eager, the input a tensor
@@ -51,7 +55,13 @@ class Route:
         every merged projection's stacked product measured to run its reference for it
         (`KernelPolicy.measured_reference`), every act-and-mul on its torch reference
         (`ops.eager_reference`), and no hook on any of them (the original does not call
-        them, and a hook on a fused module expects its calls)."""
+        them, and a hook on a fused module expects its calls).
+
+        The policy's part depends only on the input's dtype, device type, width and row
+        bucket and the thread count: it is asked once per such key and remembered with the
+        policy's own answers (`KernelPolicy.remembered`, forgotten whenever they are); the
+        hooks are looked at on every call. On a decode step this runs after a GEMV has
+        streamed the caches empty, so each frame it saves is a cold one."""
         # compiled code never routes, and must not read (so guard on) the policy's memo;
         # then the common case: nothing measured to lose, one memoised lookup
         if torch.compiler.is_compiling() or not POLICY.routes_possible("stacked"):
@@ -63,15 +73,24 @@ class Route:
         if not width:
             return False
         rows = x.numel() // width
+        key = ("route", id(self), x.dtype, row_bucket(rows), get_num_threads(), x.device.type)
+        held, allowed = POLICY.remembered(key, lambda: (self, self._policy_allows(x, width)))
+        if held is not self:  # another Route that lived at this address: ask afresh
+            allowed = self._policy_allows(x, width)
+        return allowed and not _any_hooked(self._watched)
+
+    def _policy_allows(self, x: torch.Tensor, width: int) -> bool:
+        """The policy's part of `takes_original` for an input like `x` of `width`."""
+        rows = x.numel() // width
         dtype = ops.dtype_name(x.dtype)
         for merged in self.merged:
-            if merged.in_features != width or _hooked(merged):
+            if merged.in_features != width:
                 return False
             if not POLICY.measured_reference(
                 "stacked", merged.kernel_shape, dtype, rows, merged.backend
             ):
                 return False
-        return all(ops.eager_reference(act.backend, x) and not _hooked(act) for act in self.acts)
+        return all(ops.eager_reference(act.backend, x) for act in self.acts)
 
 
 def route_of(guards: Iterable[Guard], forward: Any) -> Route | None:
@@ -102,6 +121,11 @@ def route_of(guards: Iterable[Guard], forward: Any) -> Route | None:
     return Route(tuple(merged), tuple(acts), parameters[0].name)
 
 
-def _hooked(module: nn.Module) -> bool:
-    state = module.__dict__
-    return any(state.get(attr) for attr in HOOK_ATTRS)
+def _any_hooked(modules: tuple[nn.Module, ...]) -> bool:
+    """Does any of `modules` hold a hook (`HOOK_ATTRS`, read from its own attributes)?"""
+    for module in modules:
+        state = module.__dict__
+        for attr in HOOK_ATTRS:
+            if state.get(attr):
+                return True
+    return False

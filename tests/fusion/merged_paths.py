@@ -53,6 +53,9 @@ def measured_references() -> Iterator[None]:
     with (
         mock.patch.object(POLICY, "routes_possible", lambda op: True),
         mock.patch.object(POLICY, "measured_reference", lambda *args: True),
+        # routes remember the policy's answers in its memo (`KernelPolicy.remembered`):
+        # a fresh one for the block, so no answer from before it decides inside it
+        mock.patch.object(POLICY, "_memo", {}),
     ):
         yield
 

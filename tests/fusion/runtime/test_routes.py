@@ -121,6 +121,32 @@ def test_recording_asks_runs_every_product() -> None:
     assert {ask[0] for ask in POLICY.asked} >= {"stacked"}
 
 
+def test_a_remembered_decision_is_forgotten_with_the_policys_answers() -> None:
+    """A route asks the policy once per (dtype, row bucket, threads) and remembers it with
+    the policy's own answers: a new table, a mode and a hook added later all count."""
+    _, fused = fused_model()
+    ids = token_ids(batch=1, seq=5)
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    forward(fused, ids)
+    taken = calls(fused)[0]
+    assert taken == len(bound_forwards(fused))
+    forward(fused, ids)  # remembered: taken again
+    assert calls(fused)[0] == 2 * taken
+    POLICY.set_table(measured(fused, 5, "float32", stacked=WIN))  # now the stacked one wins
+    forward(fused, ids)
+    assert calls(fused)[0] == 2 * taken
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    forward(fused, ids)
+    assert calls(fused)[0] == 3 * taken
+    POLICY.use("reference")
+    forward(fused, ids)
+    assert calls(fused)[0] == 3 * taken
+    POLICY.use("measured")
+    merged_modules(fused)[0].register_forward_pre_hook(lambda module, args: None)
+    forward(fused, ids)  # the hooked child's rewrite runs; the other routes stay
+    assert calls(fused)[0] == 4 * taken - 1
+
+
 def test_a_hook_on_a_fused_child_keeps_the_rewrite() -> None:
     _, fused = fused_model()
     POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
