@@ -109,7 +109,6 @@ def run_case(
         fns = case.build()
     except Exception as exc:  # a case that cannot be built is reported, not fatal
         return rows_from_medians(case, {}, None, {UNFUSED: f"cannot build: {exc}"})
-    notes.update(case.notes)
     for variant in case.variants:
         fn = fns.get(variant)
         if fn is None or isinstance(fn, Unavailable):
@@ -121,6 +120,9 @@ def run_case(
         and variant_of(key) not in notes
         and not isinstance(fn, Unavailable)
     }
+    notes.update(
+        case.notes
+    )  # after `runnable`: a note is said on the row, it does not bar a timing
     if torch.device(case.device).type == "cpu":
         times = time_cpu_interleaved(runnable, budget_s=budget_s, clock=clock)
     else:
