@@ -21,6 +21,7 @@ wherever no calibration says they only cost.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,8 +75,11 @@ class Route:
             return False
         rows = x.numel() // width
         key = ("route", id(self), x.dtype, row_bucket(rows), get_num_threads(), x.device.type)
-        held, allowed = POLICY.remembered(key, lambda: (self, self._policy_allows(x, width)))
-        if held is not self:  # another Route that lived at this address: ask afresh
+        # a weak reference: the policy's memo must not keep a deleted model's weights alive
+        held, allowed = POLICY.remembered(
+            key, lambda: (weakref.ref(self), self._policy_allows(x, width))
+        )
+        if held() is not self:  # another Route that lived at this address: ask afresh
             allowed = self._policy_allows(x, width)
         return allowed and not _any_hooked(self._watched)
 

@@ -5,6 +5,8 @@ was measured to lose (`fusion.runtime.routes`), and nowhere else. The tables are
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -145,6 +147,17 @@ def test_a_remembered_decision_is_forgotten_with_the_policys_answers() -> None:
     merged_modules(fused)[0].register_forward_pre_hook(lambda module, args: None)
     forward(fused, ids)  # the hooked child's rewrite runs; the other routes stay
     assert calls(fused)[0] == 4 * taken - 1
+
+
+def test_a_remembered_decision_does_not_keep_a_deleted_model_alive() -> None:
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    forward(fused, token_ids(batch=1, seq=5))
+    assert calls(fused)[0] > 0
+    gone = weakref.ref(merged_modules(fused)[0])
+    del fused
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_hook_on_a_fused_child_keeps_the_rewrite() -> None:
