@@ -96,7 +96,6 @@ is orders of magnitude beyond it.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -115,6 +114,7 @@ from harness.oracles.lifecycle.core import (
     OpVerdict,
     _compiles,
     _run,
+    collecting_copies,
     not_installed,
 )
 from harness.oracles.lifecycle.edits import (
@@ -224,15 +224,16 @@ def check(
         fusion.fuse if fuse is None else fuse,
     )
     results: dict[str, dict[str, str]] = {}
-    for number, (name, operation) in enumerate(_OPERATIONS.items(), start=1):
-        if name == "compile" and not _compiles(mode, architecture):
-            verdict = OpVerdict("n/a", NOT_COMPILED)
-        else:
-            if progress is not None:
-                progress(f"lifecycle {name} ({number}/{len(_OPERATIONS)})")
-            verdict = _run(operation, ctx)
-            gc.collect()  # an operation's copies (reference cycles) go before the next one's
-        results[name] = verdict.record()
+    with collecting_copies() as collect:
+        for number, (name, operation) in enumerate(_OPERATIONS.items(), start=1):
+            if name == "compile" and not _compiles(mode, architecture):
+                verdict = OpVerdict("n/a", NOT_COMPILED)
+            else:
+                if progress is not None:
+                    progress(f"lifecycle {name} ({number}/{len(_OPERATIONS)})")
+                verdict = _run(operation, ctx)
+                collect()  # an operation's copies (reference cycles) go before the next one's
+            results[name] = verdict.record()
     ctx.shared.clear()
     return results
 
