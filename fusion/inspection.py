@@ -81,8 +81,8 @@ class FusedForward:
     `failure`: for a rewrite, why it would not run now (the first failing guard), else None.
     `watched`: (child name, child) of the children the rewrite's guards watch as plainly
     called: a hook on or a replacement of one makes the forward run its original instead.
-    `routed`: the rewrite has a measured route (where calibration measured every kernel it
-    calls to lose, it runs the class's original on the fused state).
+    `routed`: the rewrite has a route (where every kernel it calls runs its reference, it
+    runs the class's original on the fused state, `fusion.runtime.routes`).
     `norm_variant` / `norm_eps_attr`: for a kept-norm forward (an RMSNorm left in place
     with an installed forward), the proven variant (`offset`, ...) and the attribute eps is
     read from; None otherwise.

@@ -164,10 +164,17 @@ def _kernel_policy() -> Iterator[None]:
     product on its reference), whatever this machine's calibration table or
     `FUSION_KERNELS` say, and with no kernel pretences: a test that wants a fast kernel
     asks for it (`POLICY.use`, `POLICY.set_table`, a pinned backend, or the pretences of
-    `NATIVE`, `ROW_MACHINE` and `REGISTRY`), and the next test starts clean again."""
+    `NATIVE`, `ROW_MACHINE` and `REGISTRY`), and the next test starts clean again.
+
+    Routes are closed (`KernelPolicy.routing`), as the harness judges: with nothing measured
+    every rewritten forward whose kernels are merged products would otherwise run its
+    class's original, and the rewrites (what a machine that measured a kernel faster runs)
+    would go untested. Tests of the route open them (`tests/fusion/runtime/test_routes.py`,
+    `merged_paths.measured_references`)."""
     POLICY.reset()
     POLICY.use("measured")
     POLICY.set_table(Table("tests"))
+    POLICY.routes = False
     _drop_kernel_overrides()
     yield
     POLICY.reset()

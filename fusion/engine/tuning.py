@@ -212,10 +212,15 @@ PREFILL_ROWS = 128
 def _explained(
     op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
 ) -> tuple[str, str]:
-    """`KernelPolicy.explain`, saying so where the measured reference routes the rewritten
-    forwards calling this merged product to their classes' originals (`fusion.runtime.routes`)."""
+    """`KernelPolicy.explain`, saying so where the reference routes the rewritten forwards
+    calling this merged product to their classes' originals (`fusion.runtime.routes`)."""
     kernel, why = policy.POLICY.explain(op, shape, dtype, rows, backend)
-    if op == "stacked" and policy.POLICY.measured_reference(op, shape, dtype, rows, backend):
+    chooser = policy.POLICY
+    if (
+        op == "stacked"
+        and chooser.routes_open()
+        and chooser.runs_reference(op, shape, dtype, rows, backend)
+    ):
         why += "; the rewritten forward calling it runs its class's original (route)"
     return kernel, why
 

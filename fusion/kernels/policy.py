@@ -111,6 +111,12 @@ class KernelPolicy:
     recording: bool = False
     """While set (`recording_asks`), `idle` answers False, so every product asks `choose`
     and lands in `asked`."""
+    routes: bool = True
+    """Whether a rewritten forward may run its class's original where every product it
+    would compute runs its reference (`routes_open`, `fusion.runtime.routes`). On by
+    default: there the rewrite computes the unfused calls anyway, through more frames. The
+    harness judges rewrites with routes closed (`routing(False)`), so the code a calibrated
+    machine runs is what its oracles see, and judges the route apart."""
 
     def reset(self) -> None:
         self._mode = None
@@ -118,6 +124,22 @@ class KernelPolicy:
         self._memo.clear()
         self.asked.clear()
         self.recording = False
+        self.routes = True
+
+    @contextmanager
+    def routing(self, enabled: bool) -> Iterator[None]:
+        """A block in which routes are open (`enabled`) or closed, then as before."""
+        previous, self.routes = self.routes, enabled
+        try:
+            yield
+        finally:
+            self.routes = previous
+
+    def routes_open(self) -> bool:
+        """May a rewritten forward take its route now: routes enabled and no asks being
+        recorded (while recording, every product must ask `choose`, so nothing may route
+        around it)."""
+        return self.routes and not self.recording
 
     @contextmanager
     def recording_asks(self) -> Iterator[None]:
@@ -224,51 +246,17 @@ class KernelPolicy:
             self._memo[key] = answer
         return answer
 
-    def routes_possible(self, op: str) -> bool:
-        """Could `measured_reference(op, ...)` answer True for any key now: the `measured`
-        mode, not recording, and some table entry of `op` measured with the reference
-        best? Lets a caller skip its per-call questions on a machine that never calibrated
-        (one dict lookup after the first call; memoised with the choices)."""
-        if self.recording:
-            return False
-        key = ("routes-possible", op)
-        answer = self._memo.get(key)
-        if answer is None:
-            answer = self.mode == "measured" and any(
-                entry.op == op and _best(entry, OPS[op]) == "reference"
-                for entry in self.table.entries.values()
-            )
-            self._memo[key] = answer
-        return bool(answer)
-
-    def measured_reference(
+    def runs_reference(
         self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str
     ) -> bool:
-        """Was the reference measured to be what `op` runs for `rows` rows of this shape and
-        dtype under `backend` at the current thread count: the `measured` mode, a backend
-        that measures (not pinned), a row bucket, a calibration entry for the key, and no
-        kernel of it winning (or its winners vetoed)? False wherever nothing was measured,
-        so a caller that takes another path on True (a rewritten forward running its
-        class's original, `fusion.runtime.routes`) changes nothing on a machine that never
-        calibrated. One dict lookup after the first call per key (memoised with the
-        choices, forgotten with them)."""
-        if self.recording:
-            return False  # every product asks while recording: nothing may route around it
-        threads = torch.get_num_threads()
-        key = ("measured-reference", op, shape, dtype, row_bucket(rows), threads, backend)
-        answer = self._memo.get(key)
-        if answer is None:
-            answer = self._measured_reference(op, shape, dtype, key[4], threads, backend)
-            self._memo[key] = answer
-        return bool(answer)
-
-    def _measured_reference(
-        self, op: str, shape: tuple[int, ...], dtype: str, bucket: int, threads: int, backend: str
-    ) -> bool:
-        if backend in PINNED or bucket == 0 or self.mode != "measured":
-            return False
-        entry = self.table.lookup(op, shape, dtype, bucket, threads)
-        return entry is not None and _best(entry, allowed(op, backend)) == "reference"
+        """Does `op` compute its reference for `rows` rows of this shape and dtype under
+        `backend` at the current thread count: no kernel to choose (`idle`), or `choose`
+        names none (nothing measured to win, no row bucket, the `reference` mode)? Then a
+        caller whose only other work is that reference may compute it its own way
+        (`fusion.runtime.routes`). False for a pinned backend and in the `eligible` mode,
+        which name kernels unmeasured. Asks `choose` (so the key lands in `asked`, what a
+        calibration measures) unless idle; one memoised lookup either way."""
+        return self.idle(op, backend) or not self.choose(op, shape, dtype, rows, backend)
 
     def explain(
         self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str

@@ -33,9 +33,10 @@ computes the unfused function. While Dynamo traces, the child guards are traced 
 forward (Dynamo then guards what they read, and recompiles when it changes); the global
 names are left to Dynamo's own guards on the globals it reads.
 
-Routes (`fusion.runtime.routes`): where the calibration measured every kernel the rewrite could
-choose for a call to lose to its reference, the call runs that forward too, before
-any guard is checked (the original needs none), counted in `original_calls`.
+Routes (`fusion.runtime.routes`): where every kernel the rewrite could choose for a call
+runs its reference (nothing measured to win here, or measured to lose), the call runs that
+forward too, before any guard is checked (the original needs none), counted in
+`original_calls`.
 """
 
 from __future__ import annotations

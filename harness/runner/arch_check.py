@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion.kernels.policy import POLICY
 from harness.base import architectures
 from harness.base.results import ArchResult, Failure, ModuleResult
 from harness.oracles import lifecycle, localise, parity, ties, warned
@@ -168,7 +169,27 @@ def check_model(
     replaces `fusion.fuse` for the `fusion` system (ValueError for another system).
     `progress` is told each step as it starts (fusing, the forwards, each lifecycle operation):
     a real-size check takes minutes.
+
+    Judged with the kernel policy's routes closed (`KernelPolicy.routing`): a rewritten
+    forward runs its rewrite wherever its guards hold, the code a machine that measured a
+    kernel faster runs, rather than its class's original, which an uncalibrated machine
+    runs by default and which computes the unfused function by construction. The lifecycle
+    operation `route` judges the route itself.
     """
+    with POLICY.routing(False):
+        return _check_model(name, model, inputs, options, fuse, started, progress)
+
+
+def _check_model(
+    name: str,
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    options: CheckOptions,
+    fuse: FuseFn | None,
+    started: float | None,
+    progress: Callable[[str], None] | None,
+) -> Checked:
+    """`check_model`'s steps (its docstring)."""
     started = time.perf_counter() if started is None else started
     progress = progress or _silent
     progress("copying the model (fused copy, float64 reference)")

@@ -46,13 +46,13 @@ def stacked_products() -> Iterator[None]:
 
 @contextmanager
 def measured_references() -> Iterator[None]:
-    """A block in which every merged projection's stacked product counts as measured to lose
-    to its reference (the table a calibration writes where nothing wins), so a rewritten
-    forward whose kernels are all merged products runs its class's original instead
-    (`fusion.runtime.routes`): the path a calibrated machine takes where fusion only costs."""
+    """A block in which routes are open and every merged projection's product runs its
+    reference (what an uncalibrated machine runs, or a table where nothing wins), so a
+    rewritten forward whose kernels are all merged products runs its class's original
+    instead (`fusion.runtime.routes`): the path a fused model takes where fusion only costs."""
     with (
-        mock.patch.object(POLICY, "routes_possible", lambda op: True),
-        mock.patch.object(POLICY, "measured_reference", lambda *args: True),
+        POLICY.routing(True),
+        mock.patch.object(POLICY, "runs_reference", lambda *args: True),
         # routes remember the policy's answers in its memo (`KernelPolicy.remembered`):
         # a fresh one for the block, so no answer from before it decides inside it
         mock.patch.object(POLICY, "_memo", {}),

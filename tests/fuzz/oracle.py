@@ -55,6 +55,7 @@ from torch import nn
 
 import fusion
 from fusion.fusers import registry
+from fusion.kernels.policy import POLICY
 from fusion.report import FusionReport
 from fusion.runtime.checkpoint import unfused_named
 from harness.oracles.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
@@ -196,8 +197,10 @@ def _tail(exc: BaseException) -> str:
 
 
 def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
-    """Build, fuse a deep copy, run both on the same fresh inputs, and judge."""
-    with loaded(generated, directory) as module:
+    """Build, fuse a deep copy, run both on the same fresh inputs, and judge: with routes
+    closed (`KernelPolicy.routing`), so rewritten forwards run their rewrites; the route is
+    judged as a path of its own (`measured_references`)."""
+    with loaded(generated, directory) as module, POLICY.routing(False):
         original = build(module, seed)
         fused = copy.deepcopy(original)
         before = structure(fused)
@@ -612,7 +615,7 @@ def check_edit(generated: GeneratedModule, spec: EditSpec, seed: int, directory:
     product, the route, ambient state). `inference-mode` builds and/or fuses inside
     `torch.inference_mode()` instead, and is judged outside it. Refused modules are not
     edited (the fused copy is the module as it was)."""
-    with loaded(generated, directory) as module:
+    with loaded(generated, directory) as module, POLICY.routing(False):
         edit = resolve(spec, None, module) if spec.kind == "inference-mode" else None
         build_inside = edit is not None and edit.build_in_inference_mode
         with torch.inference_mode(build_inside):

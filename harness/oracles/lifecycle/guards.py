@@ -176,9 +176,11 @@ def _references_measured(model: nn.Module) -> Table:
 
 
 def _route(ctx: Context) -> str:
-    """Where a calibration measured every merged product to lose, the rewritten forwards
-    run their classes' originals on the fused state (`FusedForward.routed`): the logits agree with
-    the unfused model's, and at least one forward took the route."""
+    """With routes open, where every merged product runs its reference (a table measuring
+    each to lose, which no machine's winners can override), the rewritten forwards run
+    their classes' originals on the fused state (`FusedForward.routed`): the logits agree
+    with the unfused model's, and at least one forward took the route. The other checks
+    run with routes closed (`harness.runner.arch_check.check_model`), judging the rewrites."""
     if POLICY.mode != "measured":
         raise _NotApplicable(f"kernel policy mode {POLICY.mode!r}: routes are measured-mode only")
     fused = copy.deepcopy(ctx.fused)
@@ -188,7 +190,8 @@ def _route(ctx: Context) -> str:
     previous = POLICY.table
     POLICY.set_table(_references_measured(fused))
     try:
-        got = _logits(fused, ctx)
+        with POLICY.routing(True):
+            got = _logits(fused, ctx)
     finally:
         POLICY.set_table(previous)
     taken = sum(inspection.original_calls(f.module) for f in forwards)

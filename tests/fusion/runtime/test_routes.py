@@ -1,6 +1,7 @@
 """Routes: a rewritten forward runs its class's original where every kernel it could choose
-was measured to lose (`fusion.runtime.routes`), and nowhere else. The tables are written by hand
-(`test_policy.py`'s helpers); nothing here is timed."""
+runs its reference (nothing measured to win, or measured to lose: `fusion.runtime.routes`), and
+nowhere else. The tables are written by hand (`test_policy.py`'s helpers); nothing here is
+timed. Routes are open here (tests/conftest.py closes them for every other test)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from tests.fusion.tiny_models import tiny_model, token_ids
 
 WIN = Ratio(1.4, 1.2, 1.6)
 LOSS = Ratio(0.6, 0.5, 0.7)
+
+
+@pytest.fixture(autouse=True)
+def _routes_open():
+    with POLICY.routing(True):
+        yield
 
 
 def fused_model(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -82,34 +89,59 @@ def test_measured_references_run_the_original_and_compute_the_same(dtype) -> Non
     assert original == len(bound_forwards(fused)) and merged == 0
 
 
-def test_nothing_measured_runs_the_rewrite() -> None:
+def test_nothing_measured_runs_the_original_by_default() -> None:
+    """An uncalibrated machine: every merged product on its reference, so the rewrites would
+    only add frames; the originals run, computing exactly the unfused calls."""
     unfused, fused = fused_model()
     ids = token_ids(batch=1, seq=5)
-    torch.testing.assert_close(forward(fused, ids), forward(unfused, ids))
+    assert torch.equal(forward(fused, ids), forward(unfused, ids))
+    original, merged = calls(fused)
+    assert original == len(bound_forwards(fused)) and merged == 0
+    assert {ask[0] for ask in POLICY.asked} >= {"stacked"}  # still asked: calibrate sees it
+
+
+def test_closed_routes_run_the_rewrite() -> None:
+    unfused, fused = fused_model()
+    ids = token_ids(batch=1, seq=5)
+    with POLICY.routing(False):
+        torch.testing.assert_close(forward(fused, ids), forward(unfused, ids))
     original, merged = calls(fused)
     assert original == 0 and merged == len(merged_modules(fused))
+    forward(fused, ids)  # open again (this module's fixture): the route
+    assert calls(fused)[0] == len(bound_forwards(fused))
 
 
-def test_a_winner_another_bucket_or_dtype_runs_the_rewrite() -> None:
+def test_a_winner_runs_the_rewrite_only_for_its_bucket_and_dtype() -> None:
     _, fused = fused_model()
     POLICY.set_table(measured(fused, 5, "float32", stacked=WIN))
     forward(fused, token_ids(batch=1, seq=5))
     assert calls(fused)[0] == 0
-    POLICY.set_table(measured(fused, 64, "float32", stacked=LOSS))  # another row bucket
+    forward(fused, token_ids(batch=1, seq=64))  # another row bucket: nothing wins there
+    assert calls(fused)[0] == len(bound_forwards(fused))
+    fused.to(torch.bfloat16)  # another dtype: nothing wins there
     forward(fused, token_ids(batch=1, seq=5))
-    assert calls(fused)[0] == 0
-    POLICY.set_table(measured(fused, 5, "bfloat16", stacked=LOSS))  # another dtype
+    assert calls(fused)[0] == 2 * len(bound_forwards(fused))
+
+
+def test_a_pinned_backend_never_routes() -> None:
+    """`backend="native"` names its kernel unmeasured: the rewrite runs (the kernel where
+    eligible, else the reference)."""
+    unfused = tiny_model("qwen3").eval()
+    fused = copy.deepcopy(unfused)
+    assert fusion.fuse(fused, backend="native").applied
     forward(fused, token_ids(batch=1, seq=5))
     assert calls(fused)[0] == 0
 
 
-@pytest.mark.parametrize("mode", ["reference", "eligible"])
-def test_only_the_measured_mode_routes(mode) -> None:
+@pytest.mark.parametrize(("mode", "routed"), [("reference", True), ("eligible", False)])
+def test_the_eligible_mode_never_routes(mode, routed) -> None:
+    """`eligible` names every fast kernel its rules allow, unmeasured; `reference` runs
+    every product on its reference, so the originals run."""
     _, fused = fused_model()
-    POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
+    POLICY.set_table(measured(fused, 5, "float32", stacked=WIN))
     POLICY.use(mode)
     forward(fused, token_ids(batch=1, seq=5))
-    assert calls(fused)[0] == 0
+    assert (calls(fused)[0] > 0) == routed
 
 
 def test_recording_asks_runs_every_product() -> None:
@@ -140,7 +172,7 @@ def test_a_remembered_decision_is_forgotten_with_the_policys_answers() -> None:
     POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
     forward(fused, ids)
     assert calls(fused)[0] == 3 * taken
-    POLICY.use("reference")
+    POLICY.use("eligible")  # names kernels unmeasured: no route
     forward(fused, ids)
     assert calls(fused)[0] == 3 * taken
     POLICY.use("measured")
@@ -223,4 +255,10 @@ def test_the_report_says_where_a_route_runs() -> None:
     POLICY.set_table(measured(fused, 1, "float32", stacked=LOSS))
     choices = [c for c in fusion.kernel_choices(fused) if c.op == "stacked"]
     assert choices and all("runs its class's original (route)" in c.decode[1] for c in choices)
-    assert not any("route" in c.prefill[1] for c in choices)  # 128 rows: not measured
+    POLICY.set_table(measured(fused, 128, "float32", stacked=WIN))
+    choices = [c for c in fusion.kernel_choices(fused) if c.op == "stacked"]
+    assert not any("route" in c.prefill[1] for c in choices)  # 128 rows: the stacked one wins
+    assert all("route" in c.decode[1] for c in choices)  # one row: nothing measured
+    with POLICY.routing(False):
+        choices = [c for c in fusion.kernel_choices(fused) if c.op == "stacked"]
+    assert not any("route" in c.decode[1] for c in choices)
