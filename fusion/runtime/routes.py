@@ -48,9 +48,22 @@ class Route:
     acts: tuple[ActAndMul, ...]
     first: str
     _watched: tuple[nn.Module, ...] = field(init=False, repr=False, compare=False)
+    _width: int = field(init=False, repr=False, compare=False)
+    _backends: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _act_backends: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_watched", (*self.merged, *self.acts))
+        # Read once: a route decides speed, never the result (the original computes the
+        # unfused function whatever these are now), so a stale one costs a missed route.
+        widths = {merged.in_features for merged in self.merged}
+        fields = {
+            "_watched": (*self.merged, *self.acts),
+            "_width": widths.pop() if len(widths) == 1 else -1,
+            "_backends": tuple(dict.fromkeys(merged.backend for merged in self.merged)),
+            "_act_backends": frozenset(act.backend for act in self.acts),
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     def takes_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """True when this call may run the original forward: eager, routes open
@@ -66,14 +79,16 @@ class Route:
         hooks are looked at on every call. On a decode step this runs after a GEMV has
         streamed the caches empty, so each frame it saves is a cold one."""
         # compiled code never routes, and must not read (so guard on) the policy's memo
-        if torch.compiler.is_compiling() or not POLICY.routes_open():
+        if not POLICY.routes or POLICY.recording or torch.compiler.is_compiling():
             return False
         x = args[0] if args else kwargs.get(self.first)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return False
         width = x.shape[-1]
-        if not width:
+        if width != self._width or not width:
             return False
+        if self._idle():  # nothing any product could choose: no key to build
+            return self._acts_on_reference(x) and not _any_hooked(self._watched)
         rows = x.numel() // width
         key = ("route", id(self), x.dtype, row_bucket(rows), get_num_threads(), x.device.type)
         # a weak reference: the policy's memo must not keep a deleted model's weights alive
@@ -83,6 +98,17 @@ class Route:
         if held() is not self:  # another Route that lived at this address: ask afresh
             allowed = self._policy_allows(x, width)
         return allowed and not _any_hooked(self._watched)
+
+    def _idle(self) -> bool:
+        """Would every merged projection compute its reference whatever the call
+        (`KernelPolicy.idle`: one memoised lookup per backend)?"""
+        return all(POLICY.idle("stacked", backend) for backend in self._backends)
+
+    def _acts_on_reference(self, x: torch.Tensor) -> bool:
+        """Would every act-and-mul compute its torch reference on `x` (`ops.eager_reference`,
+        the caller being eager: `torch`, or `auto` on a CPU tensor)?"""
+        backends = self._act_backends
+        return not backends or backends <= _TORCH or (x.is_cpu and backends <= _CPU_TORCH)
 
     def _policy_allows(self, x: torch.Tensor, width: int) -> bool:
         """The policy's part of `takes_original` for an input like `x` of `width`."""
@@ -96,6 +122,12 @@ class Route:
             ):
                 return False
         return all(ops.eager_reference(act.backend, x) for act in self.acts)
+
+
+_TORCH = frozenset({"torch"})
+_CPU_TORCH = frozenset({"torch", "auto"})
+"""Backends whose act-and-mul runs the torch reference eagerly: always, and on a CPU tensor
+(`ops.eager_reference`, which a test keeps in step with `Route._acts_on_reference`)."""
 
 
 def route_of(guards: Iterable[Guard], forward: Any) -> Route | None:

@@ -15,6 +15,8 @@ from torch.nn.utils import parametrize, prune
 from torch.overrides import TorchFunctionMode
 
 import fusion
+from fusion.kernels.policy import POLICY
+from fusion.runtime import norm_forward
 from fusion.runtime.norm_forward import NormForward
 from tests.fusion.tiny_models import tiny_model, token_ids
 
@@ -212,3 +214,39 @@ def test_model_eps_edit_after_fusing() -> None:
     ids = token_ids()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, fused(ids).logits)
+
+
+def _norm_forwards(model: nn.Module) -> list[NormForward]:
+    found = (m.__dict__.get("forward") for m in model.modules())
+    return [f for f in found if isinstance(f, NormForward)]
+
+
+def test_on_the_route_every_norm_runs_its_original_and_the_residual_adds_stay_apart(
+    monkeypatch,
+):
+    """Routes open (the default; tests/conftest.py closes them): on a CPU under `auto`
+    every norm call, the residual-norm sites' included, runs the class's original (no norm
+    kernel), so the logits are the unfused model's bit for bit; closed, the kernels run."""
+    unfused = tiny_model("llama").eval()
+    fused = copy.deepcopy(unfused)
+    report = fusion.fuse(fused)
+    assert {a.fuser for a in report.applied} >= {"rmsnorm", "residual_norm"}
+    kernels = []
+    for name in ("norm_kernel", "norm_pair_kernel"):
+        real = getattr(norm_forward, name)
+        monkeypatch.setattr(
+            norm_forward,
+            name,
+            lambda *a, _real=real, _name=name: kernels.append(_name) or _real(*a),
+        )
+    ids = token_ids(batch=1, seq=5)
+    with torch.no_grad(), POLICY.routing(True):
+        assert torch.equal(fused(ids).logits, unfused(ids).logits)
+    forwards = _norm_forwards(fused)
+    assert forwards and all(f.original_calls > 0 for f in forwards)
+    assert not kernels and all(f.guard_failures == 0 for f in forwards)
+    taken = sum(f.original_calls for f in forwards)
+    with torch.no_grad(), POLICY.routing(False):
+        fused(ids)
+    assert sum(f.original_calls for f in forwards) == taken
+    assert set(kernels) == {"norm_kernel", "norm_pair_kernel"}

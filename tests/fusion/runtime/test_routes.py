@@ -13,11 +13,13 @@ import pytest
 import torch
 
 import fusion
+from fusion.kernels import ops
 from fusion.kernels.calibration import Entry, Ratio, Table
 from fusion.kernels.policy import POLICY, row_bucket
 from fusion.runtime import bound, routes
 from fusion.runtime.guards import ChildGuard
 from fusion.runtime.merged import FusedRMSNorm, MergedLinear
+from fusion.runtime.norm_forward import NormForward
 from tests.fusion.tiny_models import tiny_model, token_ids
 
 WIN = Ratio(1.4, 1.2, 1.6)
@@ -262,3 +264,26 @@ def test_the_report_says_where_a_route_runs() -> None:
     with POLICY.routing(False):
         choices = [c for c in fusion.kernel_choices(fused) if c.op == "stacked"]
     assert not any("route" in c.decode[1] for c in choices)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "native", "onednn", "triton", "vllm"])
+def test_the_spelled_out_eager_reference_rules_are_ops_eager_reference(backend, device) -> None:
+    """`Route._acts_on_reference` and `NormForward.routed` spell `ops.eager_reference` out
+    for speed: the same answer for every backend and device."""
+    x = torch.empty(1, 4, device=device)
+    _, fused = fused_model()
+    route = bound_forwards(fused)[0]._route
+    act = torch.nn.Module()
+    act.backend = backend
+    spelled = routes.Route(route.merged, (act,), route.first)
+    assert spelled._acts_on_reference(x) == ops.eager_reference(backend, x)
+    norm = next(
+        f
+        for f in (m.__dict__.get("forward") for m in fused.modules())
+        if isinstance(f, NormForward)
+    )
+    norm.backend = backend
+    assert norm.routed(x) == ops.eager_reference(backend, x)
+    with POLICY.routing(False):
+        assert not norm.routed(x)
