@@ -61,6 +61,7 @@ KINDS = (
     "lifecycle",  # a lifecycle operation (harness.oracles.lifecycle) failed on the fused model
     "fused-warning",  # the fused forward raised a warning the unfused one did not
     "compile-error",  # an Inductor system's compile (or compiled forward) raised
+    "not-applied",  # a system (liger) applied nothing that ran: no promised kernel launched
 )
 
 _NONE = type(None)
