@@ -44,6 +44,42 @@ from harness.peers.liger_globals import Changes, Snapshot
 LIGER_VERSION = "0.8.5"
 """The liger-kernel release this module and its data (`IN_CORPUS`, `NOT_IN_CORPUS`) follow."""
 
+IN_CORPUS: tuple[str, ...] = (
+    "deepseek_v2", "deepseek_v3", "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2",
+    "gemma3", "gemma3_text", "gemma4", "gemma4_text", "glm4", "gpt_oss", "granite",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "llama", "llama4", "llama4_text", "ministral",
+    "mistral", "mixtral", "mllama", "nemotron", "olmo2", "olmo3", "phi3", "qwen2", "qwen3",
+    "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
+    "smollm3",
+)  # fmt: skip
+"""Liger's model types that are corpus architectures (the same name): what `--system liger`
+sweeps (tox -e liger-system). A test keeps this, `NOT_IN_CORPUS` and the installed Liger's
+table in step."""
+
+_VISION = "a vision-language model (image-text-to-text); the corpus builds causal LMs only"
+_SUBCONFIG = "the text sub-config type of a vision-language model, no causal-LM class of its own"
+
+NOT_IN_CORPUS: dict[str, str] = {
+    "glm4v": _VISION,
+    "glm4v_moe": _VISION,
+    "internvl": _VISION,
+    "llava": _VISION,
+    "muse_glimmer": _VISION,
+    "paligemma": _VISION,
+    "qwen2_vl": _VISION,
+    "qwen2_5_vl": _VISION,
+    "qwen3_vl": _VISION,
+    "qwen3_vl_moe": _VISION,
+    "smolvlm": _VISION,
+    "mllama_text_model": _SUBCONFIG,
+    "qwen2_vl_text": _SUBCONFIG,
+    "qwen2_5_vl_text": _SUBCONFIG,
+    "qwen3_vl_text": _SUBCONFIG,
+    "qwen3_vl_moe_text": _SUBCONFIG,
+    "pixtral": "a vision encoder (no language-model head); the corpus builds causal LMs only",
+}
+"""Liger's model types the corpus does not build, with the reason (Transformers 5.24)."""
+
 KERNEL_PREFIX = "liger_kernel."
 
 FAMILIES: dict[str, str] = {
