@@ -82,19 +82,20 @@ NOT_IN_CORPUS: dict[str, str] = {
 
 KERNEL_PREFIX = "liger_kernel."
 
-FAMILIES: dict[str, str] = {
-    "LigerRMSNorm": "rms_norm",
-    "LigerLayerNorm": "layer_norm",
-    "LigerSwiGLUMLP": "swiglu",
-    "LigerPhi3SwiGLUMLP": "swiglu",
-    "LigerBlockSparseTop2MLP": "swiglu",
-    "LigerQwen3MoeSwiGLUMLP": "swiglu",
-    "LigerGEGLUMLP": "geglu",
-    "LigerExperts": "fused_moe",
-    "lce_forward": "fused_linear_cross_entropy",
-}
-"""Liger class (or function) whose forward a module got -> kernel family; a replaced forward
-of another Liger class is the family named after its class."""
+FAMILIES: tuple[tuple[str, str], ...] = (
+    ("RMSNorm", "rms_norm"),
+    ("LayerNorm", "layer_norm"),
+    ("SwiGLU", "swiglu"),
+    ("BlockSparseTop2MLP", "swiglu"),
+    ("GEGLU", "geglu"),
+    ("Experts", "fused_moe"),
+)
+"""(marker, family): a module forward replaced by a method of a Liger class whose name holds
+the marker (LigerRMSNorm, LigerFalconH1SwiGLUMLP, ...) is of that family. A model forward
+from `liger_kernel.transformers.model.*` (lce_forward, causal_forward, multimodal_forward) is
+`fused_linear_cross_entropy`; anything else is named after its class."""
+
+MODEL_FORWARDS = "liger_kernel.transformers.model."
 
 KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "rms_norm": ("liger_kernel.ops.rms_norm", "liger_kernel.ops.fused_add_rms_norm"),
@@ -149,9 +150,13 @@ def unavailable() -> str | None:
 def family_of(method: Any) -> str:
     """The kernel family of a replaced forward (`FAMILIES`), from its function's qualname."""
     func = getattr(method, "__func__", method)
-    qualname = getattr(func, "__qualname__", "") or ""
-    owner = qualname.split(".")[0]
-    return FAMILIES.get(owner) or FAMILIES.get(qualname.split(".")[-1]) or owner
+    owner = (getattr(func, "__qualname__", "") or "").split(".")[0]
+    for marker, family in FAMILIES:
+        if marker in owner:
+            return family
+    if (getattr(func, "__module__", "") or "").startswith(MODEL_FORWARDS):
+        return "fused_linear_cross_entropy"
+    return owner
 
 
 @dataclass

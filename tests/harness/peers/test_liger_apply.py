@@ -137,6 +137,18 @@ def test_family_of_reads_the_bound_function():
     norm = torch.nn.Identity()
     assert liger_apply.family_of(MethodType(LigerRMSNorm.forward, norm)) == "rms_norm"
 
+    class LigerFalconH1SwiGLUMLP:
+        def forward(self):
+            pass
+
+    def multimodal_forward(self):
+        pass
+
+    multimodal_forward.__module__ = "liger_kernel.transformers.model.gemma3"
+    assert liger_apply.family_of(LigerFalconH1SwiGLUMLP.forward) == "swiglu"
+    assert liger_apply.family_of(multimodal_forward) == "fused_linear_cross_entropy"
+    assert liger_apply.family_of(lambda self: None) == "<lambda>"
+
 
 # ------------------------------------------------------------- the installed liger-kernel
 
