@@ -150,7 +150,8 @@ def unavailable() -> str | None:
 def family_of(method: Any) -> str:
     """The kernel family of a replaced forward (`FAMILIES`), from its function's qualname."""
     func = getattr(method, "__func__", method)
-    owner = (getattr(func, "__qualname__", "") or "").split(".")[0]
+    parts = (getattr(func, "__qualname__", "") or "").split(".")
+    owner = parts[-2] if len(parts) > 1 else parts[0]  # the class whose method it is
     for marker, family in FAMILIES:
         if marker in owner:
             return family
