@@ -150,14 +150,14 @@ def unavailable() -> str | None:
 def family_of(method: Any) -> str:
     """The kernel family of a replaced forward (`FAMILIES`), from its function's qualname."""
     func = getattr(method, "__func__", method)
-    parts = (getattr(func, "__qualname__", "") or "").split(".")
-    owner = parts[-2] if len(parts) > 1 else parts[0]  # the class whose method it is
+    qualname = getattr(func, "__qualname__", "") or ""
     for marker, family in FAMILIES:
-        if marker in owner:
+        if marker in qualname:
             return family
     if (getattr(func, "__module__", "") or "").startswith(MODEL_FORWARDS):
         return "fused_linear_cross_entropy"
-    return owner
+    parts = qualname.split(".")
+    return parts[-2] if len(parts) > 1 and parts[-1] == "forward" else parts[-1]
 
 
 @dataclass
