@@ -18,7 +18,9 @@ while `shims()` is entered and only when the interpreter is on (`interpreter_on(
    float32 -> bfloat16 casts truncate where compiled Triton rounds to nearest even (a correct
    kernel looks 1.3-2.2x less accurate). The shim computes bfloat16 arithmetic in float32
    (exact for + - * /, then one rounding, as the hardware's rounding of the exact result) and
-   rounds float32 -> bfloat16 to nearest even, bit for bit torch's `.to(torch.bfloat16)`.
+   rounds float32 -> bfloat16 to nearest even, bit for bit torch's `.to(torch.bfloat16)`;
+   `tl.dot` of bfloat16 operands (the interpreter multiplies bit patterns) is computed on
+   their values with the accumulator's float32, as a GPU's MMA accumulates.
 
 What a CPU run still cannot show (docs/systems.md): programs run one at a time (no races, no
 atomics contention), one autotune config, GPU-only backends never run. On a GPU none of this
@@ -116,6 +118,9 @@ class InterpreterShims:
             builder = interp.InterpreterBuilder
             for name, wrap in _BF16_WRAPS.items():
                 self._replace(builder, name, wrap(interp, getattr(builder, name)))
+            reduce = interp.ReduceOps
+            for name, wrap in _REDUCE_WRAPS.items():
+                self._replace(reduce, name, wrap(getattr(reduce, name)))
         except Exception:
             self.reset()
             raise
@@ -302,11 +307,78 @@ def _bf16_fma(interp: Any, fma: Callable[..., Any]) -> Callable[..., Any]:
     return create_fma
 
 
+def _bf16_dot(interp: Any, dot: Callable[..., Any]) -> Callable[..., Any]:
+    """Gap 4: `tl.dot` of bfloat16 operands on values (the interpreter multiplies the uint16
+    bit patterns), accumulated in the accumulator's dtype as a GPU's MMA does (float32)."""
+    tl = importlib.import_module("triton.language")
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return dot(self, a, b, d, *args)
+        widened = [
+            interp.TensorHandle(bf16_widen(h.data), tl.float32)
+            if h.dtype.scalar == tl.bfloat16
+            else h
+            for h in (a, b)
+        ]
+        return dot(self, *widened, d, *args)
+
+    return create_dot
+
+
 _BF16_WRAPS: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] = {
     "cast_impl": _bf16_cast,
     "create_fp_to_fp": _bf16_fp_to_fp,
     "binary_op": _bf16_binary,
     "unary_op": _bf16_unary,
     "create_fma": _bf16_fma,
+    "create_dot": _bf16_dot,
 }
 """InterpreterBuilder methods the bfloat16 shim wraps (the arithmetic lambdas call these)."""
+
+
+def _bf16_sum(total: Callable[..., Any]) -> Callable[..., Any]:
+    """Gap 4: `tl.sum` of bfloat16 (kept bfloat16 by Triton) on values, in float32, rounded
+    once (a GPU rounds its tree of bfloat16 additions: within that rounding)."""
+    tl = importlib.import_module("triton.language")
+
+    def total_bf16(self: Any, input: Any) -> Any:
+        if input.dtype.scalar != tl.bfloat16:
+            return total(self, input)
+        values = bf16_widen(input.handle.data)
+        out = np.sum(values, axis=self.axis, keepdims=self.keep_dims, dtype=np.float32)
+        return self.to_tensor(bf16_round(np.asarray(out, dtype=np.float32)), input.dtype)
+
+    return total_bf16
+
+
+def _bf16_min_max(min_max: Callable[..., Any]) -> Callable[..., Any]:
+    """Gap 4: `tl.min` / `tl.max` / argmin / argmax of bfloat16 on values (the bit patterns
+    of negative numbers sort backwards); the extremes are exact, so rounding back is too."""
+    tl = importlib.import_module("triton.language")
+
+    def on_values(op: Callable[..., Any] | None, value: bool) -> Callable[..., Any] | None:
+        if op is None:
+            return None
+
+        def run(data: np.ndarray, **kwargs: Any) -> Any:
+            out = op(bf16_widen(data), **kwargs)
+            return bf16_round(np.asarray(out, dtype=np.float32)) if value else out
+
+        return run
+
+    def min_max_bf16(self: Any, input: Any, val_reduce_op: Any, idx_reduce_op: Any = None) -> Any:
+        inner = input[0] if isinstance(input, tuple) else input
+        if inner.dtype.scalar != tl.bfloat16:
+            return min_max(self, input, val_reduce_op, idx_reduce_op)
+        ops = on_values(val_reduce_op, True), on_values(idx_reduce_op, False)
+        return min_max(self, input, *ops)
+
+    return min_max_bf16
+
+
+_REDUCE_WRAPS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "sum": _bf16_sum,
+    "min_max": _bf16_min_max,
+}
+"""ReduceOps methods the bfloat16 shim wraps (`tl.sum`, `tl.min`, `tl.max`, arg-variants)."""

@@ -51,6 +51,23 @@ def _bf16_math(a_ptr, b_ptr, out_ptr, n: tl.constexpr):
     tl.store(out_ptr + offsets, a * b - a)
 
 
+def _bf16_dot(a_ptr, b_ptr, out_ptr, n: tl.constexpr):
+    rows = tl.arange(0, n)[:, None] * n + tl.arange(0, n)[None, :]
+    acc = tl.dot(tl.load(a_ptr + rows), tl.load(b_ptr + rows), out_dtype=tl.float32)
+    tl.store(out_ptr + rows, acc)
+
+
+def _bf16_reduce(x_ptr, out_ptr, n: tl.constexpr):
+    # tl.reduce with the standard combine functions is what tl.sum / tl.max / tl.min run (the
+    # jitted wrappers themselves are compiled ones here: Triton was imported before the
+    # test set TRITON_INTERPRET)
+    x = tl.load(x_ptr + tl.arange(0, n)[None, :])
+    one = tl.arange(0, 1)
+    tl.store(out_ptr + one, tl.reduce(x, 1, tl.standard._sum_combine))
+    tl.store(out_ptr + 1 + one, tl.reduce(x, 1, tl.standard._elementwise_max))
+    tl.store(out_ptr + 2 + one, tl.reduce(x, 1, tl.standard._elementwise_min))
+
+
 def _copy_block(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
     mask = offsets < n
@@ -180,3 +197,23 @@ def test_install_and_reset_put_back_every_original(interpret):
     assert interpreter.GridExecutor.__dict__["__call__"] is originals["call"]
     assert interpreter.InterpreterBuilder.__dict__["binary_op"] is originals["binary"]
     assert interpreter.InterpreterBuilder.__dict__["cast_impl"] is originals["cast"]
+
+
+def test_gap_4_bfloat16_dot_and_reductions_on_values(interpret):
+    torch.manual_seed(0)
+    a, b = (torch.randn(16, 16).to(torch.bfloat16) for _ in range(2))
+    want = a.float() @ b.float()  # exact products, float32 accumulation, as an MMA
+    out = torch.zeros(16, 16)
+    _launch(_bf16_dot, a, b, out, 16)
+    assert not torch.allclose(out, want, atol=1e-2)  # the gap: bit patterns multiplied
+    with triton_interpreter.shims():
+        _launch(_bf16_dot, a, b, out, 16)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+    x = torch.tensor([-3.5, 1.25, -0.5, 2.0, -7.0, 0.75, 4.0, -1.0], dtype=torch.bfloat16)
+    got = torch.zeros(3, dtype=torch.bfloat16)
+    _launch(_bf16_reduce, x, got, 8)
+    assert got[1] != x.max()  # the gap: -7.0's bit pattern is the largest
+    with triton_interpreter.shims():
+        _launch(_bf16_reduce, x, got, 8)
+    assert got[0] == x.float().sum().to(torch.bfloat16)
+    assert got[1] == x.max() and got[2] == x.min()
