@@ -20,7 +20,8 @@ while `shims()` is entered and only when the interpreter is on (`interpreter_on(
    (exact for + - * /, then one rounding, as the hardware's rounding of the exact result) and
    rounds float32 -> bfloat16 to nearest even, bit for bit torch's `.to(torch.bfloat16)`;
    `tl.dot` of bfloat16 operands (the interpreter multiplies bit patterns) is computed on
-   their values with the accumulator's float32, as a GPU's MMA accumulates.
+   their values with the accumulator's float32, as a GPU's MMA accumulates; reductions and
+   `tl.atomic_add` of bfloat16 (the interpreter's atomics refuse it) likewise on values.
 
 What a CPU run still cannot show (docs/systems.md): programs run one at a time (no races, no
 atomics contention), one autotune config, GPU-only backends never run. On a GPU none of this
@@ -326,6 +327,33 @@ def _bf16_dot(interp: Any, dot: Callable[..., Any]) -> Callable[..., Any]:
     return create_dot
 
 
+def _bf16_atomic(interp: Any, atomic_rmw: Callable[..., Any]) -> Callable[..., Any]:
+    """Gap 4: `tl.atomic_add` on bfloat16 (the interpreter's atomics have no bfloat16: it
+    raises "Unsupported data type"), element by element in order, each sum rounded to
+    bfloat16 as a GPU's bfloat16 atomic add rounds; programs run one at a time here, so the
+    order is the launch's (a GPU's is any). Returns the old values, as an atomic does."""
+    tl = importlib.import_module("triton.language")
+    fadd = interp._ir.ATOMIC_OP.FADD
+
+    def create_atomic_rmw(self: Any, op: Any, ptr: Any, val: Any, mask: Any, *rest: Any) -> Any:
+        if val.dtype.scalar != tl.bfloat16 or op != fadd:
+            return atomic_rmw(self, op, ptr, val, mask, *rest)
+        ptrs, values, masks = np.broadcast_arrays(ptr.data, val.data, mask.data)
+        old = np.zeros(ptrs.shape, dtype=np.uint16)
+        on, zero = np.ones(1, dtype=bool), np.zeros(1, dtype=np.uint16)
+        for index in np.ndindex(ptrs.shape):
+            if not masks[index]:
+                continue
+            address = np.array([ptrs[index]], dtype=np.uint64)
+            current = interp._interpreter.load(address, on, zero, np.dtype(np.uint16))
+            old[index] = current[0]
+            total = bf16_widen(current) + bf16_widen(np.array([values[index]], dtype=np.uint16))
+            interp._interpreter.store(address, bf16_round(total), on)
+        return interp.TensorHandle(old, tl.bfloat16)
+
+    return create_atomic_rmw
+
+
 _BF16_WRAPS: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] = {
     "cast_impl": _bf16_cast,
     "create_fp_to_fp": _bf16_fp_to_fp,
@@ -333,6 +361,7 @@ _BF16_WRAPS: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] 
     "unary_op": _bf16_unary,
     "create_fma": _bf16_fma,
     "create_dot": _bf16_dot,
+    "create_atomic_rmw": _bf16_atomic,
 }
 """InterpreterBuilder methods the bfloat16 shim wraps (the arithmetic lambdas call these)."""
 

@@ -68,6 +68,11 @@ def _bf16_reduce(x_ptr, out_ptr, n: tl.constexpr):
     tl.store(out_ptr + 2 + one, tl.reduce(x, 1, tl.standard._elementwise_min))
 
 
+def _bf16_atomic_add(x_ptr, out_ptr, n: tl.constexpr):
+    offsets = tl.arange(0, n)
+    tl.atomic_add(out_ptr + offsets % 2, tl.load(x_ptr + offsets))
+
+
 def _copy_block(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
     mask = offsets < n
@@ -217,3 +222,17 @@ def test_gap_4_bfloat16_dot_and_reductions_on_values(interpret):
         _launch(_bf16_reduce, x, got, 8)
     assert got[0] == x.float().sum().to(torch.bfloat16)
     assert got[1] == x.max() and got[2] == x.min()
+
+
+def test_gap_4_bfloat16_atomic_add(interpret):
+    x = torch.tensor([1.0, 0.5, 0.00390625, -2.0, 3.0, 0.25, 1e-3, 7.0], dtype=torch.bfloat16)
+    want = torch.zeros(2, dtype=torch.bfloat16)
+    for i, value in enumerate(x):  # in order, each sum rounded to bfloat16
+        want[i % 2] = (want[i % 2].float() + value.float()).to(torch.bfloat16)
+    out = torch.zeros(2, dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="Unsupported data type"):
+        _launch(_bf16_atomic_add, x, out, 8)
+    out.zero_()
+    with triton_interpreter.shims():
+        _launch(_bf16_atomic_add, x, out, 8)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
