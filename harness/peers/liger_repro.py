@@ -15,8 +15,9 @@ Liger developer needs without this package:
                                  nothing of this package): Triton 3.9's interpreter gaps,
                                  handled as the harness handles them, where no GPU is present
 
-Replayed standalone: forward errors, fused-only warnings, logits parity and greedy `generate`
-differences; other kinds say so and exit 2 (`fusion-harness repro` replays them).
+Replayed standalone: forward errors (of the model, or of a replaced module it calls), fused-only
+warnings, logits parity and greedy `generate` differences; other kinds say so and exit 2
+(`fusion-harness repro` replays them).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def main():
             fused = logits(patched, inputs)
         except Exception as exc:
             print(f"patched forward raises: {type(exc).__name__}: {exc}")
-            return 1 if kind == "fused-forward-error" else 0
+            return 1 if kind in ("fused-forward-error", "module-error") else 0
         finally:
             for logger in loggers:
                 logger.removeHandler(records)
