@@ -24,7 +24,7 @@ from transformers.models.llama import modeling_llama
 
 import corpus
 from fusion.report import Applied
-from harness.peers import liger_apply
+from harness.peers import liger_apply, triton_interpreter
 from harness.peers.liger_apply import Application, NotRegistered
 from harness.peers.liger_globals import Change, Changes
 from harness.runner import arch_check
@@ -36,6 +36,14 @@ needs_liger = pytest.mark.skipif(
 )
 ROOT = Path(__file__).resolve().parents[3]
 CI_SELECTION = ("llama", "qwen3_moe")
+
+
+@pytest.fixture(autouse=True)
+def _no_shims_left():
+    """`apply` installs the interpreter shims for the worker's lifetime (under
+    TRITON_INTERPRET=1); a test worker runs other Triton tests after these."""
+    yield
+    triton_interpreter.SHIMS.reset()
 
 
 def _llama():
