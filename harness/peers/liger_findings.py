@@ -75,6 +75,16 @@ RULES: tuple[Rule, ...] = (
         frozenset({"llama4", "llama4_text"}),
     ),
     Rule(
+        "gradient-allowance",
+        "ours",
+        r"lifecycle train: gradient of ",
+        "the lifecycle `train` check compares the patched model's gradients with the unfused "
+        "model's within an allowance set by the forward logits, with no float64 yardstick: in "
+        "bfloat16, DeepSeek-V4's router gradient (float64: ~1e-19) is 1.2e-5 from float64 with "
+        "Liger and 1.6e-5 unfused. Liger is nearer the exact value; a false finding of ours",
+        frozenset({"deepseek_v4"}),
+    ),
+    Rule(
         "gemma3-multimodal-forward",
         "Liger's",
         r"'NoneType' object has no attribute 'pooler_output'",
