@@ -26,7 +26,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """--dtype choices: the keys of harness.runner.arch_check.DTYPES (a test keeps them equal), spelled out here
 so that building the parser does not import torch."""
 
-SYSTEM_NAMES = ("fusion", "inductor", "inductor-freezing", "vllm")
+SYSTEM_NAMES = ("fusion", "inductor", "inductor-freezing", "vllm", "liger")
 """--system choices: harness.runner.systems.NAMES (a test keeps them equal), spelled out here for the
 same reason; the first is the default."""
 

@@ -60,7 +60,7 @@ def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="seconds one architecture may take before its worker is killed (default 120; "
-        "600 for the inductor systems, whose first call compiles; 300 for vllm)",
+        "600 for the inductor systems, whose first call compiles, and liger; 300 for vllm)",
     )
     parser.add_argument(
         "--system",
@@ -70,7 +70,9 @@ def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
         "fusion.fuse; 'inductor' compiles the unfused model with torch.compile (Inductor) and "
         "'inductor-freezing' with Inductor's freezing; 'vllm' applies vLLM's own fusers with "
         "its layers' native forwards (only where vLLM imports: tox -e vllm-peer's "
-        "environment); all are judged by the same parity oracle",
+        "environment); 'liger' applies Liger Kernel's apply_liger_kernel_to_<type> (needs "
+        "liger-kernel and, without a GPU, TRITON_INTERPRET=1); all are judged by the same "
+        "parity oracle",
     )
 
 

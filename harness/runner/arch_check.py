@@ -225,9 +225,10 @@ def _check_model(
         )
     _run_reference_and_fused(runs, reference, fused, inputs, options.torch_dtype)
     note = system.note()  # before a localisation applies the system again
+    unapplied = system.unapplied() if runs.fused_error is None else ""
     progress("judging the logits and every fused module")
     judged = _judge(runs, model, fused, reference, inputs, options, applied, system)
-    status, message = judged.status, judged.message
+    status, message = _with_unapplied(judged.status, judged.message, unapplied, judged.failures)
     cycle = _lifecycle(name, model, fused, inputs, options, runs, system, progress)
     if runs.fused_error is None and system.lifecycle:
         status, message = _with_lifecycle(status, message, cycle, judged.failures)
@@ -312,6 +313,8 @@ def _lifecycle(
         mode=options.lifecycle,
         fuse=lambda model: system.apply(model).report,
         progress=progress,
+        only=system.lifecycle_operations,
+        not_selected=systems.not_applicable(system),
     )
 
 
@@ -565,6 +568,33 @@ def _with_lifecycle(
         return status, message
     more = f"; {len(failed) - 1} more lifecycle operation(s) fail" if len(failed) > 1 else ""
     return "fail", f"lifecycle {failed[0][0]}: {failed[0][1]}{more}"
+
+
+def _with_unapplied(
+    status: str, message: str, unapplied: str, failures: list[Failure]
+) -> tuple[str, str]:
+    """Status and message once the system said whether it applied what it promised: a
+    reason (`System.unapplied`) is a `not-applied` failure, first, and fails a run that
+    otherwise passed: parity of a model the system left alone tests nothing."""
+    if not unapplied:
+        return status, message
+    text = f"not-applied: {unapplied}"
+    failures.insert(0, model_failure_text("not-applied", text))
+    if status in {"fail", "fused-error"}:
+        return status, f"{message}; {text}" if message else text
+    return "fail", text
+
+
+def model_failure_text(kind: str, text: str) -> Failure:
+    """A model-level Failure of `kind` with `text` as its message."""
+    return Failure(
+        kind=kind,
+        qualname=None,
+        fuser=None,
+        source_class=None,
+        message=text,
+        signature=signature(kind, None, None, text),
+    )
 
 
 def _with_fused_warnings(

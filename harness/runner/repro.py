@@ -12,6 +12,7 @@ package:
     forward.diff    their unified diff                       }
     repro.py        rebuilds the tiny model from bundle.json, fuses, checks; exit 1 if the
                     failure reproduces, 0 if not
+    repro_liger.py  (system liger) the same without this package (harness.peers.liger_repro)
 
 The model is rebuilt from the JSON config and the seed (corpus.config_from_dict +
 corpus.build_from_config), so the bundle survives refactors of the corpus's shrinker.
@@ -49,6 +50,7 @@ from typing import Any
 from fusion.kernels import policy
 from harness.base import architectures
 from harness.base.results import ArchResult, Failure, json_safe
+from harness.peers import liger_repro
 from harness.runner import arch_check, systems
 
 BUNDLE_FORMAT = 1
@@ -61,6 +63,7 @@ KINDS = (
     "lifecycle",  # a lifecycle operation (harness.oracles.lifecycle) failed on the fused model
     "fused-warning",  # the fused forward raised a warning the unfused one did not
     "compile-error",  # an Inductor system's compile (or compiled forward) raised
+    "not-applied",  # a system (liger) applied nothing that ran: no promised kernel launched
 )
 
 _NONE = type(None)
@@ -322,11 +325,24 @@ def write_bundle(root: Path, failure: Failure, subject: arch_check.Subject) -> P
     }
     for name, text in files.items():
         (staging / name).write_text(text, encoding="utf-8")
+    if subject.options.system == "liger":
+        _standalone(staging, fields)
     try:
         staging.rename(target)
     except OSError:  # another writer got there first: same failure, keep theirs
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _standalone(staging: Path, fields: dict[str, Any]) -> None:
+    """The liger system's standalone replay (torch, transformers, liger-kernel only:
+    `harness.peers.liger_repro`) added to the bundle; where it cannot be made (the model does
+    not rebuild), STANDALONE_ERROR.txt says why and the bundle stays replayable as usual."""
+    try:
+        liger_repro.write_standalone(staging, fields)
+    except Exception as exc:  # the bundle itself is complete without it
+        text = f"no standalone replay: {type(exc).__name__}: {exc}\n"
+        (staging / "STANDALONE_ERROR.txt").write_text(text, encoding="utf-8")
 
 
 def write_bundles(result: ArchResult, subject: arch_check.Subject, root: Path) -> ArchResult:

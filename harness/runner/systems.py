@@ -19,6 +19,11 @@ unfused model and returns the model to run. Each system is a `System` record:
   tensor parallel size 1 (`harness.peers.vllm_apply`; only where vLLM imports, the peer
   environment). Its note is what vLLM applied and left per family; its failures are
   `fuse-error` / `fused-error`, as ours are, with the system named in every result.
+- `liger`: Liger Kernel's own `apply_liger_kernel_to_<type>(model=...)`, its globals scoped
+  to the patched model (`harness.peers.liger_apply`; Triton's interpreter where no GPU). Its
+  report lists the module forwards Liger replaced (per-module verdicts judge each), the
+  lifecycle checks that apply to it run (`LIGER_LIFECYCLE`), and a patch whose model
+  launched none of the kernels it promised fails as `not-applied` (`System.unapplied`).
 
 A compiler's warnings about its own work (`System.diagnostics`) are recorded apart, as
 `compiler` warnings named in the result's message, rather than failing as a warning only the
@@ -49,10 +54,10 @@ from torch._dynamo.utils import counters
 
 import fusion
 from fusion.report import FusionReport
-from harness.peers import vllm_apply
+from harness.peers import liger_apply, vllm_apply
 
 DEFAULT = "fusion"
-NAMES = ("fusion", "inductor", "inductor-freezing", "vllm")
+NAMES = ("fusion", "inductor", "inductor-freezing", "vllm", "liger")
 """Every system `get` makes; the first is the default."""
 
 FUSION_TIMEOUT = 300.0
@@ -69,6 +74,20 @@ models whose experts loop unrolls."""
 VLLM_TIMEOUT = 300.0
 """Seconds one architecture may take in a sweep of `vllm`: its fusers trace and compile each
 class's rewritten forward besides our own steps."""
+
+LIGER_TIMEOUT = 600.0
+"""Seconds one architecture may take in a sweep of `liger`: an interpreted forward is
+100-300x slower than eager (0.3-2 s for a tiny dense model, 4-9 s with MoE experts on a
+loaded 2-core CPU), and the lifecycle checks run several more forwards and a backward."""
+
+LIGER_LIFECYCLE = ("generate", "train", "save-pretrained")
+"""The lifecycle operations that apply to a Liger-patched model: what a Liger user does with
+it (generate, fine-tune, save). The others check properties of our engine's rewrites
+(merged Parameters, guards, routes, fused-model copies) or re-apply the system to copies."""
+
+LIGER_DIAGNOSTICS = ("liger_kernel",)
+"""Liger's own warnings about its dispatch (a GPU backend that does not import here) are
+its diagnostics, recorded apart and named, as a compiler's are."""
 
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
 """Where torch.compile's own diagnostics come from: Dynamo's (graph breaks, "ignores the cache
@@ -124,6 +143,12 @@ class System:
     fused-only warning raised from one of them is recorded as a `compiler` warning and named
     in the message, never a `fused-warning` failure. Empty for our engine: every warning a
     fused model raises that the unfused one does not is a failure of fusion."""
+    lifecycle_operations: tuple[str, ...] | None = None
+    """The lifecycle operations that apply when `lifecycle` is true (None: all); the others
+    are recorded `n/a` with `not_applicable(...)` as the reason."""
+    unapplied: Callable[[], str] = lambda: ""
+    """After the forwards: why the system, though its apply returned, did not apply what it
+    promised ("" when it did); a non-empty reason fails the run as `not-applied`."""
     localise_alone: bool = False
     """Whether a failed logits verdict is localised by applying the system (`apply`) to a
     copy of each decoder-layer child alone (`harness.oracles.localise.block_children`) and judging
@@ -160,14 +185,18 @@ def get(name: str = DEFAULT, *, fuse: Callable[[nn.Module], Any] | None = None) 
         )
     if name == "vllm":
         return _vllm()
+    if name == "liger":
+        return _liger()
     raise UnknownSystem(f"unknown system {name!r}; known systems: {', '.join(NAMES)}")
 
 
 def unavailable(name: str) -> str | None:
     """Why system `name` cannot run in this environment, or None when it can: `vllm` needs
     vLLM importable (the peer environment) and willing to make its config on this machine;
-    the others need only torch. A CLI turns the
-    reason into a usage error before any model is built."""
+    `liger` needs liger-kernel and, without a GPU, TRITON_INTERPRET=1; the others need only
+    torch. A CLI turns the reason into a usage error before any model is built."""
+    if name == "liger":
+        return liger_apply.unavailable()
     if name != "vllm":
         return None
     try:
@@ -265,4 +294,36 @@ def _vllm() -> System:
         forward_status="fused-error",
         forward_kind="fused-forward-error",
         timeout=VLLM_TIMEOUT,
+    )
+
+
+def _liger() -> System:
+    last: list[liger_apply.Application] = []
+
+    def apply(model: nn.Module) -> Prepared:
+        last[:] = [liger_apply.apply(model)]
+        return Prepared(model, report=last[0].report)
+
+    def note() -> str:
+        """What Liger replaced and how many of its kernels the patched model launched."""
+        return last[0].summary() if last else ""
+
+    def unapplied() -> str:
+        return last[0].unapplied() if last else ""
+
+    return System(
+        name="liger",
+        description=f"Liger Kernel {liger_apply.LIGER_VERSION}'s apply_liger_kernel_to_<type>"
+        "(model=...), globals scoped to the patched model (harness.peers.liger_apply)",
+        apply=apply,
+        note=note,
+        lifecycle=True,
+        golden=False,
+        apply_status="fuse-error",
+        forward_status="fused-error",
+        forward_kind="fused-forward-error",
+        timeout=LIGER_TIMEOUT,
+        diagnostics=LIGER_DIAGNOSTICS,
+        lifecycle_operations=LIGER_LIFECYCLE,
+        unapplied=unapplied,
     )

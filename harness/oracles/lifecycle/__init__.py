@@ -96,7 +96,7 @@ is orders of magnitude beyond it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -203,12 +203,16 @@ def check(
     mode: str = "quick",
     fuse: Callable[[nn.Module], Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    only: Collection[str] | None = None,
+    not_selected: str = "not selected",
 ) -> dict[str, dict[str, str]]:
     """{operation: {"verdict", "detail"}} for every operation of `OPERATIONS` (empty when
     `mode` is `off`). Never raises for a model-side problem; `unfused` and `fused` are left as
     they were (every operation works on deep copies). `fuse` is how `fused` was made from
     `unfused` (default `fusion.fuse`), for the operations that fuse a copy themselves.
-    `progress` is told each operation as it starts ("lifecycle train (2/15)")."""
+    `progress` is told each operation as it starts ("lifecycle train (2/15)"). `only`, when
+    given, selects the operations that run (a system to which only some apply); every other
+    one is `n/a` with `not_selected` as its detail, never a pass."""
     if mode not in MODES:
         raise ValueError(f"lifecycle mode {mode!r} is not one of {MODES}")
     if mode == "off":
@@ -226,7 +230,9 @@ def check(
     results: dict[str, dict[str, str]] = {}
     with collecting_copies() as collect:
         for number, (name, operation) in enumerate(_OPERATIONS.items(), start=1):
-            if name == "compile" and not _compiles(mode, architecture):
+            if only is not None and name not in only:
+                verdict = OpVerdict("n/a", not_selected)
+            elif name == "compile" and not _compiles(mode, architecture):
                 verdict = OpVerdict("n/a", NOT_COMPILED)
             else:
                 if progress is not None:

@@ -469,3 +469,20 @@ def test_an_edit_the_unfused_model_rejects_is_not_judged(llama, llama_inputs):
     verdict = _edit_attributes(llama, llama_inputs, _attention_fuse)
     assert verdict.verdict == "pass", verdict
     assert verdict.detail.endswith("; 1 rejected by the unfused model"), verdict.detail
+
+
+def test_only_the_selected_operations_run_the_others_are_n_a(llama, llama_inputs):
+    """A system to which only some operations apply (liger: generate, train, save) gets
+    those verdicts; every other operation is n/a with the reason, never a pass."""
+    fused = copy.deepcopy(llama)
+    with torch.no_grad():
+        logits = llama(**llama_inputs).logits
+    cycle = lifecycle.check(
+        "llama", llama, fused, llama_inputs, torch.float32, logits, logits,
+        fuse=lambda model: None, only=("generate", "train"), not_selected="not for this system",
+    )  # fmt: skip
+    assert list(cycle) == list(lifecycle.OPERATIONS)
+    assert cycle["generate"]["verdict"] == "pass" and cycle["train"]["verdict"] == "pass"
+    others = {op: v for op, v in cycle.items() if op not in ("generate", "train")}
+    assert {v["verdict"] for v in others.values()} == {"n/a"}
+    assert {v["detail"] for v in others.values()} == {"not for this system"}

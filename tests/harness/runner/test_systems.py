@@ -42,7 +42,7 @@ def _result(**fields) -> ArchResult:
 
 
 def test_every_name_makes_its_system_and_the_cli_offers_exactly_them():
-    assert systems.NAMES == ("fusion", "inductor", "inductor-freezing", "vllm")
+    assert systems.NAMES == ("fusion", "inductor", "inductor-freezing", "vllm", "liger")
     assert [systems.get(name).name for name in systems.NAMES] == list(systems.NAMES)
     assert cli.SYSTEM_NAMES == systems.NAMES  # the parser spells them out without torch
     assert all(systems.get(name).description for name in systems.NAMES)
@@ -322,3 +322,16 @@ def test_inductor_compiles_a_tiny_llama_and_passes_the_parity_oracle():
     assert result.message.startswith("compiled: 1 graph(s)")
     assert result.fused_error is not None and result.fused_error <= result.tolerance
     assert {v["verdict"] for v in result.lifecycle.values()} == {"n/a"}
+
+
+def test_liger_runs_the_lifecycle_operations_of_a_liger_user_and_names_its_diagnostics():
+    system = systems.get("liger")
+    assert system.lifecycle and system.lifecycle_operations == (
+        "generate",
+        "train",
+        "save-pretrained",
+    )
+    assert set(system.lifecycle_operations) <= set(lifecycle.OPERATIONS)
+    assert system.diagnostics == ("liger_kernel",) and not system.golden
+    assert system.unapplied() == ""  # nothing applied yet: nothing to say
+    assert systems.get("fusion").unapplied() == ""  # the default: never not-applied
