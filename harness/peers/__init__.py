@@ -10,4 +10,10 @@
   `vllm` package they run under (loaded only into that subprocess).
 - `hazards`: repro bundles of the vLLM rewrites our analysis refuses as unsafe,
   `python -m harness.peers.hazards DIR`.
+- `liger_apply`: Liger Kernel's own per-type patch applied to a built model, its global
+  patches scoped to that model (`liger_globals`), its kernel launches counted
+  (`triton_launches`): the `liger` system. `liger_repro` writes its failures' standalone
+  replays, `liger_findings` tables and classifies its results.
+- `triton_interpreter`: the gaps of Triton's interpreter handled in one place, for systems
+  whose Triton kernels run on a CPU.
 """

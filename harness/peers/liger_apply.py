@@ -277,11 +277,14 @@ class _Scope:
     live: Counter[str] | None = None
 
     def pre(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: the outermost call installs Liger's globals and starts counting."""
         if self.app.changes.enter():
             self.counting = triton_launches.counting(KERNEL_PREFIX)
             self.live = self.counting.__enter__()
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook, also called when the forward raised: the outermost call adds its
+        launches to the Application, stops counting and puts Transformers' globals back."""
         if self.app.changes.depth == 1 and self.counting is not None:
             counting, live = self.counting, self.live
             self.counting = self.live = None

@@ -36,6 +36,7 @@ class Rule:
     architectures: frozenset[str] = frozenset()
 
     def matches(self, architecture: str, message: str) -> bool:
+        """Whether a failure of `architecture` with `message` is this rule's."""
         if self.architectures and architecture not in self.architectures:
             return False
         return re.search(self.pattern, message) is not None
@@ -127,6 +128,9 @@ def parity(result: ArchResult) -> str:
 
 
 def _cells(result: ArchResult) -> list[str]:
+    """The table row of `result`: status (`not-applied` where that failed it), parity,
+    module verdicts by status, lifecycle (the failed operations, else how many passed),
+    launches read from the message, classes."""
     counts: dict[str, int] = {}
     for module in result.modules:
         counts[module.status] = counts.get(module.status, 0) + 1

@@ -99,6 +99,7 @@ class InterpreterShims:
 
     @property
     def installed(self) -> bool:
+        """Whether the shims are installed now."""
         return bool(self.saved)
 
     def install(self) -> None:
@@ -127,6 +128,7 @@ class InterpreterShims:
             raise
 
     def _replace(self, owner: Any, name: str, value: Any) -> None:
+        """Set `owner.name` to `value`, keeping the value it had for `reset`."""
         self.saved.append((owner, name, owner.__dict__[name]))
         setattr(owner, name, value)
 
