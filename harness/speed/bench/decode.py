@@ -26,6 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import fusion
+from fusion.kernels.calibration import Table
+from fusion.kernels.policy import POLICY
 from harness.reporting import table as text_table
 from harness.speed.bench.cases import END_TO_END, UNFUSED, Case, Unavailable
 from harness.speed.bench.table import Row
@@ -165,21 +168,20 @@ def decode_case(
     variants = (UNFUSED, *VARIANTS, *(COMPILED if compiled else ()))
 
     def make() -> dict[str, Callable[[], Any]]:
-        import fusion
-
         model = loader(name, dtype, device)
         case.bytes_moved = new_tokens * weight_bytes_per_token(model)
         ids = prompt_ids(model, prompt)
         fused = copy.deepcopy(model)
         report = fusion.fuse(fused)
         models: dict[str, Any] = {UNFUSED: model}
+        tables: dict[str, Table] = {}  # a variant's own kernel table, used while it runs
         if not report.applied:
             reason = f"fusion.fuse applied nothing: {report.skipped}"
             models.update({v: Unavailable(reason) for v in variants[1:]})
         else:
             models["fused"] = fused
             calibrated = copy.deepcopy(fused)
-            fusion.calibrate(calibrated, tokens=(1, prompt))
+            tables["fused+calibrated"] = calibrated_table(calibrated, prompt)
             models["fused+calibrated"] = calibrated
             if compiled:
                 for variant, source in zip(COMPILED, (model, fused)):
@@ -192,11 +194,14 @@ def decode_case(
             if isinstance(target, Unavailable):
                 fns[variant] = target
                 continue
-            got = greedy(target, ids, new_tokens)  # also compiles a compiled variant
+            run = _generate(target, ids, new_tokens)
+            if variant in tables:
+                run = with_table(tables[variant], run)
+            got = run()  # also compiles a compiled variant
             if not torch.equal(got, want):
                 differ = int((got != want).sum()) if got.shape == want.shape else "all"
                 case.notes[variant] = f"greedy tokens differ from unfused ({differ} positions)"
-            fns[variant] = _generate(target, ids, new_tokens)
+            fns[variant] = run
         return fns
 
     case = Case(
@@ -213,6 +218,37 @@ def decode_case(
 
 def _generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> Callable[[], Any]:
     return lambda: greedy(model, ids, new_tokens)
+
+
+def calibrated_table(model: nn.Module, prompt: int) -> Table:
+    """The kernel table `fusion.calibrate` makes for `model` (fused) at one token and at
+    `prompt` tokens, starting from this machine's table, without saving it and with the
+    process's policy left on the table it had: the kernel policy is one per process, so
+    otherwise every variant timed after this one (`fused` included) would run the
+    calibrated kernels, and later runs on this machine would find them saved as its table
+    (measured once: both `fused` variants read alike and calibrated)."""
+    before = POLICY.table
+    POLICY.set_table(copy.deepcopy(before))  # calibrate adds to the table in use, in place
+    try:
+        fusion.calibrate(model, tokens=(1, prompt), save=False)
+        return POLICY.table
+    finally:
+        POLICY.set_table(before)
+
+
+def with_table(table: Table, run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run`, made to run with the kernel policy on `table` and to put back the table it
+    found, whatever `run` does."""
+
+    def ran() -> Any:
+        before = POLICY.table
+        POLICY.set_table(table)
+        try:
+            return run()
+        finally:
+            POLICY.set_table(before)
+
+    return ran
 
 
 def decode_cases(

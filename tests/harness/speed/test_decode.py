@@ -107,3 +107,60 @@ def test_command_choices_are_the_modules() -> None:
         5,
         decode.PROMPT,
     )
+
+
+def test_only_the_calibrated_variant_runs_on_the_calibrated_table(monkeypatch) -> None:
+    """The kernel policy is one per process: the calibration of `fused+calibrated` must
+    neither become the table `fused` runs on nor be saved as this machine's."""
+    import fusion
+    from fusion.kernels.calibration import Table
+    from fusion.kernels.policy import POLICY
+
+    model = _llama(True)
+    saved = []
+    real_calibrate = fusion.calibrate
+
+    def calibrate(target, **kwargs):
+        saved.append(kwargs.get("save", True))
+        return real_calibrate(target, **kwargs)
+
+    monkeypatch.setattr(fusion, "calibrate", calibrate)
+    seen: list[tuple[str, bool]] = []
+    real_greedy = decode.greedy
+
+    def greedy(target, ids, new_tokens):
+        label = "unfused" if target is model else "fused"
+        seen.append((label, POLICY.table is machine))
+        return real_greedy(target, ids, new_tokens)
+
+    monkeypatch.setattr(decode, "greedy", greedy)
+    machine = Table("machine")
+    POLICY.set_table(machine)
+    case = decode.decode_case(
+        "tiny", torch.float32, "cpu", prompt=4, new_tokens=2, loader=lambda *_: model
+    )
+    fns = case.make()
+    assert saved == [False]
+    assert POLICY.table is machine  # left as found after making the case
+    assert not machine.entries  # and not written into
+    for variant in decode.VARIANTS:
+        seen.clear()
+        fns[variant]()
+        assert seen and all(on == (variant == "fused") for _, on in seen), (variant, seen)
+        assert POLICY.table is machine  # put back after each run
+
+
+def test_with_table_puts_the_table_back_when_the_run_raises() -> None:
+    from fusion.kernels.calibration import Table
+    from fusion.kernels.policy import POLICY
+
+    mine, other = Table("mine"), Table("other")
+    POLICY.set_table(mine)
+
+    def fails():
+        assert POLICY.table is other
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        decode.with_table(other, fails)()
+    assert POLICY.table is mine
