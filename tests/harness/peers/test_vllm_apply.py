@@ -306,8 +306,25 @@ def test_the_cli_refuses_the_vllm_system_where_vllm_does_not_import(monkeypatch,
     assert "--system vllm: vLLM does not import here" in capsys.readouterr().err
 
 
-def test_only_the_vllm_system_can_be_unavailable():
-    assert all(systems.unavailable(name) is None for name in systems.NAMES if name != "vllm")
+def test_only_the_peer_systems_can_be_unavailable():
+    """Our engine and Inductor need only torch; `vllm` and `liger` name what they lack (the
+    peer environment; liger-kernel, or Triton's interpreter where no GPU is: the README's test
+    command does not set TRITON_INTERPRET)."""
+    peers = {"vllm", "liger"}
+    assert all(systems.unavailable(name) is None for name in systems.NAMES if name not in peers)
+    for name in peers:
+        reason = systems.unavailable(name)
+        assert reason is None or reason.strip(), name
+
+
+def test_liger_without_a_gpu_asks_for_the_interpreter(monkeypatch):
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (the test extra)")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: Liger's kernels need no interpreter")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET=1" in systems.unavailable("liger")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert systems.unavailable("liger") is None
 
 
 def test_the_vllm_system_records_its_applied_counts_and_summary(monkeypatch):
