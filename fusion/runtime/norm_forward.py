@@ -51,6 +51,7 @@ from fusion.analysis.reads import AttributeGuard
 from fusion.errors import RewriteRefused
 from fusion.kernels.contract import mode_reason, plain_dense
 from fusion.kernels.norm_variant import NormVariant
+from fusion.kernels.ops import eager_reference
 from fusion.kernels.policy import POLICY
 from fusion.runtime.guards import GlobalsGuard
 from fusion.runtime.merged import DtypePair, norm_kernel, norm_pair_kernel, uses_float32_aten
@@ -181,15 +182,10 @@ class NormForward:
     def routed(self, x: Any) -> bool:
         """Does a call on `x` take the route (the module docstring): routes open, `x` a
         tensor the torch reference kernels would compute eagerly on this norm's backend?"""
-        # `ops.eager_reference` spelled out (a test keeps them one rule): on a decode step
-        # every frame here runs from caches a GEMV has just emptied
-        backend = self.backend
         return (
-            POLICY.routes
-            and not POLICY.recording
+            POLICY.routes_open()
             and isinstance(x, torch.Tensor)
-            and (backend == "torch" or (backend == "auto" and x.is_cpu))
-            and not torch.compiler.is_compiling()
+            and eager_reference(self.backend, x)
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -79,7 +79,7 @@ class Route:
         hooks are looked at on every call. On a decode step this runs after a GEMV has
         streamed the caches empty, so each frame it saves is a cold one."""
         # compiled code never routes, and must not read (so guard on) the policy's memo
-        if not POLICY.routes or POLICY.recording or torch.compiler.is_compiling():
+        if not POLICY.routes_open() or torch.compiler.is_compiling():
             return False
         x = args[0] if args else kwargs.get(self.first)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
@@ -105,29 +105,19 @@ class Route:
         return all(POLICY.idle("stacked", backend) for backend in self._backends)
 
     def _acts_on_reference(self, x: torch.Tensor) -> bool:
-        """Would every act-and-mul compute its torch reference on `x` (`ops.eager_reference`,
-        the caller being eager: `torch`, or `auto` on a CPU tensor)?"""
-        backends = self._act_backends
-        return not backends or backends <= _TORCH or (x.is_cpu and backends <= _CPU_TORCH)
+        """Would every act-and-mul compute its torch reference on `x` (`ops.eager_reference`)?"""
+        return all(ops.eager_reference(backend, x) for backend in self._act_backends)
 
     def _policy_allows(self, x: torch.Tensor, width: int) -> bool:
         """The policy's part of `takes_original` for an input like `x` of `width`."""
         rows = x.numel() // width
         dtype = ops.dtype_name(x.dtype)
-        for merged in self.merged:
-            if merged.in_features != width:
-                return False
+        for merged in self.merged:  # every in_features is `width`: `takes_original` checked
             if not POLICY.runs_reference(
                 "stacked", merged.kernel_shape, dtype, rows, merged.backend
             ):
                 return False
         return all(ops.eager_reference(act.backend, x) for act in self.acts)
-
-
-_TORCH = frozenset({"torch"})
-_CPU_TORCH = frozenset({"torch", "auto"})
-"""Backends whose act-and-mul runs the torch reference eagerly: always, and on a CPU tensor
-(`ops.eager_reference`, which a test keeps in step with `Route._acts_on_reference`)."""
 
 
 def route_of(guards: Iterable[Guard], forward: Any) -> Route | None:

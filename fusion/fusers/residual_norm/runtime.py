@@ -45,13 +45,8 @@ def add_rms_norm(a: Any, b: Any, norm: nn.Module) -> tuple[Any, Any]:
     that forward on `a + b` where its premises hold, and otherwise exactly the two
     statements (`NormForward.add_forward`). Any other child (a norm the RMSNorm fuser has
     not reached, one a user swapped in, one with hooks added later) gets exactly the original
-    code: `a + b`, then the child called on the sum. So does a norm on its route.
+    code: `a + b`, then the child called on the sum. So does a norm on its route (`NormForward.add_forward`).
     """
-    forward = norm.__dict__.get("forward") if isinstance(norm, nn.Module) else None
-    if type(forward) is NormForward and forward.routed(a):
-        # the norm's route (`NormForward.routed`): the two statements, nothing checked
-        total = a + b
-        return total, norm(total)
     forward = fused_norm_forward(norm)
     if forward is not None:
         return forward.add_forward(a, b)

@@ -268,9 +268,9 @@ def test_the_report_says_where_a_route_runs() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("backend", ["auto", "torch", "native", "onednn", "triton", "vllm"])
-def test_the_spelled_out_eager_reference_rules_are_ops_eager_reference(backend, device) -> None:
-    """`Route._acts_on_reference` and `NormForward.routed` spell `ops.eager_reference` out
-    for speed: the same answer for every backend and device."""
+def test_the_route_and_norm_rules_are_ops_eager_reference(backend, device) -> None:
+    """`Route._acts_on_reference` and `NormForward.routed` answer as `ops.eager_reference`
+    for every backend and device (routes open), and the norm never routes with them closed."""
     x = torch.empty(1, 4, device=device)
     _, fused = fused_model()
     route = bound_forwards(fused)[0]._route
