@@ -14,6 +14,7 @@ from torch import nn
 import fusion
 from fusion import kernels, numerics
 from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels import reference as torch_ref
 from tests.fusion.kernels.native_helpers import force_native_on
 
@@ -322,6 +323,8 @@ def test_decode_rows_take_the_one_row_product(
     """At most `ROW_MAX_ROWS` rows per selected expert (decode): each row's GEMMs are
     oneDNN's one-row product where the machine takes it, computing the reference's function
     with no more error against float64 (1.5x the reference's, as for every path here)."""
+    # the native kernel, where it is on, takes few rows first (its own test, below)
+    monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 1 << 30)
     taken: list[tuple[int, ...]] = []
     real = onednn_backend.row_linear
 
@@ -368,8 +371,6 @@ def test_few_rows_per_expert_take_the_native_kernel(
     """Up to the machine's row limit (`native_gemm.rows_ok`) per expert: both GEMMs of every selected expert run
     the native kernel (once per expert, not per row), computing the reference's function
     with no more error against float64 (1.5x the reference's, as for every path here)."""
-    from fusion.kernels.native import gemm as native_gemm
-
     force_native_on(monkeypatch)
     taken: list[tuple[int, ...]] = []
     real = native_gemm.linear
@@ -390,8 +391,6 @@ def test_few_rows_per_expert_take_the_native_kernel(
 def test_native_experts_see_weight_writes_and_refuse_gradients(monkeypatch) -> None:
     """Nothing is kept between calls: writes through `.data` and numpy after a first call
     are seen by the next; with a gradient recorded the reference runs (and trains)."""
-    from fusion.kernels.native import gemm as native_gemm
-
     force_native_on(monkeypatch)
     x, gate_up, down, ids, weights = _experts(6, 256, 192, 8, 4, seed=9)
     with torch.no_grad():
