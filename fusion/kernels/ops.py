@@ -266,7 +266,7 @@ def _fast_product(kernel: str, x: Tensor, weight: Tensor, bias: Tensor | None) -
     kernel's `applies` asks the dispatcher's contract, `contract.plain_dense`, with its own
     operand rules), else None."""
     if kernel == "native":
-        return native_gemm.linear(x, weight, bias) if native_gemm.applies(x, weight, bias) else None
+        return native_gemm.try_linear(x, weight, bias)
     if kernel == "onednn-row":
         if onednn_backend.row_linear_applies(x, weight, bias):
             return onednn_backend.row_linear(x, weight, bias)

@@ -441,14 +441,14 @@ def _check_memory(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Raise ValueError unless the kernel may read these tensors' memory as it will: the
     layout it reads (`_layout_ok`) on tensors that have storage (not meta). `linear` checks
     this on every call, whatever its caller checked, because a wrong pointer here is a crash
-    of the whole process, not an exception."""
+    of the whole process, not an exception (`run` then checks the storages' extent)."""
     tensors = [x, weight] + ([] if bias is None else [bias])
-    stored = all(not t.is_meta and (t.numel() == 0 or t.data_ptr() != 0) for t in tensors)
-    if not (stored and _layout_ok(x, weight, bias)):
-        described = ", ".join(
-            f"{t.dtype} {t.device} {tuple(t.shape)} strides {t.stride()}" for t in tensors
-        )
-        raise ValueError(f"native linear cannot read these operands: {described}")
+    if not (all(not t.is_meta for t in tensors) and _layout_ok(x, weight, bias)):
+        raise ValueError(f"native linear cannot read these operands: {_described(tensors)}")
+
+
+def _described(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(f"{t.dtype} {t.device} {tuple(t.shape)} strides {t.stride()}" for t in tensors)
 
 
 def experts_ok(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -477,19 +477,62 @@ def expert_rows_ok(count: int, gate_up: torch.Tensor, down: torch.Tensor) -> boo
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by the native kernel: a new tensor of the operands' dtype
     and shape `(*x.shape[:-1], N)`. Call where `applies` (or, in tests, where `built()` and
-    the operand rules hold); operands outside the kernel's contract raise RuntimeError.
+    the operand rules hold); operands outside the kernel's contract raise RuntimeError
+    (ValueError where the kernel could not read their memory: `_check_memory`).
     bfloat16: the weight is read in place as bf16; the kernel widens the input rows and bias
     to float32 (a copy of M x K and N values, beside the N x K weight) and rounds the float32
     sums to bf16 once (round to nearest even, as `Tensor.to`).
 
-    Reads `weight` and `bias` as they are now (no copy, no cache). The storages are held for
-    the call, so another thread re-pointing a tensor (`set_`) cannot free memory the kernel
-    is reading."""
+    Reads `weight` and `bias` as they are now (no copy, no cache)."""
     state = NATIVE.resolve()
     function = state.bf16_function if weight.dtype == torch.bfloat16 else state.function
     if function is None:
         raise RuntimeError(f"the native linear is not built here: {state.reason}")
     _check_memory(x, weight, bias)
+    return run(function, x, weight, bias)
+
+
+def try_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """`linear(x, weight, bias)` where `applies`, else None (the caller keeps its own path).
+    The checks of both, made once: `applies`' operand rules include the layout `linear`
+    checks (CPU tensors, so not meta), and `run` checks the storages. On a decode step
+    this is the whole Python cost of a product besides the kernel, paid after a GEMV has
+    emptied the caches: every check made twice was a cold frame more."""
+    if torch.compiler.is_compiling():
+        return None
+    state = NATIVE.resolve()
+    if not (
+        state.verdict == "available"
+        and contract.plain_dense("cpu", x, weight, bias) is None
+        and _operands_ok(x, weight, bias, traced=False)
+    ):
+        return None
+    function = state.bf16_function if weight.dtype == torch.bfloat16 else state.function
+    return run(function, x, weight, bias)
+
+
+def _reaches(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+    """Does `storage` (`t`'s) hold every element of `t` (a 1-D or 2-D CPU strided tensor,
+    non-negative strides), at a real address? A storage resized after the tensor was made
+    (freed to save memory, as sharded training does) would otherwise be read past its end."""
+    shape, stride = t.shape, t.stride()
+    if not shape[0] or (len(shape) == 2 and not shape[1]):
+        return True
+    last = t.storage_offset() + (shape[0] - 1) * stride[0]
+    if len(shape) == 2:
+        last += (shape[1] - 1) * stride[1]
+    return t.data_ptr() != 0 and (last + 1) * t.element_size() <= storage.nbytes()
+
+
+def run(
+    function: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The kernel call behind `linear` and `try_linear`, on operands whose layout was
+    checked. The storages are held for the call, so another thread re-pointing a tensor
+    (`set_`) cannot free memory the kernel is reading; each is checked to hold what the
+    kernel reads (`_reaches`)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -497,13 +540,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         rows = rows.contiguous()
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
+    held = [(t, t.untyped_storage()) for t in (rows, weight, bias) if t is not None]
+    if not all(_reaches(t, storage) for t, storage in held):
+        raise ValueError(f"native linear cannot read these operands: {_described([x, weight])}")
     out = torch.empty(m, n, dtype=weight.dtype, device="cpu")  # not the default device
-    held = (rows.untyped_storage(), weight.untyped_storage())  # noqa: F841  (see docstring)
     code = function(
         rows.data_ptr(), rows.stride(0) if m > 1 else k, weight.data_ptr(), weight.stride(0),
         None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
         torch.get_num_threads(),
     )  # fmt: skip
+    del held
     if code != 0:
         raise RuntimeError(f"native linear refused its operands (code {code}): {m}x{k} @ {n}x{k}")
     return out.view(*x.shape[:-1], n)

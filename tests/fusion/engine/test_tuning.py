@@ -136,8 +136,8 @@ def test_backend_torch_runs_no_fast_kernel(monkeypatch) -> None:
     force_native_on(monkeypatch)
     force_onednn_row_on(monkeypatch)
     calls: list[str] = []
-    native, row = native_gemm.linear, onednn_backend.row_linear
-    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append("native") or native(*a))
+    native, row = native_gemm.run, onednn_backend.row_linear
+    monkeypatch.setattr(native_gemm, "run", lambda *a: calls.append("native") or native(*a))
     monkeypatch.setattr(onednn_backend, "row_linear", lambda *a: calls.append("row") or row(*a))
     model = corpus.build("llama", seed=0, dtype=torch.float32, device="cpu")
     for backend, expect_fast in (("torch", False), ("auto", True)):

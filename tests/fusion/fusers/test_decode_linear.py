@@ -247,14 +247,14 @@ def test_every_linear_taking_it_passes_parity_and_the_lifecycle(arch: str) -> No
     onednn_backend.ROW_MIN_ELEMENTS = 0  # both restored by the autouse fixture's monkeypatch
     native_gemm.MIN_ELEMENTS = 0
     calls: list[int] = []
-    real = native_gemm.linear
-    native_gemm.linear = lambda *a: calls.append(1) or real(*a)
+    real = native_gemm.run
+    native_gemm.run = lambda *a: calls.append(1) or real(*a)
     try:
         model = corpus.build(arch, seed=0, dtype=torch.float32, device="cpu")
         options = CheckOptions(lifecycle="full")
         result = check_model(arch, model, make_inputs(model, options), options).result
     finally:
-        native_gemm.linear = real
+        native_gemm.run = real
     assert bool(calls) == native_gemm.known_ok()  # the kernel ran wherever it is on
     assert result.status == "pass", result.message
     assert all(v["verdict"] in {"pass", "n/a"} for v in result.lifecycle.values())

@@ -34,8 +34,8 @@ def restore_precision() -> Iterator[None]:
 def taken(monkeypatch) -> list[str]:
     """The fast paths that ran, in call order."""
     calls: list[str] = []
-    real_native, real_row = native_gemm.linear, onednn_backend.row_linear
-    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append("native") or real_native(*a))
+    real_native, real_row = native_gemm.run, onednn_backend.row_linear
+    monkeypatch.setattr(native_gemm, "run", lambda *a: calls.append("native") or real_native(*a))
     monkeypatch.setattr(
         onednn_backend, "row_linear", lambda *a: calls.append("onednn_row") or real_row(*a)
     )

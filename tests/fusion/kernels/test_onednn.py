@@ -14,8 +14,8 @@ from torch import nn
 import fusion
 from fusion import kernels, numerics
 from fusion.kernels import onednn as onednn_backend
-from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels import reference as torch_ref
+from fusion.kernels.native import gemm as native_gemm
 from tests.fusion.kernels.native_helpers import force_native_on
 
 BACKEND = onednn_backend.create()
@@ -373,9 +373,9 @@ def test_few_rows_per_expert_take_the_native_kernel(
     with no more error against float64 (1.5x the reference's, as for every path here)."""
     force_native_on(monkeypatch)
     taken: list[tuple[int, ...]] = []
-    real = native_gemm.linear
+    real = native_gemm.run
     monkeypatch.setattr(
-        native_gemm, "linear", lambda x, w, b: taken.append(tuple(w.shape)) or real(x, w, b)
+        native_gemm, "run", lambda f, x, w, b: taken.append(tuple(w.shape)) or real(f, x, w, b)
     )
     x, gate_up, down, ids, weights = _experts(tokens, 256, 192, 8, top_k, seed=tokens)
     with torch.no_grad():
@@ -401,7 +401,7 @@ def test_native_experts_see_weight_writes_and_refuse_gradients(monkeypatch) -> N
         ref = torch_ref.moe_experts(x, gate_up, down, ids, weights, "silu")
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     calls: list[int] = []
-    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(1))
+    monkeypatch.setattr(native_gemm, "run", lambda *a: calls.append(1))
     gate_up.requires_grad_(True)
     BACKEND.moe_experts(x, gate_up, down, ids, weights, "silu").sum().backward()
     assert calls == [] and gate_up.grad is not None

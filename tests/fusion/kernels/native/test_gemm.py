@@ -331,9 +331,9 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
     same parameters. More rows keep their PyTorch path."""
     force_native_on(monkeypatch)
     calls: list[tuple[int, ...]] = []
-    real = native_gemm.linear
+    real = native_gemm.run
     monkeypatch.setattr(
-        native_gemm, "linear", lambda x, w, b: calls.append(tuple(w.shape)) or real(x, w, b)
+        native_gemm, "run", lambda f, x, w, b: calls.append(tuple(w.shape)) or real(f, x, w, b)
     )
     merged = _merged((64, 16, 16), 32, bias=True)
     row = decode_linear(32, 48)
@@ -356,8 +356,8 @@ def test_every_weight_write_is_seen(monkeypatch, dtype: torch.dtype) -> None:
     and 16 rows, in float32 and in bfloat16 (whose weight the kernel reads in place too)."""
     force_native_on(monkeypatch)
     ran: list[torch.dtype] = []
-    real = native_gemm.linear
-    monkeypatch.setattr(native_gemm, "linear", lambda x, *a: ran.append(x.dtype) or real(x, *a))
+    real = native_gemm.run
+    monkeypatch.setattr(native_gemm, "run", lambda f, x, *a: ran.append(x.dtype) or real(f, x, *a))
     merged = _merged((48, 16), 32, bias=False, dtype=dtype)
     optimiser = torch.optim.SGD([s.weight for s in merged.shards], lr=0.5)
     # float32: the kernel's error is MKL's; bf16: one bf16 rounding of the same sums
@@ -400,8 +400,8 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
     force_native_on(monkeypatch)
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
     taken: list[str] = []
-    real_native, real_onednn = native_gemm.linear, onednn_backend.row_linear
-    monkeypatch.setattr(native_gemm, "linear", lambda *a: taken.append("native") or real_native(*a))
+    real_native, real_onednn = native_gemm.run, onednn_backend.row_linear
+    monkeypatch.setattr(native_gemm, "run", lambda *a: taken.append("native") or real_native(*a))
     monkeypatch.setattr(
         onednn_backend, "row_linear", lambda *a: taken.append("onednn") or real_onednn(*a)
     )
@@ -428,8 +428,8 @@ def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
     eager modules'."""
     force_native_on(monkeypatch)
     calls: list[int] = []
-    real = native_gemm.linear
-    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(1) or real(*a))
+    real = native_gemm.run
+    monkeypatch.setattr(native_gemm, "run", lambda *a: calls.append(1) or real(*a))
     for module, nodes in (
         (_merged((64, 16, 16), 32, bias=True).eval(), 3),
         (decode_linear(32, 48).eval(), 1),
@@ -487,6 +487,44 @@ def test_linear_refuses_memory_it_cannot_read() -> None:
     for args in bad:
         with pytest.raises(ValueError, match="native linear"):
             native_gemm.linear(*args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("which", ["weight", "x", "bias"])
+def test_a_storage_freed_after_the_tensor_was_made_is_not_read(monkeypatch, which: str) -> None:
+    """A storage shrunk under its tensor (sharded training frees parameters' storages this
+    way) raises ValueError from `linear` and `try_linear` alike, instead of a read past its
+    end; the same operands with their storage whole compute `F.linear`."""
+    force_native_on(monkeypatch)
+    operands = {"x": torch.randn(1, 64), "weight": torch.randn(48, 64), "bias": torch.randn(48)}
+    with torch.no_grad():
+        want = F.linear(operands["x"], operands["weight"], operands["bias"])
+        torch.testing.assert_close(native_gemm.try_linear(**_args(operands)), want)
+        operands[which].untyped_storage().resize_(operands[which].element_size() * 8)
+        for call in (native_gemm.linear, native_gemm.try_linear):
+            with pytest.raises(ValueError, match="native linear"):
+                call(**_args(operands))
+
+
+def _args(operands: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"x": operands["x"], "weight": operands["weight"], "bias": operands["bias"]}
+
+
+@needs_kernel
+def test_try_linear_is_linear_where_it_applies_and_none_elsewhere(monkeypatch) -> None:
+    """`try_linear` (the product path's one check) answers exactly where `applies` does, and
+    then the tensor `linear` computes, bit for bit."""
+    force_native_on(monkeypatch)
+    x, weight = torch.randn(3, 64), torch.randn(48, 64)
+    with torch.no_grad():
+        assert native_gemm.applies(x, weight, None)
+        assert torch.equal(
+            native_gemm.try_linear(x, weight, None), native_gemm.linear(x, weight, None)
+        )
+        for args in [(x.double(), weight.double(), None), (x, torch.randn(64, 48).t(), None)]:
+            assert not native_gemm.applies(*args)
+            assert native_gemm.try_linear(*args) is None
+    assert native_gemm.try_linear(x, weight.requires_grad_(True), None) is None  # records grad
 
 
 @needs_kernel
