@@ -88,8 +88,9 @@ def eager_reference(backend: str, x: Tensor) -> bool:
     backend, `fusion.kernels`)? Then the caller goes straight to the reference kernel:
     the fewest Python frames, which on a decode step run from caches a weight-streaming
     GEMV has just emptied. Never while Dynamo traces (the operators' own rules apply)."""
-    return (backend == "torch" or (backend == "auto" and x.device.type == "cpu")) and not (
-        torch.compiler.is_compiling()
+    # compiling first: while Dynamo traces, `is_cpu` would be a node of the graph
+    return not torch.compiler.is_compiling() and (
+        backend == "torch" or (backend == "auto" and x.is_cpu)
     )
 
 

@@ -111,6 +111,10 @@ class KernelPolicy:
     recording: bool = False
     """While set (`recording_asks`), `idle` answers False, so every product asks `choose`
     and lands in `asked`."""
+    idle_answers: dict[tuple[str, str], bool] = field(default_factory=dict)
+    """`idle(op, backend)`'s answers by `(op, backend)`, forgotten with the memo: for a caller
+    on the hottest path (`LinearForward`) to read without a call (not while `recording`, when
+    `idle` answers False whatever this holds; a missing key: ask `idle`)."""
     routes: bool = True
     """Whether a rewritten forward may run its class's original where every product it
     would compute runs its reference (`routes_open`, `fusion.runtime.routes`). On by
@@ -118,10 +122,15 @@ class KernelPolicy:
     harness judges rewrites with routes closed (`routing(False)`), so the code a calibrated
     machine runs is what its oracles see, and judges the route apart."""
 
+    def _forget(self) -> None:
+        """Drop every memoised answer (choices, idle answers, remembered routes)."""
+        self._memo.clear()
+        self.idle_answers.clear()
+
     def reset(self) -> None:
         self._mode = None
         self._table = None
-        self._memo.clear()
+        self._forget()
         self.asked.clear()
         self.recording = False
         self.routes = True
@@ -162,12 +171,10 @@ class KernelPolicy:
         forgotten with them by `use`, `set_table`, `reset`)."""
         if self.recording:
             return False
-        key = ("idle", op, backend)
-        answer = self._memo.get(key)
+        answer = self.idle_answers.get((op, backend))
         if answer is None:
-            answer = self._idle(op, backend)
-            self._memo[key] = answer
-        return bool(answer)
+            answer = self.idle_answers[op, backend] = self._idle(op, backend)
+        return answer
 
     def _idle(self, op: str, backend: str) -> bool:
         if backend in PINNED:
@@ -196,7 +203,7 @@ class KernelPolicy:
         if mode not in MODES:
             raise ValueError(f"unknown kernel policy mode {mode!r}; known: {', '.join(MODES)}")
         self._mode = mode
-        self._memo.clear()
+        self._forget()
 
     @contextmanager
     def override(self, mode: str) -> Iterator[None]:
@@ -207,7 +214,7 @@ class KernelPolicy:
             yield
         finally:
             self._mode = previous
-            self._memo.clear()
+            self._forget()
 
     @property
     def table(self) -> Table:
@@ -218,7 +225,7 @@ class KernelPolicy:
     def set_table(self, table: Table) -> None:
         """Use `table` (a fresh calibration, or a test's) instead of the one on disk."""
         self._table = table
-        self._memo.clear()
+        self._forget()
 
     def choose(
         self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str

@@ -266,6 +266,43 @@ def test_the_report_says_where_a_route_runs() -> None:
     assert not any("route" in c.decode[1] for c in choices)
 
 
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    # a pinned CPU backend on meta raises (`backend=` means exactly what it says)
+    [
+        ("auto", "cpu"),
+        ("torch", "cpu"),
+        ("native", "cpu"),
+        ("onednn", "cpu"),
+        ("auto", "meta"),
+        ("torch", "meta"),
+    ],
+)
+@pytest.mark.parametrize("open_routes", [True, False])
+def test_a_norm_call_takes_the_route_exactly_where_routed_says(
+    backend, device, open_routes
+) -> None:
+    """`NormForward.__call__` spells the route out (one frame on the hot path): a call runs
+    the class's original (counted in `original_calls`) exactly where `routed` answers True,
+    and computes the unfused norm either way."""
+    unfused, fused = fused_model()
+    fused.to(device)
+    name, norm = next(
+        (n, m)
+        for n, m in fused.named_modules()
+        if isinstance(m.__dict__.get("forward"), NormForward)
+    )
+    forward = norm.__dict__["forward"]
+    forward.backend = backend
+    x = torch.randn(2, 3, norm.weight.shape[0], device=device)
+    with POLICY.routing(open_routes), torch.no_grad():
+        before = forward.original_calls
+        got = norm(x)
+        assert (forward.original_calls - before == 1) == forward.routed(x)
+    if device == "cpu":
+        torch.testing.assert_close(got, unfused.get_submodule(name)(x), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("backend", ["auto", "torch", "native", "onednn", "triton", "vllm"])
 def test_the_route_and_norm_rules_are_ops_eager_reference(backend, device) -> None:
