@@ -3,7 +3,8 @@
 Not a merge, and no change of type: the module keeps its class (exactly `nn.Linear`), its
 parameters, hooks, name and place; only its `forward` becomes an instance attribute, a
 `fusion.runtime.linear_forward.LinearForward`, which is `F.linear` except for products on a CPU with
-a weight of 1M+ elements, at 1 to 256 rows where the native kernel is on (`native_gemm`: it
+a weight of 256K+ elements (`native_gemm.MIN_ELEMENTS`; oneDNN's one-row product: 1M+), at 1 to
+256 rows where the native kernel is on (`native_gemm`: it
 streams the live weight once, MKL packs it on every call) and otherwise at one row on
 AVX-512 where oneDNN's one-row product is, each where the policy measured it faster. So
 type-keyed tools (`quantize_dynamic(model, {nn.Linear})`, `isinstance`, a patch of

@@ -81,10 +81,14 @@ class BoundForward:
         guards: tuple[Guard, ...] = (),
         globals_guard: GlobalsGuard | None = None,
         class_forward: Callable[..., Any] | None = None,
+        norm_sites: tuple[str, ...] = (),
     ) -> None:
         self.module = module
         self.cls = cls
         self.class_forward = cls.forward if class_forward is None else class_forward
+        self.norm_sites = norm_sites
+        """The children a residual-norm rewrite passes to its add + norm helper (its route:
+        `routes.NormRoute`); () for every other rewrite."""
         """`cls.forward` as the class held it when the rewrite was bound (wrappers and all):
         the function the proof is about. A call finding another (`type(module).forward`
         patched, the instance's class swapped) runs that one instead."""
@@ -130,7 +134,11 @@ class BoundForward:
     def guards(self, guards: Iterable[Guard]) -> None:
         self._guards = distinct(guards)
         self._holds = holding_check(self._guards, self.cls, self.class_forward)
-        self._route = routes.route_of(self._guards, self.class_forward)
+        route = routes.route_of(self._guards, self.class_forward)
+        if self.norm_sites:  # a rewrite of both kinds has no route: neither rule covers it
+            norm_route = routes.norm_route_of(self.module, self.norm_sites, self.class_forward)
+            route = norm_route if route is None else None
+        self._route = route
 
     def failure(self) -> str | None:
         """Why the rewrite may not run now (a guard that no longer holds), or None: the
@@ -173,7 +181,10 @@ class BoundForward:
         return self.fn
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_rebuild, (self.module, self.cls, self.original, self.rewritten, self.guards))
+        return (
+            _rebuild,
+            (self.module, self.cls, self.original, self.rewritten, self.guards, self.norm_sites),
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BoundForward:
         # The compiled function and the global names are shared; the instance and the
@@ -189,6 +200,7 @@ class BoundForward:
             guards,
             self.globals_guard,
             self.class_forward,
+            self.norm_sites,
         )
 
     def rebound(self, module: nn.Module) -> BoundForward:
@@ -203,6 +215,7 @@ class BoundForward:
             self.guards,
             self.globals_guard,
             self.class_forward,
+            self.norm_sites,
         )
 
     def __repr__(self) -> str:
@@ -345,6 +358,7 @@ def _rebuild(
     original: str,
     rewritten: ast.FunctionDef,
     guards: tuple[Guard, ...] = (),
+    norm_sites: tuple[str, ...] = (),
 ) -> BoundForward:
     """Recompile the rewrite against `cls`'s current forward (unpickling).
 
@@ -359,7 +373,7 @@ def _rebuild(
             "load the model where it was saved, or save its state_dict and fuse again"
         )
     compiled = source.compile_forward(rewritten, fn)
-    return BoundForward(module, cls, original, rewritten, compiled, guards)
+    return BoundForward(module, cls, original, rewritten, compiled, guards, norm_sites=norm_sites)
 
 
 def replace_guarded_child(parent: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
@@ -377,10 +391,17 @@ def replace_guarded_child(parent: nn.Module, name: str, old: nn.Module, new: nn.
     )
 
 
-def bind(module: nn.Module, fn: Callable[..., Any], guards: tuple[Guard, ...] = ()) -> None:
+def bind(
+    module: nn.Module,
+    fn: Callable[..., Any],
+    guards: tuple[Guard, ...] = (),
+    *,
+    norm_sites: tuple[str, ...] = (),
+) -> None:
     """Install `fn`, a rewrite compiled by `source.compile_forward`, as `module.forward`
     (this instance only), guarded by `guards` (what the fuser's proof relied on that the
-    user can change) and by the global names `fn` reads."""
+    user can change) and by the global names `fn` reads. `norm_sites`: the norms a
+    residual-norm rewrite adds into (its route, `routes.NormRoute`)."""
     rewritten, original_fn = fn.__fusion_rewrite__  # type: ignore[attr-defined]
     cls = type(module)
     if inspect.unwrap(cls.forward) is not original_fn:
@@ -389,7 +410,10 @@ def bind(module: nn.Module, fn: Callable[..., Any], guards: tuple[Guard, ...] = 
     if original is None:  # parsed once per compiled rewrite, not per instance
         original = source.unparse(source.recover_forward(cls)[0])
         fn.__fusion_original__ = original  # type: ignore[attr-defined]
-    install_forward(module, BoundForward(module, cls, original, rewritten, fn, tuple(guards)))
+    forward = BoundForward(
+        module, cls, original, rewritten, fn, tuple(guards), norm_sites=tuple(norm_sites)
+    )
+    install_forward(module, forward)
 
 
 def install_forward(module: nn.Module, forward: Any) -> None:

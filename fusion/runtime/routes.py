@@ -36,6 +36,7 @@ from fusion.kernels import ops
 from fusion.kernels.policy import POLICY, row_bucket
 from fusion.runtime.guards import ChildGuard, Guard
 from fusion.runtime.merged import ActAndMul, MergedLinear
+from fusion.runtime.norm_forward import NormForward
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,60 @@ class Route:
         return all(ops.eager_reference(act.backend, x) for act in self.acts)
 
 
+@dataclass(frozen=True)
+class NormRoute:
+    """What decides, per call, whether a residual-norm rewrite may run its class's original:
+    the rewrite's only change is `a + b` and the norm child called on the sum, as one
+    `add_rms_norm` call (`fusion.fusers.residual_norm.runtime`), and where the norm takes its
+    own route that helper computes exactly those two statements anyway, through more frames
+    (the layer's guards, the helper, the norm's `add_forward`). `sites` are the children the
+    rewrite passes to the helper; `module` is the layer (a copy's route is made with the
+    copy's forward, `BoundForward.__deepcopy__` / `rebound`)."""
+
+    module: nn.Module
+    sites: tuple[str, ...]
+    first: str
+
+    def takes_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """True when this call may run the original forward: eager, routes open, the input
+        a tensor, and every site's child, where it is a norm with a fused forward
+        (`NormForward`), computing on the torch reference for an input like it
+        (`ops.eager_reference` on the layer's input: a norm's route asks the same of its
+        own). A child without one is called on the sum by the helper as by the original,
+        hooks and all. Read now from the layer's children, so a swapped child is seen."""
+        if not POLICY.routes_open() or torch.compiler.is_compiling():
+            return False
+        x = args[0] if args else kwargs.get(self.first)
+        if not isinstance(x, torch.Tensor):
+            return False
+        children = self.module._modules
+        for name in self.sites:
+            child = children.get(name)
+            forward = None if child is None else child.__dict__.get("forward")
+            if type(forward) is NormForward and not ops.eager_reference(forward.backend, x):
+                return False
+        return True
+
+
+def norm_route_of(module: nn.Module, sites: tuple[str, ...], forward: Any) -> NormRoute | None:
+    """The route of a residual-norm rewrite of `forward` on `module` adding into the norms
+    `sites`, or None (no sites, or no named first parameter to read the input from)."""
+    first = _first_parameter(forward)
+    return NormRoute(module, sites, first) if sites and first is not None else None
+
+
+def _first_parameter(forward: Any) -> str | None:
+    """The name of `forward`'s first parameter after `self`, where a call may pass it by
+    position or by name; else None."""
+    parameters = list(inspect.signature(inspect.unwrap(forward)).parameters.values())[1:]
+    if not parameters or parameters[0].kind not in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.POSITIONAL_ONLY,
+    ):
+        return None
+    return parameters[0].name
+
+
 def route_of(guards: Iterable[Guard], forward: Any) -> Route | None:
     """The route of a rewrite of `forward` whose proof relied on `guards`, or None (it
     always runs the rewrite): the fused children the rewrite calls (`ChildGuard.called`)
@@ -139,13 +194,8 @@ def route_of(guards: Iterable[Guard], forward: Any) -> Route | None:
             return None
     if not merged:
         return None
-    parameters = list(inspect.signature(inspect.unwrap(forward)).parameters.values())[1:]
-    if not parameters or parameters[0].kind not in (
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        inspect.Parameter.POSITIONAL_ONLY,
-    ):
-        return None
-    return Route(tuple(merged), tuple(acts), parameters[0].name)
+    first = _first_parameter(forward)
+    return None if first is None else Route(tuple(merged), tuple(acts), first)
 
 
 def _any_hooked(modules: tuple[nn.Module, ...]) -> bool:

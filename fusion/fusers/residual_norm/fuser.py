@@ -216,7 +216,7 @@ class ResidualNormFuser(Fuser):
         # with), so the add + norm runs where the norm alone would have.
         self.validate(module)
         setattr(module, HELPER, add_rms_norm)
-        bound.bind(module, self.forward_fn)
+        bound.bind(module, self.forward_fn, norm_sites=self.norms)
         return module
 
     def describe(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -45,7 +46,9 @@ def merged_modules(model: torch.nn.Module) -> list[MergedLinear]:
 
 def bound_forwards(model: torch.nn.Module) -> list[bound.BoundForward]:
     found = [m.__dict__.get("forward") for m in model.modules()]
-    return [f for f in found if isinstance(f, bound.BoundForward) and f._route is not None]
+    return [
+        f for f in found if isinstance(f, bound.BoundForward) and isinstance(f._route, routes.Route)
+    ]
 
 
 def measured(model: torch.nn.Module, rows: int, dtype: str, **ratios: Ratio) -> Table:
@@ -324,3 +327,57 @@ def test_the_route_and_norm_rules_are_ops_eager_reference(backend, device) -> No
     assert norm.routed(x) == ops.eager_reference(backend, x)
     with POLICY.routing(False):
         assert not norm.routed(x)
+
+
+def layer_forwards(model: torch.nn.Module) -> list[bound.BoundForward]:
+    """The residual-norm rewrites of `model` (each with its `NormRoute`)."""
+    found = [m.__dict__.get("forward") for m in model.modules()]
+    return [
+        f
+        for f in found
+        if isinstance(f, bound.BoundForward) and isinstance(f._route, routes.NormRoute)
+    ]
+
+
+def test_a_layer_whose_norms_are_on_their_route_runs_its_original(monkeypatch) -> None:
+    """A residual-norm rewrite on a CPU nobody calibrated: every norm it adds into would run
+    its class's original, so the layer runs its own (no add + norm kernel, no helper), the
+    logits bit for bit the unfused ones; routes closed, the rewrite runs and calls the
+    kernel; a site's norm whose backend computes otherwise keeps the rewrite."""
+    unfused, fused = fused_model()
+    layers = layer_forwards(fused)
+    assert layers and all(f.norm_sites for f in layers), "qwen3's decoder layers add into norms"
+    kernel_calls: list[int] = []
+    real = NormForward.add_forward
+    monkeypatch.setattr(
+        NormForward, "add_forward", lambda self, a, b: kernel_calls.append(1) or real(self, a, b)
+    )
+    ids = token_ids(batch=1, seq=5)
+    assert torch.equal(forward(fused, ids), forward(unfused, ids))
+    assert [f.original_calls for f in layers] == [1] * len(layers) and not kernel_calls
+    with POLICY.routing(False):
+        torch.testing.assert_close(forward(fused, ids), forward(unfused, ids))
+    assert [f.original_calls for f in layers] == [1] * len(layers)
+    assert len(kernel_calls) == sum(len(f.norm_sites) for f in layers)
+    norm = layers[0].module.get_submodule(layers[0].norm_sites[0])
+    norm.__dict__["forward"].backend = "native"  # computes its own kernel, not the reference
+    forward(fused, ids)
+    assert layers[0].original_calls == 1 and layers[1].original_calls == 2
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "copy"])
+def test_a_copy_keeps_the_layer_route_on_its_own_children(how) -> None:
+    """Copies rebuild the residual-norm rewrite with its sites (`norm_sites`), its route
+    reading the copy's children, not the original's."""
+    _, fused = fused_model()
+    if how == "deepcopy":
+        other = copy.deepcopy(fused)
+    elif how == "pickle":
+        other = pickle.loads(pickle.dumps(fused))
+    else:
+        other = copy.copy(fused.model.layers[0])
+    layers = layer_forwards(other)
+    assert layers and all(f._route.module is f.module for f in layers)
+    assert [f.norm_sites for f in layers] == [f.norm_sites for f in layer_forwards(fused)][
+        : len(layers)
+    ]
