@@ -282,26 +282,31 @@ def _chosen_product(
 ) -> Tensor | None:
     """The eager choice of `product`: the kernels the policy names for this call, the first
     eligible one; None for the reference."""
-    for kernel in _named(op, shape, backend, x, weight.shape[-1]):
+    return first_eligible(chosen(op, shape, backend, x, weight.shape[-1]), x, weight, bias)
+
+
+def first_eligible(
+    kernels: tuple[str, ...], x: Tensor, weight: Tensor, bias: Tensor | None
+) -> Tensor | None:
+    """Eager: `F.linear(x, weight, bias)` by the first of `kernels` (what `chosen` named for
+    this call) eligible for these operands, else None (the caller computes its reference)."""
+    for kernel in kernels:
         out = _fast_product(kernel, x, weight, bias)
         if out is not None:
             return out
     return None
 
 
-def _named(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> tuple[str, ...]:
+def chosen(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> tuple[str, ...]:
     """The kernels `policy.POLICY` names for `op` at this shape, `x`'s dtype, its row count
-    (`x.numel() // width`), the thread count and `backend`, in the order to try them."""
+    (`x.numel() // width`), the thread count and `backend`, in the order to try them; empty:
+    the reference. Eager: an empty answer means `product` would answer None for any
+    operands, so the caller may compute its reference at once, without checking anything a
+    kernel would need (a merged projection's views, the operands' eligibility), since only a
+    chosen kernel reads them; otherwise it hands the answer to `first_eligible` (one
+    memoised lookup, not two)."""
     rows = x.numel() // width if width else 0
     return policy.POLICY.choose(op, shape, dtype_name(x.dtype), rows, backend)
-
-
-def chooses(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int) -> bool:
-    """Eager: does the policy name any kernel for this call (`_named`)? False means
-    `product` would answer None for any operands: the caller may compute its reference at
-    once, without checking anything a kernel would need (a merged projection's views, the
-    operands' eligibility), since only a chosen kernel reads them. One memoised lookup."""
-    return bool(_named(op, shape, backend, x, width))
 
 
 @torch.library.custom_op("fusion::linear_product", mutates_args=())

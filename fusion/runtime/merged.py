@@ -269,9 +269,12 @@ class MergedLinear(nn.Module):
             # nothing to choose: the reference, asked nothing (see `KernelPolicy.idle`)
             counts["shard_calls"] += 1
             return tuple(F.linear(x, w, b) for w, b in self._current())
-        if compiling or not ops.chooses(
-            "stacked", self.kernel_shape, self.backend, x, self.in_features
-        ):
+        kernels = (
+            ()
+            if compiling
+            else ops.chosen("stacked", self.kernel_shape, self.backend, x, self.in_features)
+        )
+        if not kernels:
             # no kernel chosen for this call: the reference, whose result does not depend on
             # the views (each shard's own Parameters), so they need not be checked
             if not compiling:
@@ -281,9 +284,7 @@ class MergedLinear(nn.Module):
             counts["shard_calls"] += 1
             return self._shards_apart(x, self._current())
         counts["stacked_calls"] += 1
-        stacked = ops.product(
-            "stacked", self.kernel_shape, self.backend, x, self.stacked_weight, self.stacked_bias
-        )
+        stacked = ops.first_eligible(kernels, x, self.stacked_weight, self.stacked_bias)
         if stacked is not None:
             return (stacked,)
         # the reference: each shard's own product on its Parameters (views of the rows)

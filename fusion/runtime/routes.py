@@ -79,8 +79,10 @@ class Route:
         policy's own answers (`KernelPolicy.remembered`, forgotten whenever they are); the
         hooks are looked at on every call. On a decode step this runs after a GEMV has
         streamed the caches empty, so each frame it saves is a cold one."""
-        # compiled code never routes, and must not read (so guard on) the policy's memo
-        if not POLICY.routes_open() or torch.compiler.is_compiling():
+        policy = POLICY
+        # `routes_open()` spelled out (its tests hold this to it); compiled code never
+        # routes, and must not read (so guard on) the policy's memo
+        if not policy.routes or policy.recording or torch.compiler.is_compiling():
             return False
         x = args[0] if args else kwargs.get(self.first)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
@@ -89,7 +91,10 @@ class Route:
         if width != self._width or not width:
             return False
         if self._idle():  # nothing any product could choose: no key to build
-            return self._acts_on_reference(x) and not _any_hooked(self._watched)
+            for backend in self._act_backends:
+                if not ops.eager_reference(backend, x):
+                    return False
+            return not _any_hooked(self._watched)
         rows = x.numel() // width
         key = ("route", id(self), x.dtype, row_bucket(rows), get_num_threads(), x.device.type)
         # a weak reference: the policy's memo must not keep a deleted model's weights alive
@@ -102,12 +107,13 @@ class Route:
 
     def _idle(self) -> bool:
         """Would every merged projection compute its reference whatever the call
-        (`KernelPolicy.idle`: one memoised lookup per backend)?"""
-        return all(POLICY.idle("stacked", backend) for backend in self._backends)
-
-    def _acts_on_reference(self, x: torch.Tensor) -> bool:
-        """Would every act-and-mul compute its torch reference on `x` (`ops.eager_reference`)?"""
-        return all(ops.eager_reference(backend, x) for backend in self._act_backends)
+        (`KernelPolicy.idle`, its answers read without a call where it gave them before)?"""
+        answers = POLICY.idle_answers
+        for backend in self._backends:
+            answer = answers.get(("stacked", backend))
+            if not (answer or (answer is None and POLICY.idle("stacked", backend))):
+                return False
+        return True
 
     def _policy_allows(self, x: torch.Tensor, width: int) -> bool:
         """The policy's part of `takes_original` for an input like `x` of `width`."""
@@ -142,7 +148,8 @@ class NormRoute:
         (`ops.eager_reference` on the layer's input: a norm's route asks the same of its
         own). A child without one is called on the sum by the helper as by the original,
         hooks and all. Read now from the layer's children, so a swapped child is seen."""
-        if not POLICY.routes_open() or torch.compiler.is_compiling():
+        policy = POLICY  # `routes_open()` spelled out, as in `Route.takes_original`
+        if not policy.routes or policy.recording or torch.compiler.is_compiling():
             return False
         x = args[0] if args else kwargs.get(self.first)
         if not isinstance(x, torch.Tensor):

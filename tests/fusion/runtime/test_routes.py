@@ -309,15 +309,17 @@ def test_a_norm_call_takes_the_route_exactly_where_routed_says(
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("backend", ["auto", "torch", "native", "onednn", "triton", "vllm"])
 def test_the_route_and_norm_rules_are_ops_eager_reference(backend, device) -> None:
-    """`Route._acts_on_reference` and `NormForward.routed` answer as `ops.eager_reference`
-    for every backend and device (routes open), and the norm never routes with them closed."""
-    x = torch.empty(1, 4, device=device)
+    """A route with an act-and-mul of `backend` (nothing measured: every product idle) and
+    `NormForward.routed` answer as `ops.eager_reference` for every backend and device
+    (routes open), and the norm never routes with them closed."""
     _, fused = fused_model()
     route = bound_forwards(fused)[0]._route
+    x = torch.empty(1, route.merged[0].in_features, device=device)
     act = torch.nn.Module()
     act.backend = backend
     spelled = routes.Route(route.merged, (act,), route.first)
-    assert spelled._acts_on_reference(x) == ops.eager_reference(backend, x)
+    assert spelled.takes_original((x,), {}) == ops.eager_reference(backend, x)
+    x = torch.empty(1, 4, device=device)
     norm = next(
         f
         for f in (m.__dict__.get("forward") for m in fused.modules())
