@@ -309,6 +309,25 @@ def chosen(op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int)
     return policy.POLICY.choose(op, shape, dtype_name(x.dtype), rows, backend)
 
 
+def chosen_for(
+    memo: tuple | None, op: str, shape: tuple[int, ...], backend: str, x: Tensor, width: int
+) -> tuple[tuple, tuple[str, ...]]:
+    """Eager: `(memo, kernels)`, where `kernels` is `chosen(op, shape, backend, x, width)`
+    and `memo` what the caller keeps for its next call (one product site: its op, shape and
+    backend never change). A memo made in this policy epoch (`KernelPolicy.epoch`) for this
+    dtype, row count and thread count answers without asking the policy, whose answer it is:
+    any change of mode or table starts a new epoch, and the thread count is read now. Not
+    while the policy records asks (each must reach `choose`). On a decode step this saves
+    the policy's frames at every product, each from caches the last GEMV emptied."""
+    rows = x.numel() // width if width else 0
+    chooser = policy.POLICY
+    key = (chooser.epoch, x.dtype, rows, torch.get_num_threads())
+    if memo is not None and memo[0] == key and not chooser.recording:
+        return memo, memo[1]
+    kernels = chosen(op, shape, backend, x, width)
+    return (key, kernels), kernels
+
+
 @torch.library.custom_op("fusion::linear_product", mutates_args=())
 def _linear_product_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, op: str, shape: list[int], backend: str

@@ -111,6 +111,12 @@ class KernelPolicy:
     recording: bool = False
     """While set (`recording_asks`), `idle` answers False, so every product asks `choose`
     and lands in `asked`."""
+    epoch: object = field(default_factory=object)
+    """A fresh object each time the memoised answers are forgotten (`use`, `set_table`,
+    `reset`, an `override` ending): a caller that keeps a choice of its own keys it by the
+    epoch, so it is never older than the policy's (`ops.chosen_for`). An object, not a
+    count: a key copied or unpickled into another process (or another epoch) never equals
+    the current one."""
     idle_answers: dict[tuple[str, str], bool] = field(default_factory=dict)
     """`idle(op, backend)`'s answers by `(op, backend)`, forgotten with the memo: for a caller
     on the hottest path (`LinearForward`) to read without a call (not while `recording`, when
@@ -122,15 +128,18 @@ class KernelPolicy:
     harness judges rewrites with routes closed (`routing(False)`), so the code a calibrated
     machine runs is what its oracles see, and judges the route apart."""
 
-    def _forget(self) -> None:
-        """Drop every memoised answer (choices, idle answers, remembered routes)."""
+    def forget(self) -> None:
+        """Drop every memoised answer (choices, idle answers, remembered routes), and start
+        a new `epoch`. Every change of mode or table does this; so must anything else that
+        changes what `choose` or `idle` answer (a test patching them)."""
         self._memo.clear()
         self.idle_answers.clear()
+        self.epoch = object()
 
     def reset(self) -> None:
         self._mode = None
         self._table = None
-        self._forget()
+        self.forget()
         self.asked.clear()
         self.recording = False
         self.routes = True
@@ -203,7 +212,7 @@ class KernelPolicy:
         if mode not in MODES:
             raise ValueError(f"unknown kernel policy mode {mode!r}; known: {', '.join(MODES)}")
         self._mode = mode
-        self._forget()
+        self.forget()
 
     @contextmanager
     def override(self, mode: str) -> Iterator[None]:
@@ -214,7 +223,7 @@ class KernelPolicy:
             yield
         finally:
             self._mode = previous
-            self._forget()
+            self.forget()
 
     @property
     def table(self) -> Table:
@@ -225,7 +234,7 @@ class KernelPolicy:
     def set_table(self, table: Table) -> None:
         """Use `table` (a fresh calibration, or a test's) instead of the one on disk."""
         self._table = table
-        self._forget()
+        self.forget()
 
     def choose(
         self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str

@@ -86,6 +86,7 @@ class LinearForward:
         self.backend = backend
         self.guard_failures = 0
         self.last_failure: str | None = None
+        self._choice: tuple | None = None  # `ops.chosen_for`'s memo
         self.__signature__ = _SIGNATURE
         self.__name__ = "forward"
         self.__qualname__ = "Linear.forward"
@@ -113,10 +114,16 @@ class LinearForward:
         # weight-streaming GEMV runs from cold caches (two frames of this path cost 2% of a
         # SmolLM2 bf16 token, in-process A/B, one thread)
         if not torch.compiler.is_compiling():  # compiled code must not guard on the memo
-            idle = None if POLICY.recording else POLICY.idle_answers.get(("linear", self.backend))
-            if idle or (idle is None and POLICY.idle("linear", self.backend)):
+            backend = self.backend
+            idle = None if POLICY.recording else POLICY.idle_answers.get(("linear", backend))
+            if idle or (idle is None and POLICY.idle("linear", backend)):
                 return LINEAR(x, weight, bias)  # nothing to choose: `nn.Linear`'s cost
-        decoded = ops.product("linear", tuple(weight.shape), self.backend, x, weight, bias)
+            self._choice, kernels = ops.chosen_for(
+                self._choice, "linear", tuple(weight.shape), backend, x, weight.shape[-1]
+            )
+            decoded = ops.first_eligible(kernels, x, weight, bias) if kernels else None
+        else:
+            decoded = ops.product("linear", tuple(weight.shape), self.backend, x, weight, bias)
         return LINEAR(x, weight, bias) if decoded is None else decoded
 
     @property

@@ -269,11 +269,16 @@ class MergedLinear(nn.Module):
             # nothing to choose: the reference, asked nothing (see `KernelPolicy.idle`)
             counts["shard_calls"] += 1
             return tuple(F.linear(x, w, b) for w, b in self._current())
-        kernels = (
-            ()
-            if compiling
-            else ops.chosen("stacked", self.kernel_shape, self.backend, x, self.in_features)
-        )
+        kernels: tuple[str, ...] = ()
+        if not compiling:
+            counts["_choice"], kernels = ops.chosen_for(
+                counts.get("_choice"),
+                "stacked",
+                self.kernel_shape,
+                self.backend,
+                x,
+                self.in_features,
+            )
         if not kernels:
             # no kernel chosen for this call: the reference, whose result does not depend on
             # the views (each shard's own Parameters), so they need not be checked

@@ -10,6 +10,10 @@ added 2.8 ms to an 8.5 ms step of a narrow twin (2-core Xeon, float32, one threa
 the original costs next to nothing. There the original runs, by default, so a fused model
 nobody calibrated is not slower than the unfused one.
 
+A residual-norm rewrite (`NormRoute`) routes likewise where every norm it adds into takes
+its own route (the torch reference on a CPU): its add + norm helper would compute the two
+original statements anyway.
+
 Safe because the original forward is what every guard failure already runs: the fused
 state never removes what it needs (merged projections keep their children, each Parameter
 a view of the stacked weight, `fusion.runtime.merged.MergedLinear`), so it computes the unfused

@@ -37,11 +37,15 @@ def stacked_products() -> Iterator[None]:
     call (the path a kernel measured faster takes: one product on the stacked weight while
     the views hold and no gradient is recorded, its output split into pieces); the default
     policy computes every shard apart."""
-    with (
-        mock.patch.object(POLICY, "choose", _stacked),
-        mock.patch.object(POLICY, "idle", lambda op, backend: False),
-    ):
-        yield
+    POLICY.forget()  # answers memoised before the patch must not answer inside it
+    try:
+        with (
+            mock.patch.object(POLICY, "choose", _stacked),
+            mock.patch.object(POLICY, "idle", lambda op, backend: False),
+        ):
+            yield
+    finally:
+        POLICY.forget()
 
 
 @contextmanager
@@ -50,14 +54,17 @@ def measured_references() -> Iterator[None]:
     reference (what an uncalibrated machine runs, or a table where nothing wins), so a
     rewritten forward whose kernels are all merged products runs its class's original
     instead (`fusion.runtime.routes`): the path a fused model takes where fusion only costs."""
-    with (
-        POLICY.routing(True),
-        mock.patch.object(POLICY, "runs_reference", lambda *args: True),
-        # routes remember the policy's answers in its memo (`KernelPolicy.remembered`):
-        # a fresh one for the block, so no answer from before it decides inside it
-        mock.patch.object(POLICY, "_memo", {}),
-    ):
-        yield
+    # routes remember the policy's answers (`KernelPolicy.remembered`): forgotten on entry,
+    # so no answer from before the block decides inside it, and on leaving
+    POLICY.forget()
+    try:
+        with (
+            POLICY.routing(True),
+            mock.patch.object(POLICY, "runs_reference", lambda *args: True),
+        ):
+            yield
+    finally:
+        POLICY.forget()
 
 
 def stale_route(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:

@@ -4,6 +4,7 @@ fullgraph; eager calls skip the operator's dispatch cost."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import fusion
 from fusion.kernels import ops
 from fusion.kernels import reference as torch_ref
+from fusion.kernels.policy import POLICY
 from tests.fusion.tiny_models import tiny_model, token_ids
 
 
@@ -128,3 +130,41 @@ def test_compiled_training_step_uses_the_operators(model_type: str) -> None:
         checked += 1
     assert checked > 10
     torch._dynamo.reset()
+
+
+def test_a_kept_choice_answers_only_in_its_epoch_and_for_its_call(monkeypatch) -> None:
+    """`ops.chosen_for`: a product site's memo answers for the same dtype, row count and
+    thread count while the policy's answers stand; a new table or mode (a new epoch),
+    another call shape or thread count, a copied or unpickled memo, and a recording policy
+    all ask the policy again, and get its current answer."""
+    asked: list[int] = []
+    answer = [("native",)]
+    monkeypatch.setattr(
+        POLICY, "choose", lambda op, shape, dtype, rows, backend: asked.append(rows) or answer[0]
+    )
+    POLICY.forget()
+    x = torch.randn(1, 8)
+    memo, kernels = ops.chosen_for(None, "linear", (4, 8), "auto", x, 8)
+    assert kernels == ("native",) and len(asked) == 1
+    assert ops.chosen_for(memo, "linear", (4, 8), "auto", x, 8) == (memo, ("native",))
+    assert len(asked) == 1  # kept
+    answer[0] = ()
+    POLICY.forget()  # what `use` and `set_table` do
+    assert ops.chosen_for(memo, "linear", (4, 8), "auto", x, 8)[1] == () and len(asked) == 2
+    memo, _ = ops.chosen_for(None, "linear", (4, 8), "auto", x, 8)
+    for other in (torch.randn(3, 8), x.double()):
+        ops.chosen_for(memo, "linear", (4, 8), "auto", other, 8)
+    assert len(asked) == 5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        ops.chosen_for(memo, "linear", (4, 8), "auto", x, 8)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(asked) == 6
+    for copied in (copy.deepcopy(memo), pickle.loads(pickle.dumps(memo))):
+        ops.chosen_for(copied, "linear", (4, 8), "auto", x, 8)
+    assert len(asked) == 8
+    with POLICY.recording_asks():
+        ops.chosen_for(memo, "linear", (4, 8), "auto", x, 8)
+    assert len(asked) == 9
