@@ -37,7 +37,7 @@ policy only ever narrows what may run, never widens it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,7 +129,7 @@ class KernelPolicy:
     machine runs is what its oracles see, and judges the route apart."""
 
     def forget(self) -> None:
-        """Drop every memoised answer (choices, idle answers, remembered routes), and start
+        """Drop every memoised answer (choices, idle answers), and start
         a new `epoch`. Every change of mode or table does this; so must anything else that
         changes what `choose` or `idle` answer (a test patching them)."""
         self._memo.clear()
@@ -251,16 +251,6 @@ class KernelPolicy:
             chosen = self._decide(op, shape, dtype, key[3], threads, backend)
             self._memo[key] = chosen
         return chosen
-
-    def remembered(self, key: tuple, compute: Callable[[], Any]) -> Any:
-        """`compute()`, memoised under `key` with the choices, so forgotten with them (`use`,
-        `set_table`, `reset`): for a caller whose answer derives from the policy's and
-        otherwise only from `key` (a route's decision per dtype, row bucket and threads)."""
-        answer = self._memo.get(key, _MISSING)
-        if answer is _MISSING:
-            answer = compute()
-            self._memo[key] = answer
-        return answer
 
     def runs_reference(
         self, op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: str

@@ -27,7 +27,6 @@ the code its oracles see, and judges the route as an operation of its own.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ from torch import get_num_threads, nn
 
 from fusion.analysis.callpath import HOOK_ATTRS
 from fusion.kernels import ops
-from fusion.kernels.policy import POLICY, row_bucket
+from fusion.kernels.policy import POLICY
 from fusion.runtime.guards import ChildGuard, Guard
 from fusion.runtime.merged import ActAndMul, MergedLinear
 from fusion.runtime.norm_forward import NormForward
@@ -56,6 +55,7 @@ class Route:
     _width: int = field(init=False, repr=False, compare=False)
     _backends: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _act_backends: frozenset[str] = field(init=False, repr=False, compare=False)
+    _memo: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Read once: a route decides speed, never the result (the original computes the
@@ -66,6 +66,7 @@ class Route:
             "_width": widths.pop() if len(widths) == 1 else -1,
             "_backends": tuple(dict.fromkeys(merged.backend for merged in self.merged)),
             "_act_backends": frozenset(act.backend for act in self.acts),
+            "_memo": [None],  # (key, allowed) of the last call (`takes_original`)
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -78,11 +79,11 @@ class Route:
         reference (`ops.eager_reference`), and no hook on any of them (the original does not
         call them, and a hook on a fused module expects its calls).
 
-        The policy's part depends only on the input's dtype, device type, width and row
-        bucket and the thread count: it is asked once per such key and remembered with the
-        policy's own answers (`KernelPolicy.remembered`, forgotten whenever they are); the
-        hooks are looked at on every call. On a decode step this runs after a GEMV has
-        streamed the caches empty, so each frame it saves is a cold one."""
+        The policy's part depends only on the input's dtype, device, width and row count
+        and the thread count: the last answer is kept with its key and the policy's epoch,
+        so it is asked again whenever any of them changes; the hooks are looked at on every
+        call. On a decode step this runs after a GEMV has streamed the caches empty, so
+        each frame it saves is a cold one."""
         policy = POLICY
         # `routes_open()` spelled out (its tests hold this to it); compiled code never
         # routes, and must not read (so guard on) the policy's memo
@@ -99,14 +100,16 @@ class Route:
                 if not ops.eager_reference(backend, x):
                     return False
             return not _any_hooked(self._watched)
-        rows = x.numel() // width
-        key = ("route", id(self), x.dtype, row_bucket(rows), get_num_threads(), x.device.type)
-        # a weak reference: the policy's memo must not keep a deleted model's weights alive
-        held, allowed = POLICY.remembered(
-            key, lambda: (weakref.ref(self), self._policy_allows(x, width))
-        )
-        if held() is not self:  # another Route that lived at this address: ask afresh
+        # the policy's part, kept for its epoch (`KernelPolicy.epoch`: a new table or mode
+        # starts one) per dtype, row count, thread count and CPU or not, the only things of
+        # the call it reads
+        key = (policy.epoch, x.dtype, x.numel() // width, get_num_threads(), x.is_cpu)
+        memo = self._memo
+        if memo[0] is not None and memo[0][0] == key:
+            allowed = memo[0][1]
+        else:
             allowed = self._policy_allows(x, width)
+            memo[0] = (key, allowed)
         return allowed and not _any_hooked(self._watched)
 
     def _idle(self) -> bool:

@@ -54,8 +54,8 @@ def measured_references() -> Iterator[None]:
     reference (what an uncalibrated machine runs, or a table where nothing wins), so a
     rewritten forward whose kernels are all merged products runs its class's original
     instead (`fusion.runtime.routes`): the path a fused model takes where fusion only costs."""
-    # routes remember the policy's answers (`KernelPolicy.remembered`): forgotten on entry,
-    # so no answer from before the block decides inside it, and on leaving
+    # routes keep the policy's answers for its epoch: a new one on entry, so no answer from
+    # before the block decides inside it, and on leaving
     POLICY.forget()
     try:
         with (
