@@ -70,7 +70,6 @@ PINNED: dict[str, tuple[str, ...]] = {
 """Backends that name kernels: theirs run wherever eligible, unmeasured (the GPU backends'
 fused modules are the stacked GEMM: they have no products of their own)."""
 
-_MISSING = object()
 
 MAX_BUCKET = 512
 """Rows past this fall in no bucket: the reference (no fast kernel is for prompts that long)."""
