@@ -111,8 +111,7 @@ class LinearForward:
         weight, bias = module.weight, module.bias
         # `POLICY.idle("linear", backend)` read without a call where answered before: on a
         # decode step nobody calibrated this is every call, and a frame after a
-        # weight-streaming GEMV runs from cold caches (two frames of this path cost 2% of a
-        # SmolLM2 bf16 token, in-process A/B, one thread)
+        # weight-streaming GEMV runs from cold caches
         if not torch.compiler.is_compiling():  # compiled code must not guard on the memo
             backend = self.backend
             idle = None if POLICY.recording else POLICY.idle_answers.get(("linear", backend))
