@@ -485,7 +485,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
     Reads `weight` and `bias` as they are now (no copy, no cache)."""
     state = NATIVE.resolve()
-    function = state.bf16_function if weight.dtype == torch.bfloat16 else state.function
+    function = _function(state, weight.dtype)
     if function is None:
         raise RuntimeError(f"the native linear is not built here: {state.reason}")
     _check_memory(x, weight, bias)
@@ -497,20 +497,17 @@ def try_linear(
 ) -> torch.Tensor | None:
     """`linear(x, weight, bias)` where `applies`, else None (the caller keeps its own path).
     The checks of both, made once: `applies`' operand rules include the layout `linear`
-    checks (CPU tensors, so not meta), and `run` checks the storages. On a decode step
+    checks (CPU tensors, so not meta), so only `run`'s storage check follows. On a decode step
     this is the whole Python cost of a product besides the kernel, paid after a GEMV has
     emptied the caches: every check made twice was a cold frame more."""
-    if torch.compiler.is_compiling():
+    if not applies(x, weight, bias):
         return None
-    state = NATIVE.resolve()
-    if not (
-        state.verdict == "available"
-        and contract.plain_dense("cpu", x, weight, bias) is None
-        and _operands_ok(x, weight, bias, traced=False)
-    ):
-        return None
-    function = state.bf16_function if weight.dtype == torch.bfloat16 else state.function
-    return run(function, x, weight, bias)
+    return run(_function(NATIVE.resolve(), weight.dtype), x, weight, bias)
+
+
+def _function(state: Resolved, dtype: torch.dtype) -> object | None:
+    """`state`'s entry point for operands of `dtype` (None where the kernel did not build)."""
+    return state.bf16_function if dtype == torch.bfloat16 else state.function
 
 
 def _reaches(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
