@@ -58,6 +58,10 @@ ELIGIBLE: dict[str, tuple[str, ...]] = {
 """`eligible` mode: the fast kernels tried in this order, the first eligible one runs (the
 static rules the kernels had before they were measured; the reference otherwise)."""
 
+LANE_BACKENDS = ("auto", "torch")
+"""The backends whose fused forwards take the quiet lane (`KernelPolicy.quiet`): those that
+choose by measurement. A pinned backend names its kernel, measured or not."""
+
 TORCH_ONLY = frozenset({"reference", "stacked"})
 """The kernels that are torch's own ops (what `backend="torch"` allows)."""
 
@@ -126,6 +130,28 @@ class KernelPolicy:
     default: there the rewrite computes the unfused calls anyway, through more frames. The
     harness judges rewrites with routes closed (`routing(False)`), so the code a calibrated
     machine runs is what its oracles see, and judges the route apart."""
+    lane: bool | None = None
+    """`quiet()`'s answer, None until asked since the last `forget`: a plain attribute, for
+    the fused forwards of the lane's backends to read before anything else."""
+
+    def quiet(self) -> bool:
+        """Would every product of a plain or merged linear under a lane backend
+        (`LANE_BACKENDS`) run its reference whatever the call (`idle`, recording aside)?
+        That is a fused model on a machine nobody calibrated. With routes open and nothing
+        recording (`routes_open`), a fused forward of a lane backend then runs its class's
+        original (the unfused function, what every guard failure runs) after three
+        attribute reads (`lane`, `routes`, `recording`): on a decode step every check a
+        forward makes runs from caches the last GEMV emptied, and the per-call checks of
+        the routes cost 3% of a SmolLM2 token (`docs/benchmarks.md`). Kept in `lane` until
+        a change of mode or table (`forget`)."""
+        lane = self.lane
+        if lane is None:
+            lane = self.lane = all(
+                self._idle_answer(op, backend)
+                for op in ("linear", "stacked")
+                for backend in LANE_BACKENDS
+            )
+        return lane
 
     def forget(self) -> None:
         """Drop every memoised answer (choices, idle answers), and start
@@ -134,6 +160,7 @@ class KernelPolicy:
         self._memo.clear()
         self.idle_answers.clear()
         self.epoch = object()
+        self.lane = None
 
     def reset(self) -> None:
         self._mode = None
@@ -177,8 +204,10 @@ class KernelPolicy:
         has a winner for `op`; never for a pinned backend, the `eligible` mode, or while
         `recording`. One dict lookup after the first call (memoised with the choices,
         forgotten with them by `use`, `set_table`, `reset`)."""
-        if self.recording:
-            return False
+        return not self.recording and self._idle_answer(op, backend)
+
+    def _idle_answer(self, op: str, backend: str) -> bool:
+        """`idle`'s answer as if nothing were recording, memoised in `idle_answers`."""
         answer = self.idle_answers.get((op, backend))
         if answer is None:
             answer = self.idle_answers[op, backend] = self._idle(op, backend)

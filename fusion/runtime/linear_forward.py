@@ -8,7 +8,10 @@ unfused model: `torch.ao.quantization.quantize_dynamic(model, {nn.Linear})` repl
 module with a new quantised one (this forward goes with the old module), `isinstance` and
 `type(m) is nn.Linear` answer as before, and a patch of `nn.Linear.forward` is obeyed.
 
-Why it is safe: per call, before anything else, the premises of "this call computes
+Why it is safe: per call, first, where the quiet lane is open (`KernelPolicy.quiet`: routes
+open, nothing measured to win for any linear, an `auto` or `torch` backend, eager) the call
+runs `type(module).forward(module, *args, **kwargs)`, what the unfused module runs, and
+nothing else. Otherwise the premises of "this call computes
 `F.linear(x, module.weight, module.bias)`" are checked (`premise_failure`): the module is
 still exactly an `nn.Linear` (a class swap, a parametrization's subclass, `__class__`
 assignment: no longer), `nn.Linear.forward` is still torch's own (a monkeypatch), the
@@ -39,7 +42,7 @@ from torch import nn
 from torch.nn.modules import linear as linear_module
 
 from fusion.kernels import ops
-from fusion.kernels.policy import POLICY
+from fusion.kernels.policy import LANE_BACKENDS, POLICY
 from fusion.runtime.bound import install_forward
 
 LINEAR_FORWARD = nn.Linear.__dict__["forward"]
@@ -84,6 +87,8 @@ class LinearForward:
         # Only stored: unpickling calls this with a module whose state is not restored yet.
         self.module = module
         self.backend = backend
+        self.laned = backend in LANE_BACKENDS
+        """Whether this forward takes the quiet lane when it is open (`KernelPolicy.quiet`)."""
         self.guard_failures = 0
         self.last_failure: str | None = None
         self._choice: tuple | None = None  # `ops.chosen_for`'s memo
@@ -94,6 +99,17 @@ class LinearForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        policy = POLICY
+        # the quiet lane (`KernelPolicy.quiet`): nothing to choose for any linear, so what
+        # the unfused module runs, `nn.Linear.forward` or whatever its class holds now
+        if (
+            not torch.compiler.is_compiling()
+            and self.laned
+            and policy.routes
+            and not policy.recording
+            and (policy.lane or (policy.lane is None and policy.quiet()))
+        ):
+            return type(module).forward(module, *args, **kwargs)
         # `premise_failure`, inlined: this runs on every call of a large projection
         if (
             type(module) is not nn.Linear
@@ -114,8 +130,8 @@ class LinearForward:
         # weight-streaming GEMV runs from cold caches
         if not torch.compiler.is_compiling():  # compiled code must not guard on the memo
             backend = self.backend
-            idle = None if POLICY.recording else POLICY.idle_answers.get(("linear", backend))
-            if idle or (idle is None and POLICY.idle("linear", backend)):
+            idle = None if policy.recording else policy.idle_answers.get(("linear", backend))
+            if idle or (idle is None and policy.idle("linear", backend)):
                 return LINEAR(x, weight, bias)  # nothing to choose: `nn.Linear`'s cost
             self._choice, kernels = ops.chosen_for(
                 self._choice, "linear", tuple(weight.shape), backend, x, weight.shape[-1]

@@ -36,7 +36,7 @@ from torch import get_num_threads, nn
 
 from fusion.analysis.callpath import HOOK_ATTRS
 from fusion.kernels import ops
-from fusion.kernels.policy import POLICY
+from fusion.kernels.policy import LANE_BACKENDS, POLICY
 from fusion.runtime.guards import ChildGuard, Guard
 from fusion.runtime.merged import ActAndMul, MergedLinear
 from fusion.runtime.norm_forward import NormForward
@@ -55,6 +55,8 @@ class Route:
     _width: int = field(init=False, repr=False, compare=False)
     _backends: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _act_backends: frozenset[str] = field(init=False, repr=False, compare=False)
+    _laned: bool = field(init=False, repr=False, compare=False)
+    _acts_on_cpu: bool = field(init=False, repr=False, compare=False)
     _memo: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +68,10 @@ class Route:
             "_width": widths.pop() if len(widths) == 1 else -1,
             "_backends": tuple(dict.fromkeys(merged.backend for merged in self.merged)),
             "_act_backends": frozenset(act.backend for act in self.acts),
+            # the quiet lane (`KernelPolicy.quiet`) covers every product of a lane backend;
+            # an `auto` act-and-mul is on its reference only on a CPU (`ops.eager_reference`)
+            "_laned": all(module.backend in LANE_BACKENDS for module in (*self.merged, *self.acts)),
+            "_acts_on_cpu": any(act.backend == "auto" for act in self.acts),
             "_memo": [None],  # (key, allowed) of the last call (`takes_original`)
         }
         for name, value in fields.items():
@@ -83,18 +89,30 @@ class Route:
         and the thread count: the last answer is kept with its key and the policy's epoch,
         so it is asked again whenever any of them changes; the hooks are looked at on every
         call. On a decode step this runs after a GEMV has streamed the caches empty, so
-        each frame it saves is a cold one."""
+        each frame it saves is a cold one.
+
+        Where the quiet lane is open (`KernelPolicy.quiet`: no product of a lane backend
+        could choose anything but its reference, whatever the call) only the hooks and,
+        for an `auto` act-and-mul, the input's device are asked: the input's shape decides
+        nothing there, and each question costs as much again in situ as it does warm."""
         policy = POLICY
         # `routes_open()` spelled out (its tests hold this to it); compiled code never
         # routes, and must not read (so guard on) the policy's memo
         if not policy.routes or policy.recording or torch.compiler.is_compiling():
             return False
         x = args[0] if args else kwargs.get(self.first)
+        if self._laned and policy.lane:
+            if not self._acts_on_cpu:
+                return not _any_hooked(self._watched)
+            if isinstance(x, torch.Tensor) and x.is_cpu:
+                return not _any_hooked(self._watched)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return False
         width = x.shape[-1]
         if width != self._width or not width:
             return False
+        if self._laned and policy.lane is None and policy.quiet():
+            return self.takes_original(args, kwargs)  # the lane, asked once per epoch
         if self._idle():  # nothing any product could choose: no key to build
             for backend in self._act_backends:
                 if not ops.eager_reference(backend, x):
@@ -165,7 +183,10 @@ class NormRoute:
         for name in self.sites:
             child = children.get(name)
             forward = None if child is None else child.__dict__.get("forward")
-            if type(forward) is NormForward and not ops.eager_reference(forward.backend, x):
+            # `ops.eager_reference` spelled out (not compiling: checked above)
+            if type(forward) is NormForward and not (
+                forward.backend == "torch" or (forward.backend == "auto" and x.is_cpu)
+            ):
                 return False
         return True
 

@@ -178,8 +178,10 @@ def _references_measured(model: nn.Module) -> Table:
 def _route(ctx: Context) -> str:
     """With routes open, where every merged product runs its reference (a table measuring
     each to lose, which no machine's winners can override), the rewritten forwards run
-    their classes' originals on the fused state (`FusedForward.routed`): the logits agree
-    with the unfused model's, and at least one forward took the route. The other checks
+    their classes' originals on the fused state (`FusedForward.routed`; with no linear
+    winning either, by the quiet lane, `KernelPolicy.quiet`, which the plain linears'
+    forwards take too): the logits agree with the unfused model's, and at least one forward
+    took the route. The other checks
     run with routes closed (`harness.runner.arch_check.check_model`), judging the rewrites."""
     if POLICY.mode != "measured":
         raise _NotApplicable(f"kernel policy mode {POLICY.mode!r}: routes are measured-mode only")

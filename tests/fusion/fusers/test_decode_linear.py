@@ -14,6 +14,8 @@ from torch import nn
 import fusion
 from fusion import numerics
 from fusion.kernels import onednn as onednn_backend
+from fusion.kernels import ops
+from fusion.kernels.calibration import Entry, Ratio, Table
 from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.policy import POLICY
 from fusion.runtime.linear_forward import LinearForward, linear_forward
@@ -295,3 +297,71 @@ def test_parametrization_and_pruning_after_fusing_compute_as_unfused() -> None:
         torch.testing.assert_close(fused(x), unfused(x), rtol=1e-5, atol=1e-6)
     assert forward.guard_failures >= 1 and "Parametrized" in forward.last_failure
     assert fused[2].forward.guard_failures == 0  # pruned: still the fast path, live weight
+
+
+def test_the_quiet_lane_runs_the_class_forward_and_nothing_else(monkeypatch) -> None:
+    """With routes open and nothing measured to win (`KernelPolicy.quiet`), a call runs what
+    the unfused module runs, `type(module).forward`, without asking the policy or any
+    kernel; closed routes, a recording calibration or a measured winner close the lane."""
+    model = _model()
+    fusion.fuse(model)
+    x = torch.randn(1, 48)
+    want = F.linear(x, model[0].weight, model[0].bias)
+
+    def untouchable(*args, **kwargs):
+        raise AssertionError("the quiet lane asked for a kernel")
+
+    class_calls: list[nn.Module] = []
+    real_forward = nn.Linear.forward
+
+    def counted(self, input):
+        class_calls.append(self)
+        return real_forward(self, input)
+
+    with torch.no_grad(), monkeypatch.context() as patch:
+        patch.setattr(ops, "chosen_for", untouchable)
+        patch.setattr(ops, "product", untouchable)
+        patch.setattr(nn.Linear, "forward", counted)
+        with POLICY.routing(True):
+            assert torch.equal(model[0](x), want)
+        assert class_calls == [model[0]] and POLICY.lane is True
+        assert model[0].forward.guard_failures == 0  # the lane is not a fallback
+        with POLICY.routing(False):  # closed: the premises see the patch, and count it
+            assert torch.equal(model[0](x), want)
+        assert model[0].forward.guard_failures == 1
+
+    chosen: list[tuple[int, ...]] = []
+    real_chosen = ops.chosen_for
+
+    def spied(memo, op, shape, *args):
+        chosen.append(shape)
+        return real_chosen(memo, op, shape, *args)
+
+    monkeypatch.setattr(ops, "chosen_for", spied)
+    with torch.no_grad(), POLICY.routing(True):
+        with POLICY.recording_asks():  # calibration must see the product asked
+            model[0](x)
+        assert chosen == [(64, 48)] and ("linear", (64, 48), "float32", 1, 1) in {
+            (op, shape, dtype, bucket, 1) for op, shape, dtype, bucket, _ in POLICY.asked
+        }
+        won = Entry(
+            op="linear",
+            shape=(64, 48),
+            dtype="float32",
+            rows=1,
+            threads=torch.get_num_threads(),
+            median_us={"reference": 100.0, "native": 50.0},
+            ratios={"native": Ratio(2.0, 1.9, 2.1)},
+            rounds=9,
+            native_build=native_gemm.build_id(),
+        )
+        POLICY.set_table(_table_of(won))
+        torch.testing.assert_close(model[0](x), want)
+        assert POLICY.lane is False and chosen[-1] == (64, 48)
+
+
+def _table_of(*entries: Entry) -> Table:
+    table = Table("test")
+    for entry in entries:
+        table.add(entry)
+    return table

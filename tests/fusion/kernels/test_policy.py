@@ -160,3 +160,28 @@ def test_idle_means_every_choice_would_be_the_reference() -> None:
         for rows in (1, 2, 16, 100):
             for shape in (SHAPE, (64, 128)):
                 assert POLICY.choose(op, shape, "float32", rows, backend) == ()
+
+
+def test_the_quiet_lane_is_open_exactly_where_no_linear_product_could_choose() -> None:
+    """`quiet` answers whether every plain and merged linear product of a lane backend is
+    idle, and a kept answer (`lane`) never outlives a change of table or mode."""
+    assert POLICY.quiet() and POLICY.lane is True  # empty table
+    POLICY.set_table(table(entry("linear", (64, 128), 1, native=LOSS)))
+    assert POLICY.lane is None and POLICY.quiet()  # measured, but only a loss
+    POLICY.set_table(table(entry("linear", (64, 128), 1, native=WIN)))
+    assert not POLICY.quiet() and POLICY.lane is False
+    POLICY.set_table(table(entry("stacked", SHAPE, 16, stacked=WIN)))
+    assert not POLICY.quiet()  # `torch` allows the stacked GEMM: a lane backend could choose
+    POLICY.set_table(table())
+    assert POLICY.quiet()
+    with POLICY.override("eligible"):
+        assert not POLICY.quiet()
+    assert POLICY.quiet()
+    with POLICY.override("reference"):
+        POLICY.set_table(table(entry("linear", (64, 128), 1, native=WIN)))
+        assert POLICY.quiet()  # the mode runs every reference whatever the table says
+    assert not POLICY.quiet()  # measured again, with that table
+    POLICY.set_table(table())
+    with POLICY.routing(True), POLICY.recording_asks():
+        # the lane's own answer; the forwards also ask `routes` and `recording` per call
+        assert POLICY.quiet() and not POLICY.routes_open()

@@ -383,3 +383,28 @@ def test_a_copy_keeps_the_layer_route_on_its_own_children(how) -> None:
     assert [f.norm_sites for f in layers] == [f.norm_sites for f in layer_forwards(fused)][
         : len(layers)
     ]
+
+
+def test_a_linear_winner_closes_the_quiet_lane_but_not_the_routes() -> None:
+    """A table where some plain linear wins closes the quiet lane (`KernelPolicy.quiet`);
+    the merged products are still all on their references, so each rewritten forward still
+    takes its route, by the per-call rule."""
+    unfused, fused = fused_model()
+    ids = token_ids(batch=1, seq=5)
+    won = Entry(
+        op="linear",
+        shape=(64, 128),
+        dtype="float32",
+        rows=1,
+        threads=torch.get_num_threads(),
+        median_us={"reference": 100.0, "onednn-row": 50.0},
+        ratios={"onednn-row": Ratio(2.0, 1.9, 2.1)},
+        rounds=9,
+    )
+    table = Table("linear wins")
+    table.add(won)
+    POLICY.set_table(table)
+    assert torch.equal(forward(fused, ids), forward(unfused, ids))
+    assert POLICY.lane is False
+    original, merged = calls(fused)
+    assert original == len(bound_forwards(fused)) and merged == 0
