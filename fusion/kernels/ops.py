@@ -369,8 +369,10 @@ def product(
 
 def prepare(backend: str) -> None:
     """Make the machine checks behind `product` for `backend` now (building the native
-    kernel only where `backend` may run it, loading the policy's table), outside any trace:
-    compiled code only reads their results. `fusion.fuse` calls it once; no module
+    kernel only where `backend` may run it, loading the policy's table, answering the quiet
+    lane), outside any trace: compiled code only reads their results (a fused model
+    compiled before any eager call would otherwise find the lane unanswered and trace the
+    rewrites, `KernelPolicy.traced_lane`). `fusion.fuse` calls it once; no module
     constructor does."""
     kernels_allowed = set(policy.allowed("linear", backend) + policy.allowed("stacked", backend))
     if "onednn-row" in kernels_allowed:
@@ -378,6 +380,7 @@ def prepare(backend: str) -> None:
     if "native" in kernels_allowed:
         native_gemm.resolve()
     policy.POLICY.table  # noqa: B018  (loads this machine's calibration table)
+    policy.POLICY.quiet()
 
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())

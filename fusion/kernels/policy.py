@@ -131,8 +131,9 @@ class KernelPolicy:
     harness judges rewrites with routes closed (`routing(False)`), so the code a calibrated
     machine runs is what its oracles see, and judges the route apart."""
     lane: bool | None = None
-    """`quiet()`'s answer, None until asked since the last `forget`: a plain attribute, for
-    the fused forwards of the lane's backends to read before anything else."""
+    """`quiet()`'s answer, None until asked since the last `forget` (which asks it at once
+    where the table is loaded): a plain attribute, for the fused forwards of the lane's
+    backends to read before anything else."""
 
     def quiet(self) -> bool:
         """Would every product of a plain or merged linear under a lane backend
@@ -153,6 +154,17 @@ class KernelPolicy:
             )
         return lane
 
+    def traced_lane(self) -> bool:
+        """While Dynamo traces: may a fused forward of a lane backend trace its class's
+        original, as its eager call would run it? Only on the quiet lane as last answered
+        eagerly (`lane` is True: never asked here, where the answer would read the table),
+        with routes open and nothing recording. Dynamo guards the three attributes it reads,
+        so a change that forgets the lane (a table, a mode: `forget`) recompiles, and the
+        compiled code runs what Inductor compiles best, the unfused calls, where no kernel
+        of ours could run anyway (`docs/benchmarks.md`: 0.81x of the compiled unfused model
+        otherwise). A route changes speed, never the result, so even a stale one is safe."""
+        return self.lane is True and self.routes and not self.recording
+
     def forget(self) -> None:
         """Drop every memoised answer (choices, idle answers), and start
         a new `epoch`. Every change of mode or table does this; so must anything else that
@@ -161,6 +173,11 @@ class KernelPolicy:
         self.idle_answers.clear()
         self.epoch = object()
         self.lane = None
+        if self._table is not None:
+            # answered now, where that reads no file: compiled code only reads the answer
+            # (`traced_lane`), and a model compiled on the lane finds it again after a
+            # table that closed it is put back, instead of recompiling without it
+            self.quiet()
 
     def reset(self) -> None:
         self._mode = None

@@ -114,7 +114,8 @@ class BoundForward:
         module = self.module
         route = self._route
         if route is not None and route.takes_original(args, kwargs):
-            self.original_calls += 1
+            if not torch.compiler.is_compiling():
+                self.original_calls += 1
             # what calling the unfused module runs now: its current class's forward
             return type(module).forward(module, *args, **kwargs)
         reason = self.failure()

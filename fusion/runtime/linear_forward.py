@@ -102,10 +102,10 @@ class LinearForward:
         policy = POLICY
         # the quiet lane (`KernelPolicy.quiet`): nothing to choose for any linear, so what
         # the unfused module runs, `nn.Linear.forward` or whatever its class holds now
-        if (
-            not torch.compiler.is_compiling()
-            and self.laned
-            and policy.routes
+        if self.laned and (
+            policy.traced_lane()
+            if torch.compiler.is_compiling()
+            else policy.routes
             and not policy.recording
             and (policy.lane or (policy.lane is None and policy.quiet()))
         ):

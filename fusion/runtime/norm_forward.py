@@ -30,7 +30,9 @@ routes are open (`KernelPolicy.routes_open`), the call runs the class's original
 once, before any premise is read, counted in `original_calls`. Measured in situ on a decode
 step (SmolLM2-135M, 2-core Xeon, float32, one thread), `torch.rms_norm` with no check at
 all saved 0.5 ms of a 72 ms token over 61 norms, and the premise checks cost 3 ms: on a CPU
-the norm gains nothing a check can pay for. The original is the unfused function by
+the norm gains nothing a check can pay for. While Dynamo traces, the route is taken on
+the quiet lane only (`KernelPolicy.traced_lane`: Inductor then compiles the original's ops
+with the rest). The original is the unfused function by
 construction, so the route changes speed, never the result. Hooks on the norm
 need no premise: `nn.Module.__call__` runs them around this forward exactly as around the
 class's. `copy.deepcopy` and pickling give the copy a forward of its own; an unpickled forward
@@ -182,11 +184,12 @@ class NormForward:
     def routed(self, x: Any) -> bool:
         """Does a call on `x` take the route (the module docstring): routes open, `x` a
         tensor the torch reference kernels would compute eagerly on this norm's backend?"""
-        return (
-            POLICY.routes_open()
-            and isinstance(x, torch.Tensor)
-            and eager_reference(self.backend, x)
-        )
+        if not (POLICY.routes_open() and isinstance(x, torch.Tensor)):
+            return False
+        if torch.compiler.is_compiling():  # on the quiet lane only, by the same device rule
+            backend = self.backend
+            return POLICY.traced_lane() and (backend == "torch" or (backend == "auto" and x.is_cpu))
+        return eager_reference(self.backend, x)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) != 1 or kwargs:
@@ -200,13 +203,15 @@ class NormForward:
         if (
             POLICY.routes
             and not POLICY.recording
-            and not torch.compiler.is_compiling()
             and isinstance(x, torch.Tensor)
             and (backend == "torch" or (backend == "auto" and x.is_cpu))
         ):
-            self.original_calls += 1
             module = self.module
-            return type(module).forward(module, x)
+            if not torch.compiler.is_compiling():
+                self.original_calls += 1
+                return type(module).forward(module, x)
+            if POLICY.traced_lane():
+                return type(module).forward(module, x)
         compiling = torch.compiler.is_compiling()
         if not compiling:
             # first, before any tensor is asked anything: a mode would record the question

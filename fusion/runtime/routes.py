@@ -96,12 +96,20 @@ class Route:
         for an `auto` act-and-mul, the input's device are asked: the input's shape decides
         nothing there, and each question costs as much again in situ as it does warm."""
         policy = POLICY
-        # `routes_open()` spelled out (its tests hold this to it); compiled code never
-        # routes, and must not read (so guard on) the policy's memo
-        if not policy.routes or policy.recording or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            # compiled code routes on the quiet lane only (`KernelPolicy.traced_lane`),
+            # never by the per-call rule, whose memo it must not read (so guard on)
+            if not (self._laned and policy.traced_lane()):
+                return False
+            x = args[0] if args else kwargs.get(self.first)
+            if self._acts_on_cpu and not (isinstance(x, torch.Tensor) and x.is_cpu):
+                return False
+            return not _any_hooked(self._watched)
+        # `routes_open()` spelled out (its tests hold this to it)
+        if not policy.routes or policy.recording:
             return False
         x = args[0] if args else kwargs.get(self.first)
-        if self._laned and policy.lane:
+        if self._laned and (policy.lane or (policy.lane is None and policy.quiet())):
             if not self._acts_on_cpu:
                 return not _any_hooked(self._watched)
             if isinstance(x, torch.Tensor) and x.is_cpu:
@@ -111,8 +119,6 @@ class Route:
         width = x.shape[-1]
         if width != self._width or not width:
             return False
-        if self._laned and policy.lane is None and policy.quiet():
-            return self.takes_original(args, kwargs)  # the lane, asked once per epoch
         if self._idle():  # nothing any product could choose: no key to build
             for backend in self._act_backends:
                 if not ops.eager_reference(backend, x):
@@ -174,7 +180,10 @@ class NormRoute:
         own). A child without one is called on the sum by the helper as by the original,
         hooks and all. Read now from the layer's children, so a swapped child is seen."""
         policy = POLICY  # `routes_open()` spelled out, as in `Route.takes_original`
-        if not policy.routes or policy.recording or torch.compiler.is_compiling():
+        if not policy.routes or policy.recording:
+            return False
+        # compiled code: on the quiet lane only, as `Route.takes_original`
+        if torch.compiler.is_compiling() and not policy.traced_lane():
             return False
         x = args[0] if args else kwargs.get(self.first)
         if not isinstance(x, torch.Tensor):
@@ -183,7 +192,7 @@ class NormRoute:
         for name in self.sites:
             child = children.get(name)
             forward = None if child is None else child.__dict__.get("forward")
-            # `ops.eager_reference` spelled out (not compiling: checked above)
+            # `ops.eager_reference`'s device rule (compiling: the lane's, checked above)
             if type(forward) is NormForward and not (
                 forward.backend == "torch" or (forward.backend == "auto" and x.is_cpu)
             ):

@@ -184,6 +184,7 @@ def decode_case(
             tables["fused+calibrated"] = calibrated_table(calibrated, prompt)
             models["fused+calibrated"] = calibrated
             if compiled:
+                allow_recompiles()
                 for variant, source in zip(COMPILED, (model, fused)):
                     target = copy.deepcopy(source)
                     target.forward = torch.compile(target.forward)
@@ -214,6 +215,20 @@ def decode_case(
         variants=variants,
     )
     return case
+
+
+COMPILED_ENTRIES = 64
+"""Dynamo's recompile limit while decode cases compile (`allow_recompiles`)."""
+
+
+def allow_recompiles() -> None:
+    """Raise Dynamo's recompile limit (8 entries per code object) to `COMPILED_ENTRIES`.
+    Every compiled model of a process shares the entries of the one `forward` code it
+    compiles: each model (and copy, `--copies`), each prompt and decode shape takes its
+    own, so a bench with two compiled variants and copies passes 8, after which Dynamo
+    silently runs the calls eagerly, and a "compiled" row would time eager code."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, COMPILED_ENTRIES)
 
 
 def _generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> Callable[[], Any]:

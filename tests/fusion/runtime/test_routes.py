@@ -70,6 +70,21 @@ def measured(model: torch.nn.Module, rows: int, dtype: str, **ratios: Ratio) -> 
     return table
 
 
+def linear_winner() -> Entry:
+    """An entry where a plain linear's one-row kernel wins: it closes the quiet lane
+    (`KernelPolicy.quiet`), and touches no merged product."""
+    return Entry(
+        op="linear",
+        shape=(64, 128),
+        dtype="float32",
+        rows=1,
+        threads=torch.get_num_threads(),
+        median_us={"reference": 100.0, "onednn-row": 50.0},
+        ratios={"onednn-row": WIN},
+        rounds=9,
+    )
+
+
 def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits
@@ -225,18 +240,61 @@ def test_a_replaced_child_still_computes_the_unfused_function() -> None:
     assert torch.equal(forward(fused, ids), forward(unfused, ids))
 
 
-def test_compiled_code_never_routes() -> None:
+def test_compiled_code_routes_on_the_quiet_lane_only() -> None:
+    """While Dynamo traces, a route is taken on the quiet lane (`KernelPolicy.traced_lane`)
+    and never by the per-call rule: a table where a plain linear wins closes the lane, and
+    the compiled code runs the rewrite though the eager call routes."""
     _, fused = fused_model()
     POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
     route = bound_forwards(fused)[0]._route
     x = torch.randn(1, 5, route.merged[0].in_features)
 
-    @torch.compile(backend="eager", fullgraph=True)
     def takes(x):
         return x + 1 if route.takes_original((x,), {}) else x - 1
 
-    assert route.takes_original((x,), {})
-    assert torch.equal(takes(x), x - 1)
+    assert route.takes_original((x,), {}) and POLICY.lane is True
+    assert torch.equal(torch.compile(takes, backend="eager", fullgraph=True)(x), x + 1)
+    table = measured(fused, 5, "float32", stacked=LOSS)
+    table.add(linear_winner())
+    POLICY.set_table(table)
+    torch._dynamo.reset()
+    assert route.takes_original((x,), {}) and POLICY.lane is False
+    assert torch.equal(torch.compile(takes, backend="eager", fullgraph=True)(x), x - 1)
+
+
+def _traced_calls(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
+    """The functions `torch.compile` puts in `model`'s graph, in order (attribute reads
+    aside: a route reads the input's device), compiling it whole."""
+    seen: list[str] = []
+
+    def backend(gm, example_inputs):
+        seen.extend(
+            str(node.target)
+            for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is not getattr
+        )
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(ids)
+    return seen
+
+
+def test_a_compiled_model_on_the_quiet_lane_traces_the_unfused_calls() -> None:
+    """`fuse` answers the lane (`ops.prepare`), so a model compiled before any eager call
+    traces, on the lane, exactly the unfused model's calls, which Inductor compiles best;
+    with routes closed it traces the rewrites."""
+    unfused, fused = fused_model()
+    ids = token_ids(batch=1, seq=5)
+    assert POLICY.lane is True  # answered by `fusion.fuse`, no eager call yet
+    want = _traced_calls(unfused, ids)
+    assert _traced_calls(fused, ids) == want
+    with POLICY.routing(False):
+        assert _traced_calls(fused, ids) != want
+    compiled = torch.compile(fused, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, forward(unfused, ids))
 
 
 def test_route_of_needs_merged_projections_and_known_children() -> None:
@@ -251,8 +309,15 @@ def test_route_of_needs_merged_projections_and_known_children() -> None:
     route = routes.route_of((merged,), forward_fn)
     assert route.first == "hidden_states"
     wrong_width = torch.randn(1, 5, route.merged[0].in_features + 1)
+    # the per-call rule (the lane closed: a linear wins) reads the input's width
+    table = Table("linear wins")
+    table.add(linear_winner())
+    POLICY.set_table(table)
     assert not route.takes_original((wrong_width,), {})
     assert not route.takes_original((), {"hidden_states": None})
+    # on the quiet lane the input decides nothing: the original fails where unfused would
+    POLICY.set_table(Table("nothing wins"))
+    assert route.takes_original((wrong_width,), {})
 
 
 def test_the_report_says_where_a_route_runs() -> None:
@@ -391,18 +456,8 @@ def test_a_linear_winner_closes_the_quiet_lane_but_not_the_routes() -> None:
     takes its route, by the per-call rule."""
     unfused, fused = fused_model()
     ids = token_ids(batch=1, seq=5)
-    won = Entry(
-        op="linear",
-        shape=(64, 128),
-        dtype="float32",
-        rows=1,
-        threads=torch.get_num_threads(),
-        median_us={"reference": 100.0, "onednn-row": 50.0},
-        ratios={"onednn-row": Ratio(2.0, 1.9, 2.1)},
-        rounds=9,
-    )
     table = Table("linear wins")
-    table.add(won)
+    table.add(linear_winner())
     POLICY.set_table(table)
     assert torch.equal(forward(fused, ids), forward(unfused, ids))
     assert POLICY.lane is False
