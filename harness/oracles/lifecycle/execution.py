@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from fusion.inspection import preserved_globals
+from fusion.kernels.calibration import Table
+from fusion.kernels.policy import POLICY
 from harness.oracles.lifecycle.core import (
     _FLOOR,
     Context,
@@ -218,4 +220,27 @@ def _compile(ctx: Context) -> str:
     _compare("compiled logits", got, ctx.fused_logits, ctx.allowance)
     _compare("compiled logits vs compiled unfused", got, want, ctx.allowance)
     how = "fullgraph, as the unfused model" if fullgraph else "with graph breaks, as unfused"
-    return f"compiled (Dynamo, eager backend; {how}) logits agree"
+    return f"compiled (Dynamo, eager backend; {how}) logits agree{_compiled_lane(ctx, fullgraph)}"
+
+
+def _compiled_lane(ctx: Context, fullgraph: bool) -> str:
+    """The rewrites are compiled above with routes closed; here the quiet lane is: routes
+    open and nothing measured anywhere (`KernelPolicy.traced_lane`), where compiled code
+    traces the classes' originals on the fused state. Its logits must agree with the
+    unfused model's as well, compiled as fully. A clause for the verdict's detail."""
+    import torch._dynamo
+
+    if POLICY.mode == "eligible":
+        return "; the quiet lane: not in the eligible mode (no lane there)"
+    fused = copy.deepcopy(ctx.fused)
+    previous = POLICY.table
+    POLICY.set_table(Table("quiet lane"))  # nothing measured: the lane is open
+    try:
+        torch._dynamo.reset()
+        with POLICY.routing(True):
+            got = _logits(torch.compile(fused, fullgraph=fullgraph, backend="eager"), ctx)
+    finally:
+        torch._dynamo.reset()
+        POLICY.set_table(previous)
+    _compare("compiled logits on the quiet lane", got, ctx.unfused_logits, ctx.allowance)
+    return "; on the quiet lane too"

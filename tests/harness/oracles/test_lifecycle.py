@@ -486,3 +486,15 @@ def test_only_the_selected_operations_run_the_others_are_n_a(llama, llama_inputs
     others = {op: v for op, v in cycle.items() if op not in ("generate", "train")}
     assert {v["verdict"] for v in others.values()} == {"n/a"}
     assert {v["detail"] for v in others.values()} == {"not for this system"}
+
+
+def test_the_compiled_quiet_lane_is_checked(llama, llama_inputs, monkeypatch):
+    """`compile` also compiles the fused model on the quiet lane (routes open, nothing
+    measured), where compiled code traces the classes' originals, and fails when that
+    computes something else (a fault only on the route: its shards' weights off by 1%)."""
+    from tests.fusion import merged_paths
+
+    merged_paths.stale_route(monkeypatch, 1.01)
+    result = _run(llama, llama_inputs, fusion.fuse, mode="full")
+    verdict = result.lifecycle["compile"]
+    assert verdict["verdict"] == "fail" and "quiet lane" in verdict["detail"], verdict
