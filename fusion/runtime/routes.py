@@ -17,9 +17,11 @@ original statements anyway.
 Safe because the original forward is what every guard failure already runs: the fused
 state never removes what it needs (merged projections keep their children, each Parameter
 a view of the stacked weight, `fusion.runtime.merged.MergedLinear`), so it computes the unfused
-function whatever changed since fusing, and a route changes speed, never the result. Never
-while Dynamo traces, for a pinned backend or in the `eligible` mode (they name kernels), or
-while the policy records asks; and not where routes are closed (`KernelPolicy.routing`):
+function whatever changed since fusing, and a route changes speed, never the result. While
+Dynamo traces, on the quiet lane only (`KernelPolicy.traced_lane`: no product of ours could
+run, so the compiled code is the unfused calls, which Inductor compiles best). Never for a
+pinned backend or in the `eligible` mode (they name kernels), or while the policy records
+asks; and not where routes are closed (`KernelPolicy.routing`):
 the harness judges the rewrites with routes closed, so the code a calibrated machine runs is
 the code its oracles see, and judges the route as an operation of its own.
 """
@@ -78,8 +80,8 @@ class Route:
             object.__setattr__(self, name, value)
 
     def takes_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """True when this call may run the original forward: eager, routes open
-        (`KernelPolicy.routes_open`), the input a tensor each merged projection reads whole
+        """True when this call may run the original forward: eager (compiled: on the quiet
+        lane only, below), routes open (`KernelPolicy.routes_open`), the input a tensor each merged projection reads whole
         (its last dimension their `in_features`), every merged projection's product on its
         reference for it (`KernelPolicy.runs_reference`), every act-and-mul on its torch
         reference (`ops.eager_reference`), and no hook on any of them (the original does not
@@ -94,7 +96,7 @@ class Route:
         Where the quiet lane is open (`KernelPolicy.quiet`: no product of a lane backend
         could choose anything but its reference, whatever the call) only the hooks and,
         for an `auto` act-and-mul, the input's device are asked: the input's shape decides
-        nothing there, and each question costs as much again in situ as it does warm."""
+        nothing there, and in situ each question costs about ten times what it costs warm."""
         policy = POLICY
         if torch.compiler.is_compiling():
             # compiled code routes on the quiet lane only (`KernelPolicy.traced_lane`),
