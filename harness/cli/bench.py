@@ -66,8 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="with --models or --generate: also both under torch.compile (Inductor; "
-        "compiling takes minutes on a CPU), printing fused+compiled vs compiled; "
-        "--generate adds the calibrated fused model compiled (fused+calibrated+compiled)",
+        "compiling takes minutes on a CPU), printing fused+compiled vs compiled",
     )
     parser.add_argument(
         "--budget",
