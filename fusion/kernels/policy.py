@@ -230,6 +230,26 @@ class KernelPolicy:
             answer = self.idle_answers[op, backend] = self._idle(op, backend)
         return answer
 
+    def idle_for(self, op: str, shape: tuple[int, ...], backend: str) -> bool:
+        """Would `choose(op, shape, ...)` answer the reference for every dtype, row count and
+        thread count under `backend` now (`idle`, for one shape)? The quiet lane of one
+        fused module (`LinearForward`, a route) where the process's lane (`quiet`) is closed
+        by winners measured for other shapes (another model calibrated on this machine).
+        Reads the table; a caller keeps the answer for the policy's `epoch`."""
+        if self.recording:
+            return False
+        if self._idle_answer(op, backend):
+            return True
+        if backend in PINNED or self.mode != "measured":
+            return False
+        kernels = allowed(op, backend)
+        return not any(
+            entry.op == op
+            and tuple(entry.shape) == tuple(shape)
+            and _best(entry, kernels) != "reference"
+            for entry in self.table.entries.values()
+        )
+
     def _idle(self, op: str, backend: str) -> bool:
         if backend in PINNED:
             return False

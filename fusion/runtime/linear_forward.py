@@ -92,6 +92,7 @@ class LinearForward:
         self.guard_failures = 0
         self.last_failure: str | None = None
         self._choice: tuple | None = None  # `ops.chosen_for`'s memo
+        self._lane_memo: tuple | None = None  # (epoch, answer) of `_own_lane`
         self.__signature__ = _SIGNATURE
         self.__name__ = "forward"
         self.__qualname__ = "Linear.forward"
@@ -107,7 +108,7 @@ class LinearForward:
             if torch.compiler.is_compiling()
             else policy.routes
             and not policy.recording
-            and (policy.lane or (policy.lane is None and policy.quiet()))
+            and (policy.lane or (policy.lane is None and policy.quiet()) or self._own_lane())
         ):
             return type(module).forward(module, *args, **kwargs)
         # `premise_failure`, inlined: this runs on every call of a large projection
@@ -140,6 +141,21 @@ class LinearForward:
         else:
             decoded = ops.product("linear", tuple(weight.shape), self.backend, x, weight, bias)
         return LINEAR(x, weight, bias) if decoded is None else decoded
+
+    def _own_lane(self) -> bool:
+        """This linear's own quiet lane, where the process's is closed (winners measured
+        for other shapes): nothing measured to win for its weight's shape
+        (`KernelPolicy.idle_for`), kept for the policy's epoch. A stale answer (a weight of
+        another shape put in within an epoch) costs speed only: both paths compute the
+        class's function."""
+        epoch = POLICY.epoch
+        memo = self._lane_memo
+        if memo is not None and memo[0] is epoch:
+            return memo[1]
+        shape = tuple(self.module.weight.shape)
+        answer = POLICY.idle_for("linear", shape, self.backend)
+        self._lane_memo = (epoch, answer)
+        return answer
 
     @property
     def __self__(self) -> nn.Module:

@@ -60,6 +60,7 @@ class Route:
     _laned: bool = field(init=False, repr=False, compare=False)
     _acts_on_cpu: bool = field(init=False, repr=False, compare=False)
     _memo: list = field(init=False, repr=False, compare=False)
+    _lane_memo: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Read once: a route decides speed, never the result (the original computes the
@@ -75,6 +76,7 @@ class Route:
             "_laned": all(module.backend in LANE_BACKENDS for module in (*self.merged, *self.acts)),
             "_acts_on_cpu": any(act.backend == "auto" for act in self.acts),
             "_memo": [None],  # (key, allowed) of the last call (`takes_original`)
+            "_lane_memo": [None],  # (epoch, answer) of `_own_lane`
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -111,7 +113,9 @@ class Route:
         if not policy.routes or policy.recording:
             return False
         x = args[0] if args else kwargs.get(self.first)
-        if self._laned and (policy.lane or (policy.lane is None and policy.quiet())):
+        if self._laned and (
+            policy.lane or (policy.lane is None and policy.quiet()) or self._own_lane()
+        ):
             if not self._acts_on_cpu:
                 return not _any_hooked(self._watched)
             if isinstance(x, torch.Tensor) and x.is_cpu:
@@ -137,6 +141,21 @@ class Route:
             allowed = self._policy_allows(x, width)
             memo[0] = (key, allowed)
         return allowed and not _any_hooked(self._watched)
+
+    def _own_lane(self) -> bool:
+        """This route's own quiet lane, where the process's is closed (winners measured for
+        other shapes): nothing measured to win for any of its merged products' shapes
+        (`KernelPolicy.idle_for`), kept for the policy's epoch."""
+        epoch = POLICY.epoch
+        memo = self._lane_memo
+        if memo[0] is not None and memo[0][0] is epoch:
+            return memo[0][1]
+        answer = all(
+            POLICY.idle_for("stacked", merged.kernel_shape, merged.backend)
+            for merged in self.merged
+        )
+        memo[0] = (epoch, answer)
+        return answer
 
     def _idle(self) -> bool:
         """Would every merged projection compute its reference whatever the call

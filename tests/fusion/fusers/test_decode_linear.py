@@ -5,6 +5,7 @@ plain linear is refused."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -365,3 +366,39 @@ def _table_of(*entries: Entry) -> Table:
     for entry in entries:
         table.add(entry)
     return table
+
+
+def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) -> None:
+    """Another model calibrated on this machine closes the process's quiet lane; a linear
+    whose own shape has no winner still runs its class forward without asking for a kernel
+    (`LinearForward._own_lane`); its own winner brings the kernel path back."""
+    model = _model()
+    fusion.fuse(model)
+    x = torch.randn(1, 48)
+    won = Entry(
+        op="linear",
+        shape=(8, 8),
+        dtype="float32",
+        rows=1,
+        threads=torch.get_num_threads(),
+        median_us={"reference": 100.0, "native": 50.0},
+        ratios={"native": Ratio(2.0, 1.9, 2.1)},
+        rounds=9,
+        native_build=native_gemm.build_id(),
+    )
+    POLICY.set_table(_table_of(won))
+    chosen: list[tuple[int, ...]] = []
+    real_chosen = ops.chosen_for
+
+    def spied(memo, op, shape, *args):
+        chosen.append(shape)
+        return real_chosen(memo, op, shape, *args)
+
+    monkeypatch.setattr(ops, "chosen_for", spied)
+    want = F.linear(x, model[0].weight, model[0].bias)
+    with torch.no_grad(), POLICY.routing(True):
+        assert torch.equal(model[0](x), want)
+        assert POLICY.lane is False and chosen == []
+        POLICY.set_table(_table_of(dataclasses.replace(won, shape=(64, 48))))
+        torch.testing.assert_close(model[0](x), want)
+        assert chosen == [(64, 48)]

@@ -188,3 +188,25 @@ def test_the_quiet_lane_is_open_exactly_where_no_linear_product_could_choose() -
     with POLICY.routing(True), POLICY.recording_asks():
         # the lane's own answer; the forwards also ask `routes` and `recording` per call
         assert POLICY.quiet() and not POLICY.routes_open()
+
+
+def test_idle_for_one_shape_is_idle_where_its_own_entries_win_nothing() -> None:
+    """`idle_for` answers `idle` for one shape: a winner measured for another shape (another
+    model calibrated here) leaves it idle; its own winner, a pin, the eligible mode or a
+    recording do not."""
+    POLICY.set_table(table(entry("stacked", SHAPE, 16, native=WIN)))
+    other = (64, 32, 32, 256)
+    assert not POLICY.quiet()
+    assert POLICY.idle_for("stacked", other, "auto") and not POLICY.idle_for(
+        "stacked", SHAPE, "auto"
+    )
+    assert POLICY.idle_for("stacked", SHAPE, "torch")  # native won, which torch forbids
+    assert not POLICY.idle_for("stacked", other, "native")  # pinned: runs unmeasured
+    with POLICY.recording_asks():
+        assert not POLICY.idle_for("stacked", other, "auto")
+    with POLICY.override("eligible"):
+        assert not POLICY.idle_for("stacked", other, "auto")
+    with POLICY.override("reference"):
+        assert POLICY.idle_for("stacked", SHAPE, "auto")
+    for rows in (1, 2, 16, 100):  # held to `choose`
+        assert POLICY.choose("stacked", other, "float32", rows, "auto") == ()

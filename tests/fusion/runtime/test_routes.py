@@ -6,6 +6,7 @@ timed. Routes are open here (tests/conftest.py closes them for every other test)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import pickle
 import weakref
@@ -309,10 +310,8 @@ def test_route_of_needs_merged_projections_and_known_children() -> None:
     route = routes.route_of((merged,), forward_fn)
     assert route.first == "hidden_states"
     wrong_width = torch.randn(1, 5, route.merged[0].in_features + 1)
-    # the per-call rule (the lane closed: a linear wins) reads the input's width
-    table = Table("linear wins")
-    table.add(linear_winner())
-    POLICY.set_table(table)
+    # the per-call rule (the lanes closed: this product wins at 64 rows) reads the width
+    POLICY.set_table(measured(fused, 64, "float32", stacked=WIN))
     assert not route.takes_original((wrong_width,), {})
     assert not route.takes_original((), {"hidden_states": None})
     # on the quiet lane the input decides nothing: the original fails where unfused would
@@ -463,3 +462,30 @@ def test_a_linear_winner_closes_the_quiet_lane_but_not_the_routes() -> None:
     assert POLICY.lane is False
     original, merged = calls(fused)
     assert original == len(bound_forwards(fused)) and merged == 0
+
+
+def test_winners_for_other_shapes_leave_each_route_its_own_lane(monkeypatch) -> None:
+    """Another model calibrated on this machine closes the process's quiet lane; a route
+    whose own products have no winner still takes its original without asking the policy
+    per call (`Route._own_lane`, `KernelPolicy.idle_for`), kept for the epoch."""
+    unfused, fused = fused_model()
+    ids = token_ids(batch=1, seq=5)
+    table = Table("another model")
+    table.add(linear_winner())
+    other = measured(fused, 5, "float32", stacked=WIN)
+    for entry in other.entries.values():  # the same winners, for shapes this model lacks
+        table.add(dataclasses.replace(entry, shape=(7, *entry.shape[1:])))
+    POLICY.set_table(table)
+    assert POLICY.lane is False
+    asked = []
+    monkeypatch.setattr(POLICY, "runs_reference", lambda *a: asked.append(a) or True)
+    assert torch.equal(forward(fused, ids), forward(unfused, ids))
+    assert asked == [] and calls(fused) == (len(bound_forwards(fused)), 0)
+    assert all(POLICY.idle_for("stacked", m.kernel_shape, "auto") for m in merged_modules(fused))
+    monkeypatch.undo()
+    POLICY.set_table(measured(fused, 5, "float32", stacked=WIN))  # now its own shapes win
+    assert not any(
+        POLICY.idle_for("stacked", m.kernel_shape, "auto") for m in merged_modules(fused)
+    )
+    forward(fused, ids)
+    assert calls(fused)[0] == len(bound_forwards(fused))  # no route more: the rewrites ran
