@@ -236,21 +236,12 @@ class KernelPolicy:
         fused module (`LinearForward`, a route) where the process's lane (`quiet`) is closed
         by winners measured for other shapes (another model calibrated on this machine).
         Reads the table; a caller keeps the answer for the policy's `epoch`."""
-        if self.recording:
-            return False
-        if self._idle_answer(op, backend):
-            return True
-        if backend in PINNED or self.mode != "measured":
-            return False
-        kernels = allowed(op, backend)
-        return not any(
-            entry.op == op
-            and tuple(entry.shape) == tuple(shape)
-            and _best(entry, kernels) != "reference"
-            for entry in self.table.entries.values()
+        return not self.recording and (
+            self._idle_answer(op, backend) or self._idle(op, backend, shape)
         )
 
-    def _idle(self, op: str, backend: str) -> bool:
+    def _idle(self, op: str, backend: str, shape: tuple[int, ...] | None = None) -> bool:
+        """`idle`'s answer, computed: for every shape, or for `shape` alone."""
         if backend in PINNED:
             return False
         kernels = allowed(op, backend)
@@ -259,7 +250,9 @@ class KernelPolicy:
         if self.mode != "measured":
             return False
         return not any(
-            entry.op == op and _best(entry, kernels) != "reference"
+            entry.op == op
+            and (shape is None or tuple(entry.shape) == tuple(shape))
+            and _best(entry, kernels) != "reference"
             for entry in self.table.entries.values()
         )
 

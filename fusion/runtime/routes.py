@@ -106,20 +106,19 @@ class Route:
             if not (self._laned and policy.traced_lane()):
                 return False
             x = args[0] if args else kwargs.get(self.first)
-            if self._acts_on_cpu and not (isinstance(x, torch.Tensor) and x.is_cpu):
-                return False
-            return not _any_hooked(self._watched)
+            on_reference = not self._acts_on_cpu or (isinstance(x, torch.Tensor) and x.is_cpu)
+            return on_reference and not _any_hooked(self._watched)
         # `routes_open()` spelled out (its tests hold this to it)
         if not policy.routes or policy.recording:
             return False
         x = args[0] if args else kwargs.get(self.first)
-        if self._laned and (
-            policy.lane or (policy.lane is None and policy.quiet()) or self._own_lane()
+        if (
+            self._laned
+            and (policy.lane or (policy.lane is None and policy.quiet()) or self._own_lane())
+            # an `auto` act-and-mul is on its reference only on a CPU (inline: a hot path)
+            and (not self._acts_on_cpu or (isinstance(x, torch.Tensor) and x.is_cpu))
         ):
-            if not self._acts_on_cpu:
-                return not _any_hooked(self._watched)
-            if isinstance(x, torch.Tensor) and x.is_cpu:
-                return not _any_hooked(self._watched)
+            return not _any_hooked(self._watched)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return False
         width = x.shape[-1]

@@ -5,7 +5,6 @@ plain linear is refused."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -16,10 +15,10 @@ import fusion
 from fusion import numerics
 from fusion.kernels import onednn as onednn_backend
 from fusion.kernels import ops
-from fusion.kernels.calibration import Entry, Ratio, Table
 from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.policy import POLICY
 from fusion.runtime.linear_forward import LinearForward, linear_forward
+from tests.fusion.policy_tables import WIN, entry, table
 
 
 @pytest.fixture(autouse=True)
@@ -345,27 +344,9 @@ def test_the_quiet_lane_runs_the_class_forward_and_nothing_else(monkeypatch) -> 
         assert chosen == [(64, 48)] and ("linear", (64, 48), "float32", 1, 1) in {
             (op, shape, dtype, bucket, 1) for op, shape, dtype, bucket, _ in POLICY.asked
         }
-        won = Entry(
-            op="linear",
-            shape=(64, 48),
-            dtype="float32",
-            rows=1,
-            threads=torch.get_num_threads(),
-            median_us={"reference": 100.0, "native": 50.0},
-            ratios={"native": Ratio(2.0, 1.9, 2.1)},
-            rounds=9,
-            native_build=native_gemm.build_id(),
-        )
-        POLICY.set_table(_table_of(won))
+        POLICY.set_table(table(entry("linear", (64, 48), 1, native=WIN)))
         torch.testing.assert_close(model[0](x), want)
         assert POLICY.lane is False and chosen[-1] == (64, 48)
-
-
-def _table_of(*entries: Entry) -> Table:
-    table = Table("test")
-    for entry in entries:
-        table.add(entry)
-    return table
 
 
 def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) -> None:
@@ -375,18 +356,7 @@ def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) ->
     model = _model()
     fusion.fuse(model)
     x = torch.randn(1, 48)
-    won = Entry(
-        op="linear",
-        shape=(8, 8),
-        dtype="float32",
-        rows=1,
-        threads=torch.get_num_threads(),
-        median_us={"reference": 100.0, "native": 50.0},
-        ratios={"native": Ratio(2.0, 1.9, 2.1)},
-        rounds=9,
-        native_build=native_gemm.build_id(),
-    )
-    POLICY.set_table(_table_of(won))
+    POLICY.set_table(table(entry("linear", (8, 8), 1, native=WIN)))
     chosen: list[tuple[int, ...]] = []
     real_chosen = ops.chosen_for
 
@@ -399,6 +369,6 @@ def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) ->
     with torch.no_grad(), POLICY.routing(True):
         assert torch.equal(model[0](x), want)
         assert POLICY.lane is False and chosen == []
-        POLICY.set_table(_table_of(dataclasses.replace(won, shape=(64, 48))))
+        POLICY.set_table(table(entry("linear", (64, 48), 1, native=WIN)))
         torch.testing.assert_close(model[0](x), want)
         assert chosen == [(64, 48)]

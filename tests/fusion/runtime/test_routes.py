@@ -22,10 +22,8 @@ from fusion.runtime import bound, routes
 from fusion.runtime.guards import ChildGuard
 from fusion.runtime.merged import FusedRMSNorm, MergedLinear
 from fusion.runtime.norm_forward import NormForward
+from tests.fusion.policy_tables import LOSS, WIN, entry
 from tests.fusion.tiny_models import tiny_model, token_ids
-
-WIN = Ratio(1.4, 1.2, 1.6)
-LOSS = Ratio(0.6, 0.5, 0.7)
 
 
 @pytest.fixture(autouse=True)
@@ -74,16 +72,7 @@ def measured(model: torch.nn.Module, rows: int, dtype: str, **ratios: Ratio) -> 
 def linear_winner() -> Entry:
     """An entry where a plain linear's one-row kernel wins: it closes the quiet lane
     (`KernelPolicy.quiet`), and touches no merged product."""
-    return Entry(
-        op="linear",
-        shape=(64, 128),
-        dtype="float32",
-        rows=1,
-        threads=torch.get_num_threads(),
-        median_us={"reference": 100.0, "onednn-row": 50.0},
-        ratios={"onednn-row": WIN},
-        rounds=9,
-    )
+    return entry("linear", (64, 128), 1, **{"onednn-row": WIN})
 
 
 def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -473,8 +462,8 @@ def test_winners_for_other_shapes_leave_each_route_its_own_lane(monkeypatch) -> 
     table = Table("another model")
     table.add(linear_winner())
     other = measured(fused, 5, "float32", stacked=WIN)
-    for entry in other.entries.values():  # the same winners, for shapes this model lacks
-        table.add(dataclasses.replace(entry, shape=(7, *entry.shape[1:])))
+    for won in other.entries.values():  # the same winners, for shapes this model lacks
+        table.add(dataclasses.replace(won, shape=(7, *won.shape[1:])))
     POLICY.set_table(table)
     assert POLICY.lane is False
     asked = []
