@@ -367,6 +367,138 @@ def product(
     return None
 
 
+def stacked_views_hold(
+    weight: Tensor,
+    bias: Tensor | None,
+    shard_weights: list[Tensor],
+    shard_biases: list[Tensor | None],
+    stacked_bias: list[bool],
+) -> bool:
+    """Does one product on `weight` (`bias`) compute exactly what each shard's `F.linear` on
+    its `(shard_weights[i], shard_biases[i])` computes, row block by row block? Each shard
+    weight must *be* its rows of `weight`: the same dtype, a contiguous `(N_i, K)` block at
+    its byte offset (rows stacked in order), no negative bit; each shard bias likewise in
+    `bias`, and a shard without one must have been stacked without one
+    (`stacked_bias[i]` False: its rows of `bias` are zeros). Memory and metadata only, so
+    it holds for the tensors a compiled graph is handed at run time, whatever Dynamo
+    guarded (it guards neither `.data` nor an address): `p.data = other`, a replaced
+    Parameter, a restacked model all make it False."""
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.is_neg():
+        return False
+    width = weight.shape[1]
+    item = weight.element_size()
+    dtype = weight.dtype
+    base = weight.data_ptr()
+    bias_base = 0 if bias is None else bias.data_ptr()
+    row = 0
+    for w, b, had_bias in zip(shard_weights, shard_biases, stacked_bias, strict=True):
+        if (
+            w.dtype != dtype
+            or w.dim() != 2
+            or w.shape[1] != width
+            or not w.is_contiguous()
+            or w.is_neg()
+            or w.data_ptr() != base + row * width * item
+        ):
+            return False
+        size = w.shape[0]
+        if b is None:
+            if had_bias:  # its rows of the stacked bias still hold the bias it had
+                return False
+        elif (
+            bias is None
+            or not had_bias
+            or b.dtype != dtype
+            or b.shape != (size,)
+            or not b.is_contiguous()
+            or b.is_neg()
+            or b.data_ptr() != bias_base + row * item
+        ):
+            return False
+        row += size
+    return row == weight.shape[0] and (bias is None or bias.shape == (row,))
+
+
+def _shards_concatenated(
+    x: Tensor, shard_weights: list[Tensor], shard_biases: list[Tensor | None]
+) -> Tensor:
+    """Each shard's `F.linear` (the unfused calls), concatenated along the last dimension."""
+    return torch.cat(
+        [torch.nn.functional.linear(x, w, b) for w, b in zip(shard_weights, shard_biases)], -1
+    )
+
+
+@torch.library.custom_op("fusion::stacked_product", mutates_args=())
+def _stacked_product_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    shard_weights: list[Tensor],
+    shard_biases: list[Tensor | None],
+    stacked_bias: list[bool],
+    shape: list[int],
+    backend: str,
+) -> Tensor:
+    """A merged projection's outputs, concatenated: one product on the stacked `weight` by
+    the kernel the policy chooses when the compiled code runs, where the shards' tensors
+    are still its rows (`stacked_views_hold`, checked at every call); else, and where the
+    policy names no kernel or none is eligible, each shard's own `F.linear` (the unfused
+    calls), concatenated. What eager `MergedLinear.outputs` runs, made one node of a
+    compiled graph, so the shards are not computed apart under compile. Inference only:
+    `traced_stacked_product` calls it only where no gradient is recorded."""
+    if stacked_views_hold(weight, bias, shard_weights, shard_biases, stacked_bias):
+        out = _chosen_product("stacked", tuple(shape), backend, x, weight, bias)
+        if out is not None:
+            return out
+    return _shards_concatenated(x, shard_weights, shard_biases)
+
+
+@_stacked_product_op.register_fake
+def _stacked_product_fake(
+    x, weight, bias, shard_weights, shard_biases, stacked_bias, shape, backend
+):
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in shard_weights))
+
+
+def traced_stacked_product(
+    shape: tuple[int, ...],
+    backend: str,
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    current: list[tuple[Tensor, Tensor | None]],
+    stacked_bias: tuple[bool, ...],
+) -> Tensor | None:
+    """While Dynamo traces a merged projection (stacked weight `weight`, `bias`; its shards'
+    current `(weight, bias)` pairs `current`): the `fusion::stacked_product` operator, which
+    chooses the stacked kernel when the compiled code runs, where one of ours could be
+    eligible by the rules a trace can ask (the native kernel's or the oneDNN row's, on the
+    stacked operands: no autocast, subclass or mode) and no gradient is recorded (the
+    operator has no derivative of its own); else None (the caller computes the shards
+    apart). `backend="torch"` traces nothing of ours."""
+    if weight is None or backend == "torch":
+        return None
+    tensors = [x, weight, *(t for pair in current for t in pair if t is not None)]
+    if bias is not None:
+        tensors.append(bias)
+    if reference.records_grad(*tensors):
+        return None
+    if not (
+        native_gemm.traced(x, weight, bias) or onednn_backend.row_linear_traced(x, weight, bias)
+    ):
+        return None
+    return torch.ops.fusion.stacked_product(
+        x,
+        weight,
+        bias,
+        [w for w, _ in current],
+        [b for _, b in current],
+        list(stacked_bias),
+        list(shape),
+        backend,
+    )
+
+
 def prepare(backend: str) -> None:
     """Make the machine checks behind `product` for `backend` now (building the native
     kernel only where `backend` may run it, loading the policy's table, answering the quiet
@@ -381,6 +513,7 @@ def prepare(backend: str) -> None:
         native_gemm.resolve()
     policy.POLICY.table  # noqa: B018  (loads this machine's calibration table)
     policy.POLICY.quiet()
+    policy.POLICY.answer_lanes()
 
 
 @torch.library.custom_op("fusion::moe_experts", mutates_args=())

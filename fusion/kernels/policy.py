@@ -135,6 +135,15 @@ class KernelPolicy:
     where the table is loaded): a plain attribute, for the fused forwards of the lane's
     backends to read before anything else."""
 
+    own_lanes: dict[tuple[str, tuple[int, ...], str], bool | None] = field(default_factory=dict)
+    """Each watched product's own quiet lane by `(op, shape, backend)`: `idle_for`'s answer
+    with nothing recording, None where not answered since the last `forget` without a loaded
+    table. Fused forwards watch their shapes when made (`watch_lane`); `fusion.fuse`
+    (`answer_lanes`) and every `forget` where the table is loaded answer them, outside any
+    trace, and compiled code only reads them (`traced_own_lane`): Dynamo guards each value
+    it read, so a new table or mode that changes one recompiles, and one that changes none
+    does not. Keys are a model's product shapes: a handful per model, never per call."""
+
     def quiet(self) -> bool:
         """Would every product of a plain or merged linear under a lane backend
         (`LANE_BACKENDS`) run its reference whatever the call (`idle`, recording aside)?
@@ -165,6 +174,42 @@ class KernelPolicy:
         otherwise). A route changes speed, never the result, so even a stale one is safe."""
         return self.lane is True and self.routes and not self.recording
 
+    def traced_own_lane(self, keys: tuple[tuple[str, tuple[int, ...], str], ...]) -> bool:
+        """While Dynamo traces: may a fused forward whose products are `keys` (`watch_lane`)
+        trace its class's original where the process's lane is closed (winners measured for
+        other shapes, `traced_lane` False)? Routes open, nothing recording, and every key's
+        own lane answered True (`own_lanes`, answered eagerly: never computed here, where it
+        would read the table). An unanswered key traces the rewrite: slower, never wrong."""
+        if not self.routes or self.recording:
+            return False
+        lanes = self.own_lanes
+        return all(lanes.get(key) is True for key in keys)
+
+    def watch_lane(self, op: str, shape: tuple[int, ...], backend: str) -> tuple:
+        """Watch the own lane of `op` at `shape` under `backend` (`own_lanes`, unanswered
+        until `answer_lanes` or `lane_of`); returns its key. Reads nothing: safe in a
+        constructor."""
+        key = (op, tuple(int(n) for n in shape), backend)
+        self.own_lanes.setdefault(key, None)
+        return key
+
+    def answer_lanes(self) -> None:
+        """Answer every watched own lane now (`own_lanes`; loads the table)."""
+        for key in self.own_lanes:
+            self.own_lanes[key] = self._own_answer(key)
+
+    def lane_of(self, key: tuple[str, tuple[int, ...], str]) -> bool:
+        """`idle_for` of a key (watched from now on where it was not), answered where it
+        was not: what an eager forward keeps for the epoch (`LinearForward._own_lane`)."""
+        answer = self.own_lanes.get(key)
+        if answer is None:
+            answer = self.own_lanes[key] = self._own_answer(key)
+        return answer and not self.recording
+
+    def _own_answer(self, key: tuple[str, tuple[int, ...], str]) -> bool:
+        op, shape, backend = key
+        return self._idle_answer(op, backend) or self._idle(op, backend, shape)
+
     def forget(self) -> None:
         """Drop every memoised answer (choices, idle answers), and start
         a new `epoch`. Every change of mode or table does this; so must anything else that
@@ -176,8 +221,13 @@ class KernelPolicy:
         if self._table is not None:
             # answered now, where that reads no file: compiled code only reads the answer
             # (`traced_lane`), and a model compiled on the lane finds it again after a
-            # table that closed it is put back, instead of recompiling without it
+            # table that closed it is put back, instead of recompiling without it; so
+            # are the own lanes (`traced_own_lane`)
             self.quiet()
+            self.answer_lanes()
+        else:
+            for key in self.own_lanes:
+                self.own_lanes[key] = None
 
     def reset(self) -> None:
         self._mode = None
@@ -186,6 +236,7 @@ class KernelPolicy:
         self.asked.clear()
         self.recording = False
         self.routes = True
+        self.own_lanes.clear()
 
     @contextmanager
     def routing(self, enabled: bool) -> Iterator[None]:
@@ -236,9 +287,7 @@ class KernelPolicy:
         fused module (`LinearForward`, a route) where the process's lane (`quiet`) is closed
         by winners measured for other shapes (another model calibrated on this machine).
         Reads the table; a caller keeps the answer for the policy's `epoch`."""
-        return not self.recording and (
-            self._idle_answer(op, backend) or self._idle(op, backend, shape)
-        )
+        return not self.recording and self._own_answer((op, shape, backend))
 
     def _idle(self, op: str, backend: str, shape: tuple[int, ...] | None = None) -> bool:
         """`idle`'s answer, computed: for every shape, or for `shape` alone."""
@@ -372,12 +421,15 @@ def _best(entry: Entry, kernels: tuple[str, ...]) -> str:
 def describe() -> dict[str, str]:
     """What decides the kernels of this process, as strings for a result line or a repro
     bundle: the machine's calibration key fields (`calibration.machine`), the native
-    kernel's status, the policy mode and the table in use (key, measured entries)."""
+    kernel's status, the policy mode and the table in use (key, measured entries, and how
+    many of them have a kernel other than the reference winning: any closes the quiet
+    lane, `KernelPolicy.quiet`)."""
     info = dict(machine())
     info["native"] = native_gemm.status()
     info["policy"] = POLICY.mode
     table = POLICY.table
-    info["table"] = f"{table.key} ({len(table.entries)} measured)"
+    winners = sum(_best(e, OPS[e.op]) != "reference" for e in table.entries.values())
+    info["table"] = f"{table.key} ({len(table.entries)} measured, {winners} with a winner)"
     return info
 
 

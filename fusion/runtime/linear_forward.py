@@ -104,7 +104,7 @@ class LinearForward:
         # the quiet lane (`KernelPolicy.quiet`): nothing to choose for any linear, so what
         # the unfused module runs, `nn.Linear.forward` or whatever its class holds now
         if self.laned and (
-            policy.traced_lane()
+            (policy.traced_lane() or policy.traced_own_lane(self._lane_keys()))
             if torch.compiler.is_compiling()
             else policy.routes
             and not policy.recording
@@ -152,10 +152,14 @@ class LinearForward:
         memo = self._lane_memo
         if memo is not None and memo[0] is epoch:
             return memo[1]
-        shape = tuple(self.module.weight.shape)
-        answer = POLICY.idle_for("linear", shape, self.backend)
+        answer = POLICY.lane_of(self._lane_keys()[0])
         self._lane_memo = (epoch, answer)
         return answer
+
+    def _lane_keys(self) -> tuple[tuple[str, tuple[int, ...], str]]:
+        """The policy's key of this linear's own lane (`KernelPolicy.watch_lane`): its
+        weight's shape as it is now (static while Dynamo traces)."""
+        return (("linear", tuple(self.module.weight.shape), self.backend),)
 
     @property
     def __self__(self) -> nn.Module:
@@ -184,5 +188,9 @@ def linear_forward(module: nn.Module) -> LinearForward | None:
 
 def install(module: nn.Module, backend: str) -> None:
     """Install a `LinearForward` as `module.forward` (this instance only; a shallow copy
-    gets one of its own: `bound.install_forward`)."""
-    install_forward(module, LinearForward(module, backend))
+    gets one of its own: `bound.install_forward`), its own lane watched by the policy
+    (answered by `fusion.fuse`, so compiled code finds it: `KernelPolicy.traced_own_lane`)."""
+    forward = LinearForward(module, backend)
+    if forward.laned:
+        POLICY.watch_lane(*forward._lane_keys()[0])
+    install_forward(module, forward)

@@ -42,8 +42,11 @@ class MergedLinear(nn.Module):
     it (`fusion.kernels.policy`: measured faster on this machine, or pinned by `backend`),
     while `views_hold()` (each shard's current Parameter still views its rows: `p.data =
     other`, a swapped Parameter, `.to()` of one child or `torch.func.functional_call` break
-    it) and no gradient is recorded. Under `torch.compile` it always runs the shards apart:
-    Dynamo guards neither the views nor a Parameter's `.data`. `stacked_calls` counts calls
+    it) and no gradient is recorded. Under `torch.compile`, where no gradient is recorded
+    and a kernel of ours could be eligible, it is one `fusion::stacked_product` node that
+    checks the views when the compiled code runs (`ops.stacked_views_hold`: Dynamo guards
+    neither the views nor a Parameter's `.data`) and makes the policy's choice then; the
+    shards apart otherwise. `stacked_calls` counts calls
     made while the views held (read from the stacked weight or its rows), `shard_calls`
     those that read the shards' own Parameters (views broken, a gradient, a trace).
 
@@ -265,25 +268,19 @@ class MergedLinear(nn.Module):
         path costs what the unfused calls cost."""
         counts = self.__dict__  # counters: a plain dict write, not `Module.__setattr__`
         compiling = torch.compiler.is_compiling()
-        if not compiling and POLICY.idle("stacked", self.backend):
+        if compiling:
+            return self._traced_outputs(x)
+        if POLICY.idle("stacked", self.backend):
             # nothing to choose: the reference, asked nothing (see `KernelPolicy.idle`)
             counts["shard_calls"] += 1
             return tuple(F.linear(x, w, b) for w, b in self._current())
-        kernels: tuple[str, ...] = ()
-        if not compiling:
-            counts["_choice"], kernels = ops.chosen_for(
-                counts.get("_choice"),
-                "stacked",
-                self.kernel_shape,
-                self.backend,
-                x,
-                self.in_features,
-            )
+        counts["_choice"], kernels = ops.chosen_for(
+            counts.get("_choice"), "stacked", self.kernel_shape, self.backend, x, self.in_features
+        )
         if not kernels:
             # no kernel chosen for this call: the reference, whose result does not depend on
             # the views (each shard's own Parameters), so they need not be checked
-            if not compiling:
-                counts["shard_calls"] += 1
+            counts["shard_calls"] += 1
             return self._shards_apart(x, self._current())
         if not self.views_hold() or self._records_grad():
             counts["shard_calls"] += 1
@@ -294,6 +291,24 @@ class MergedLinear(nn.Module):
             return (stacked,)
         # the reference: each shard's own product on its Parameters (views of the rows)
         return self._shards_apart(x, self._current())
+
+    def _traced_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`outputs` while Dynamo traces: the `fusion::stacked_product` operator where a
+        kernel of ours could compute the stacked product for this input and no gradient is
+        recorded (`ops.traced_stacked_product`: the policy's choice and the views are
+        checked when the compiled code runs, since Dynamo guards neither a Parameter's
+        `.data` nor an address), as one merged output; else the shards apart."""
+        current = self._current()
+        stacked = ops.traced_stacked_product(
+            self.kernel_shape,
+            self.backend,
+            x,
+            self.stacked_weight,
+            self.stacked_bias,
+            current,
+            self.shard_bias,
+        )
+        return self._shards_apart(x, current) if stacked is None else (stacked,)
 
     def pieces(self, x: torch.Tensor, layouts: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
         """Each shard's output, in shard order, laid out as `layouts` asks (one of

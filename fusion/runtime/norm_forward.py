@@ -30,9 +30,10 @@ routes are open (`KernelPolicy.routes_open`), the call runs the class's original
 once, before any premise is read, counted in `original_calls`. Measured in situ on a decode
 step (SmolLM2-135M, 2-core Xeon, float32, one thread), `torch.rms_norm` with no check at
 all saved 0.5 ms of a 72 ms token over 61 norms, and the premise checks cost 3 ms: on a CPU
-the norm gains nothing a check can pay for. While Dynamo traces, the route is taken on
-the quiet lane only (`KernelPolicy.traced_lane`: Inductor then compiles the original's ops
-with the rest). The original is the unfused function by
+the norm gains nothing a check can pay for. While Dynamo traces, by the same rule (the
+device is static in a trace; no table entry describes a norm, so neither the process's
+quiet lane nor a product's own matters here): Inductor then compiles the original's ops
+with the rest, as in the unfused model. The original is the unfused function by
 construction, so the route changes speed, never the result. Hooks on the norm
 need no premise: `nn.Module.__call__` runs them around this forward exactly as around the
 class's. `copy.deepcopy` and pickling give the copy a forward of its own; an unpickled forward
@@ -186,9 +187,9 @@ class NormForward:
         tensor the torch reference kernels would compute eagerly on this norm's backend?"""
         if not (POLICY.routes_open() and isinstance(x, torch.Tensor)):
             return False
-        if torch.compiler.is_compiling():  # on the quiet lane only, by the same device rule
+        if torch.compiler.is_compiling():  # the same device rule (static while tracing)
             backend = self.backend
-            return POLICY.traced_lane() and (backend == "torch" or (backend == "auto" and x.is_cpu))
+            return backend == "torch" or (backend == "auto" and x.is_cpu)
         return eager_reference(self.backend, x)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -209,9 +210,7 @@ class NormForward:
             module = self.module
             if not torch.compiler.is_compiling():
                 self.original_calls += 1
-                return type(module).forward(module, x)
-            if POLICY.traced_lane():
-                return type(module).forward(module, x)
+            return type(module).forward(module, x)
         compiling = torch.compiler.is_compiling()
         if not compiling:
             # first, before any tensor is asked anything: a mode would record the question

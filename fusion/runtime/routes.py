@@ -18,8 +18,12 @@ Safe because the original forward is what every guard failure already runs: the 
 state never removes what it needs (merged projections keep their children, each Parameter
 a view of the stacked weight, `fusion.runtime.merged.MergedLinear`), so it computes the unfused
 function whatever changed since fusing, and a route changes speed, never the result. While
-Dynamo traces, on the quiet lane only (`KernelPolicy.traced_lane`: no product of ours could
-run, so the compiled code is the unfused calls, which Inductor compiles best). Never for a
+Dynamo traces, on a quiet lane only: the process's (`KernelPolicy.traced_lane`) or, where
+winners measured for other shapes close that, the rewrite's own (`traced_own_lane`: nothing
+measured to win for any of its products' shapes), answered eagerly and only read by the
+trace. There no product of ours could run, so the compiled code is the unfused calls, which
+Inductor compiles best. A residual-norm rewrite's route reads no table, so it is traced by
+its eager rule. Never for a
 pinned backend or in the `eligible` mode (they name kernels), or while the policy records
 asks; and not where routes are closed (`KernelPolicy.routing`):
 the harness judges the rewrites with routes closed, so the code a calibrated machine runs is
@@ -61,6 +65,7 @@ class Route:
     _acts_on_cpu: bool = field(init=False, repr=False, compare=False)
     _memo: list = field(init=False, repr=False, compare=False)
     _lane_memo: list = field(init=False, repr=False, compare=False)
+    _lane_keys: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Read once: a route decides speed, never the result (the original computes the
@@ -77,6 +82,12 @@ class Route:
             "_acts_on_cpu": any(act.backend == "auto" for act in self.acts),
             "_memo": [None],  # (key, allowed) of the last call (`takes_original`)
             "_lane_memo": [None],  # (epoch, answer) of `_own_lane`
+            # its products' own lanes, watched from now on (`KernelPolicy.watch_lane`:
+            # answered by `fusion.fuse` and each `forget`, read by compiled code)
+            "_lane_keys": tuple(
+                POLICY.watch_lane("stacked", merged.kernel_shape, merged.backend)
+                for merged in self.merged
+            ),
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -101,9 +112,12 @@ class Route:
         nothing there, and in situ each question costs about ten times what it costs warm."""
         policy = POLICY
         if torch.compiler.is_compiling():
-            # compiled code routes on the quiet lane only (`KernelPolicy.traced_lane`),
-            # never by the per-call rule, whose memo it must not read (so guard on)
-            if not (self._laned and policy.traced_lane()):
+            # compiled code routes on a quiet lane only, the process's or its own, both
+            # answered eagerly (`KernelPolicy.traced_lane`, `traced_own_lane`), never by
+            # the per-call rule, whose memo it must not read (so guard on)
+            if not (
+                self._laned and (policy.traced_lane() or policy.traced_own_lane(self._lane_keys))
+            ):
                 return False
             x = args[0] if args else kwargs.get(self.first)
             on_reference = not self._acts_on_cpu or (isinstance(x, torch.Tensor) and x.is_cpu)
@@ -149,10 +163,7 @@ class Route:
         memo = self._lane_memo
         if memo[0] is not None and memo[0][0] is epoch:
             return memo[0][1]
-        answer = all(
-            POLICY.idle_for("stacked", merged.kernel_shape, merged.backend)
-            for merged in self.merged
-        )
+        answer = all(POLICY.lane_of(key) for key in self._lane_keys)
         memo[0] = (epoch, answer)
         return answer
 
@@ -193,7 +204,8 @@ class NormRoute:
     first: str
 
     def takes_original(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """True when this call may run the original forward: eager, routes open, the input
+        """True when this call may run the original forward (eager or traced: the rule reads
+        no table, and a trace's devices are static): routes open, the input
         a tensor, and every site's child, where it is a norm with a fused forward
         (`NormForward`), computing on the torch reference for an input like it
         (`ops.eager_reference` on the layer's input: a norm's route asks the same of its
@@ -201,9 +213,6 @@ class NormRoute:
         hooks and all. Read now from the layer's children, so a swapped child is seen."""
         policy = POLICY  # `routes_open()` spelled out, as in `Route.takes_original`
         if not policy.routes or policy.recording:
-            return False
-        # compiled code: on the quiet lane only, as `Route.takes_original`
-        if torch.compiler.is_compiling() and not policy.traced_lane():
             return False
         x = args[0] if args else kwargs.get(self.first)
         if not isinstance(x, torch.Tensor):

@@ -47,7 +47,9 @@ def _scale_set(p: torch.Tensor) -> None:
         p.set_((p * 0.75).contiguous())
 
 
-def _scale_data_assign(p: torch.Tensor) -> None:
+def scale_data_assign(p: torch.Tensor) -> None:
+    """`p.data = p.data * 0.75`: the weight moves to memory of its own (a merged
+    projection's view of its stacked weight is broken)."""
     p.data = p.data * 0.75
 
 
@@ -56,7 +58,7 @@ _SPELLINGS: dict[str, Callable[[torch.Tensor], None]] = {
     "no_grad p.mul_": _scale_no_grad,
     "p.copy_": _scale_copy,
     "p.set_": _scale_set,
-    "p.data = ...": _scale_data_assign,
+    "p.data = ...": scale_data_assign,
 }
 
 

@@ -24,6 +24,7 @@ from harness.oracles.lifecycle.core import (
     _twins,
     _unfused,
 )
+from harness.oracles.lifecycle.edits import scale_data_assign
 from harness.oracles.lifecycle.guards import dtype_mismatch, output_dtypes
 
 # --------------------------------------------------------------------------------------------
@@ -214,13 +215,38 @@ def _compile(ctx: Context) -> str:
         fullgraph = False
     torch._dynamo.reset()
     try:
-        got = _logits(torch.compile(fused, fullgraph=fullgraph, backend="eager"), ctx)
+        compiled = torch.compile(fused, fullgraph=fullgraph, backend="eager")
+        got = _logits(compiled, ctx)
+        _compare("compiled logits", got, ctx.fused_logits, ctx.allowance)
+        _compare("compiled logits vs compiled unfused", got, want, ctx.allowance)
+        _compiled_after_moves(ctx, compiled, fused)
     finally:
         torch._dynamo.reset()
-    _compare("compiled logits", got, ctx.fused_logits, ctx.allowance)
-    _compare("compiled logits vs compiled unfused", got, want, ctx.allowance)
     how = "fullgraph, as the unfused model" if fullgraph else "with graph breaks, as unfused"
-    return f"compiled (Dynamo, eager backend; {how}) logits agree{_compiled_lane(ctx, fullgraph)}"
+    return (
+        f"compiled (Dynamo, eager backend; {how}) logits agree, and after every weight moved"
+        f"{_compiled_lane(ctx, fullgraph)}"
+    )
+
+
+def _compiled_after_moves(ctx: Context, compiled: nn.Module, fused: nn.Module) -> None:
+    """Dynamo guards neither a Parameter's `.data` nor its address: after a compiled call,
+    every weight of the fused model moves to memory of its own (`p.data = p.data * 0.75`,
+    which breaks each merged projection's views of its stacked weight), and the compiled
+    model called again must compute what the unfused model computes after the same edit
+    (a compiled stacked product checks the views when it runs). Raises _Failed."""
+    unfused = copy.deepcopy(ctx.unfused)
+    for model in (unfused, fused):
+        for param in model.parameters():
+            if param.is_floating_point():
+                scale_data_assign(param)
+    want = _unfused("editing weights by p.data = ...", lambda: _logits(unfused, ctx))
+    _compare(
+        "compiled logits after every weight moved (p.data = p.data * 0.75)",
+        _logits(compiled, ctx),
+        want,
+        ctx.allowance,
+    )
 
 
 def _compiled_lane(ctx: Context, fullgraph: bool) -> str:

@@ -372,3 +372,31 @@ def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) ->
         POLICY.set_table(table(entry("linear", (64, 48), 1, native=WIN)))
         torch.testing.assert_close(model[0](x), want)
         assert chosen == [(64, 48)]
+
+
+def test_compiled_under_other_shapes_winners_a_linear_traces_its_class_forward() -> None:
+    """Compiled code takes a linear's own lane (`KernelPolicy.traced_own_lane`, answered by
+    `fuse` and by each `forget`) where a winner for another shape closed the process's, so
+    Inductor sees the unfused `F.linear`; where its own shape wins, the next call recompiles
+    (Dynamo guarded the answer it read) and runs the `fusion::linear_product` operator."""
+    model = _model()
+    fusion.fuse(model)
+    x = torch.randn(1, 48)
+    targets: list[str] = []
+
+    def backend(gm, _inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    POLICY.set_table(table(entry("linear", (8, 8), 1, native=WIN)))
+    assert POLICY.lane is False and POLICY.own_lanes[("linear", (64, 48), "auto")] is True
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad(), POLICY.routing(True):
+        torch.testing.assert_close(compiled(x), model(x))
+        assert targets and not any("fusion" in t for t in targets), targets
+        POLICY.set_table(table(entry("linear", (64, 48), 1, native=WIN)))
+        assert POLICY.own_lanes[("linear", (64, 48), "auto")] is False
+        targets.clear()
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+        assert any("fusion.linear_product" in t for t in targets), targets

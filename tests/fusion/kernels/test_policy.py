@@ -184,3 +184,43 @@ def test_idle_for_one_shape_is_idle_where_its_own_entries_win_nothing() -> None:
         assert POLICY.idle_for("stacked", SHAPE, "auto")
     for rows in (1, 2, 16, 100):  # held to `choose`
         assert POLICY.choose("stacked", other, "float32", rows, "auto") == ()
+
+
+def test_watched_own_lanes_are_answered_outside_a_trace_and_read_inside() -> None:
+    """`watch_lane` reads nothing; `answer_lanes` and every `forget` with the table loaded
+    answer each watched key as `idle_for`; a `forget` without one unanswers them (compiled
+    code then traces the rewrite); `traced_own_lane` reads only those answers, with routes
+    open and nothing recording; `reset` forgets the keys."""
+    other = (64, 32, 32, 256)
+    POLICY.reset()
+    mine = POLICY.watch_lane("stacked", SHAPE, "auto")
+    theirs = POLICY.watch_lane("stacked", other, "auto")
+    assert POLICY.own_lanes == {mine: None, theirs: None}
+    assert not POLICY.traced_own_lane((mine,))  # unanswered: the rewrite
+    POLICY.answer_lanes()
+    assert POLICY.own_lanes == {mine: True, theirs: True}  # the empty table on disk
+    POLICY.set_table(table(entry("stacked", SHAPE, 16, native=WIN)))
+    for key in (mine, theirs):
+        assert POLICY.own_lanes[key] == POLICY.idle_for(*key)
+    assert POLICY.traced_own_lane((theirs,)) and not POLICY.traced_own_lane((theirs, mine))
+    with POLICY.recording_asks():
+        assert not POLICY.traced_own_lane((theirs,)) and not POLICY.lane_of(theirs)
+    with POLICY.routing(False):
+        assert not POLICY.traced_own_lane((theirs,))
+    POLICY._table = None
+    POLICY.forget()
+    assert POLICY.own_lanes == {mine: None, theirs: None}
+    assert POLICY.lane_of(theirs) and POLICY.own_lanes[theirs] is True  # loads, answers
+    POLICY.reset()
+    assert POLICY.own_lanes == {}
+
+
+def test_describe_counts_the_table_entries_with_a_winner() -> None:
+    """What a bench header and a repro bundle print: a table with winners (which closes the
+    quiet lane) is told apart from one that only measured losses."""
+    POLICY.set_table(table(entry("stacked", SHAPE, 1, native=LOSS)))
+    assert policy.describe()["table"].endswith("(1 measured, 0 with a winner)")
+    POLICY.set_table(
+        table(entry("stacked", SHAPE, 1, native=LOSS), entry("linear", (8, 8), 1, native=WIN))
+    )
+    assert policy.describe()["table"].endswith("(2 measured, 1 with a winner)")

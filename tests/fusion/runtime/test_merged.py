@@ -366,12 +366,16 @@ def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool) -> None:
-    """Under torch.compile: one row goes through the `fusion::linear_product` operator (which
-    makes the eager one-row choice when it runs) where the machine takes the one-row
-    product, several rows take one linear per shard; values equal the eager module's."""
+    """Under torch.compile: one row is one `fusion::stacked_product` node (which makes the
+    eager stacked choice when it runs) where a kernel of ours could take it, never the
+    shards apart; several rows take one linear per shard; values equal the eager
+    module's."""
     from fusion.kernels import onednn as onednn_backend
+    from fusion.kernels.native import gemm as native_gemm
 
     monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    onednn_backend.resolve_machine()
+    native_gemm.resolve()
     merged = _merged((64, 16, 16), 32, bias=bias).eval()
     with torch.no_grad():
         for rows in (1, 5):
@@ -379,10 +383,79 @@ def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool)
             out, targets = compiled_call_targets(merged, x)
             torch.testing.assert_close(out, merged(x), rtol=1e-5, atol=1e-6)
             linears = sum("linear" in t and "decode_linear" not in t for t in targets)
-            if rows == 1 and onednn_backend.row_machine_known_ok():
-                assert any("fusion.linear_product" in t for t in targets), targets
+            ours = onednn_backend.row_machine_known_ok() or native_gemm.known_ok()
+            if rows == 1 and ours:
+                assert targets == ["fusion.stacked_product"], targets
             elif rows > 1:
                 assert linears == 3, targets
+
+
+@pytest.mark.parametrize("change", ["assign-data", "new-parameter", "drop-bias", "restack"])
+def test_the_compiled_stacked_product_checks_the_views_when_it_runs(
+    change: str, monkeypatch
+) -> None:
+    """Dynamo guards neither a Parameter's `.data` nor an address: after compiling, a shard
+    whose weight no longer is its rows of the stacked weight (or a shard stacked with a
+    bias that has none now) makes the `fusion::stacked_product` node compute the shards'
+    own products, so the compiled module still computes the unfused function, with the
+    one-row kernel pinned on (`eligible`, any size). Traced through AOT (its fake
+    implementation)."""
+    from fusion.kernels import onednn as onednn_backend
+    from fusion.kernels import ops
+
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    onednn_backend.resolve_machine()
+    if not onednn_backend.row_machine_known_ok():
+        pytest.skip("this machine's oneDNN has no one-row product to stack (resolve_machine)")
+    ran: list[str] = []
+    real = ops._fast_product
+    monkeypatch.setattr(ops, "_fast_product", lambda k, *a: ran.append(k) or real(k, *a))
+    POLICY.use("eligible")
+    linears = _linears((True, False, True))
+    merged = MergedLinear.from_linears(linears).eval()
+    x = torch.randn(1, 6)
+    torch._dynamo.reset()
+    compiled = torch.compile(merged, backend="aot_eager", fullgraph=True)
+
+    def want() -> torch.Tensor:
+        return torch.cat([lin(x) for lin in linears.values()], dim=-1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), want(), rtol=1e-5, atol=1e-6)
+        assert "onednn-row" in ran  # the kernel ran on the stacked weight
+        if change == "assign-data":
+            linears["k"].weight.data = torch.randn(4, 6)
+        elif change == "new-parameter":
+            linears["k"].weight = nn.Parameter(torch.randn(4, 6))
+        elif change == "drop-bias":
+            linears["v"].bias = None
+        else:
+            linears["k"].weight.data = torch.randn(4, 6)
+            assert merged.restack()  # a new stacked weight, its rows the Parameters again
+        assert change == "restack" or not merged.views_hold()
+        torch.testing.assert_close(compiled(x), want(), rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_views_hold_is_the_views_by_memory_alone() -> None:
+    """`ops.stacked_views_hold` on a stacked weight and its rows: true as stacked, false for
+    rows out of order, a copy, another dtype, a shard bias where it was stacked without one
+    and none where it was stacked with one."""
+    from fusion.kernels.ops import stacked_views_hold
+
+    weight, bias = torch.randn(10, 6), torch.randn(10)
+    rows = [weight[:6], weight[6:8], weight[8:]]
+    biases = [bias[:6], None, bias[8:]]
+    flags = [True, False, True]
+    assert stacked_views_hold(weight, bias, rows, biases, flags)
+    assert not stacked_views_hold(weight, bias, [rows[1], rows[0], rows[2]], biases, flags)
+    assert not stacked_views_hold(weight, bias, [rows[0].clone(), *rows[1:]], biases, flags)
+    assert not stacked_views_hold(
+        weight.double(), bias.double(), [r.double() for r in rows], biases, flags
+    )
+    assert not stacked_views_hold(weight, bias, rows, [bias[:6], bias[6:8], bias[8:]], flags)
+    assert not stacked_views_hold(weight, bias, rows, [bias[:6], None, None], flags)
+    assert not stacked_views_hold(weight, None, rows, biases, flags)
+    assert not stacked_views_hold(weight, bias, rows[:2], biases[:2], flags[:2])
 
 
 def test_row_linear_operator_reads_settings_when_it_runs(monkeypatch) -> None:

@@ -230,10 +230,13 @@ def test_a_replaced_child_still_computes_the_unfused_function() -> None:
     assert torch.equal(forward(fused, ids), forward(unfused, ids))
 
 
-def test_compiled_code_routes_on_the_quiet_lane_only() -> None:
-    """While Dynamo traces, a route is taken on the quiet lane (`KernelPolicy.traced_lane`)
-    and never by the per-call rule: a table where a plain linear wins closes the lane, and
-    the compiled code runs the rewrite though the eager call routes."""
+def test_compiled_code_routes_on_a_quiet_lane_only() -> None:
+    """While Dynamo traces, a route is taken on the process's quiet lane
+    (`KernelPolicy.traced_lane`) or its own (`traced_own_lane`: winners measured only for
+    other shapes), never by the per-call rule: a winner for one of its own products at
+    another row count closes its lane, and the compiled code runs the rewrite though the
+    eager call (whose rows have no winner) routes. Each table recompiles where it changes
+    an answer the trace read (Dynamo guards it), with no `torch._dynamo.reset()`."""
     _, fused = fused_model()
     POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
     route = bound_forwards(fused)[0]._route
@@ -242,14 +245,25 @@ def test_compiled_code_routes_on_the_quiet_lane_only() -> None:
     def takes(x):
         return x + 1 if route.takes_original((x,), {}) else x - 1
 
-    assert route.takes_original((x,), {}) and POLICY.lane is True
-    assert torch.equal(torch.compile(takes, backend="eager", fullgraph=True)(x), x + 1)
-    table = measured(fused, 5, "float32", stacked=LOSS)
-    table.add(linear_winner())
-    POLICY.set_table(table)
     torch._dynamo.reset()
+    compiled = torch.compile(takes, backend="eager", fullgraph=True)
+    assert route.takes_original((x,), {}) and POLICY.lane is True
+    assert torch.equal(compiled(x), x + 1)
+    others = measured(fused, 5, "float32", stacked=LOSS)
+    others.add(linear_winner())  # another shape's winner: the process's lane closes
+    POLICY.set_table(others)
     assert route.takes_original((x,), {}) and POLICY.lane is False
-    assert torch.equal(torch.compile(takes, backend="eager", fullgraph=True)(x), x - 1)
+    assert all(POLICY.own_lanes[key] for key in route._lane_keys)
+    assert torch.equal(compiled(x), x + 1)  # its own lane, answered by `forget`
+    own = measured(fused, 5, "float32", stacked=LOSS)
+    own.add(linear_winner())
+    for won in measured(fused, 1, "float32", stacked=WIN).entries.values():
+        own.add(won)  # its own products win at one row: no lane of its own
+    POLICY.set_table(own)
+    assert route.takes_original((x,), {}) and not route._own_lane()  # 5 rows: no winner
+    assert torch.equal(compiled(x), x - 1)
+    POLICY.set_table(others)
+    assert torch.equal(compiled(x), x + 1)
 
 
 def _traced_calls(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:

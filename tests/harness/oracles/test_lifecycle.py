@@ -498,3 +498,27 @@ def test_the_compiled_quiet_lane_is_checked(llama, llama_inputs, monkeypatch):
     result = _run(llama, llama_inputs, fusion.fuse, mode="full")
     verdict = result.lifecycle["compile"]
     assert verdict["verdict"] == "fail" and "quiet lane" in verdict["detail"], verdict
+
+
+def test_compiled_stacked_products_are_checked_after_weights_move(llama, llama_inputs, monkeypatch):
+    """`compile` moves every weight after the compiled call (`p.data = ...`, which breaks the
+    merged projections' views; Dynamo guards neither) and compares again: with the fast
+    kernels pinned on (`eligible`, one-row size rule off) and the compiled stacked product's
+    run-time view check taken away, the compiled model reads the stale stacked weight, and
+    the check fails; with it, it passes."""
+    from fusion.kernels import onednn as onednn_backend
+    from fusion.kernels import ops
+    from fusion.kernels.native import gemm as native_gemm
+    from fusion.kernels.policy import POLICY
+
+    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native_gemm, "MIN_ELEMENTS", 0)
+    POLICY.use("eligible")
+    result = _run(llama, llama_inputs, fusion.fuse, mode="full")
+    assert result.lifecycle["compile"]["verdict"] == "pass", result.lifecycle["compile"]
+    ran: list[bool] = []
+    monkeypatch.setattr(ops, "stacked_views_hold", lambda *a: ran.append(True) or True)
+    result = _run(llama, llama_inputs, fusion.fuse, mode="full")
+    verdict = result.lifecycle["compile"]
+    assert ran, "no compiled stacked product ran: the check was not exercised"
+    assert verdict["verdict"] == "fail" and "weight moved" in verdict["detail"], verdict

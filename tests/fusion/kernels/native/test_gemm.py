@@ -422,25 +422,24 @@ def test_decode_product_prefers_native_then_onednn(monkeypatch) -> None:
 @needs_kernel
 def test_compiled_modules_trace_the_decode_operator(monkeypatch) -> None:
     """Under torch.compile (fullgraph) a fused linear at 16 rows becomes one
-    `fusion::linear_product` node and MergedLinear one per shard (compiled, it computes its
-    shards apart: Dynamo guards neither the views of the stacked weight nor `.data`), whose
-    eager choice (the native kernel) runs when the compiled code runs; values equal the
-    eager modules'."""
+    `fusion::linear_product` node and MergedLinear one `fusion::stacked_product` node (its
+    shards not computed apart: the node checks the views when it runs), whose eager choice
+    (the native kernel, on the stacked weight) runs when the compiled code runs; values
+    equal the eager modules'."""
     force_native_on(monkeypatch)
     calls: list[int] = []
     real = native_gemm.run
     monkeypatch.setattr(native_gemm, "run", lambda *a: calls.append(1) or real(*a))
-    for module, nodes in (
-        (_merged((64, 16, 16), 32, bias=True).eval(), 3),
-        (decode_linear(32, 48).eval(), 1),
+    for module, op in (
+        (_merged((64, 16, 16), 32, bias=True).eval(), "fusion.stacked_product"),
+        (decode_linear(32, 48).eval(), "fusion.linear_product"),
     ):
         x = torch.randn(1, 16, 32)
         out, targets = compiled_call_targets(module, x)
-        assert sum("fusion.linear_product" in t for t in targets) == nodes, targets
-        assert not any("aten.linear" in t or "functional.linear" in t for t in targets), targets
+        assert targets == [op], targets
         with torch.no_grad():
             torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-6)
-    assert len(calls) == 3 + 1 + 1 + 1  # compiled: per shard, then per module; eager: one each
+    assert len(calls) == 1 + 1 + 1 + 1  # compiled, then eager: one product per module
 
 
 @needs_kernel
