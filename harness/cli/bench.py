@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="with --models or --generate: also both under torch.compile (Inductor; "
-        "compiling takes minutes on a CPU), printing fused+compiled vs compiled",
+        "compiling takes minutes on a CPU), printing fused+compiled vs compiled; "
+        "--generate adds the calibrated fused model compiled (fused+calibrated+compiled)",
     )
     parser.add_argument(
         "--budget",

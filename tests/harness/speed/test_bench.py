@@ -130,6 +130,12 @@ def test_end_to_end_cases_and_compiled_ratios() -> None:
     assert lines == [
         "  model_llama s T16 float32: compiled 1.200 ms, fused+compiled 1.000 ms, 1.20x"
     ]
+    lines = bench.compiled_ratios(
+        [row("compiled", 1.2), row("fused+compiled", 1.0), row("fused+calibrated+compiled", 1.5)]
+    )
+    assert lines[1] == (
+        "  model_llama s T16 float32: compiled 1.200 ms, fused+calibrated+compiled 1.500 ms, 0.80x"
+    )
     assert bench.compiled_ratios([row("fused", 1.5)]) == []
 
 

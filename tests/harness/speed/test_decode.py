@@ -164,3 +164,49 @@ def test_with_table_puts_the_table_back_when_the_run_raises() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         decode.with_table(other, fails)()
     assert POLICY.table is mine
+
+
+def test_compiled_variants_include_the_calibrated_one_on_its_table(monkeypatch) -> None:
+    """With `compiled`: the unfused, fused and calibrated fused models compiled, the last on
+    the calibrated table (as `fused+calibrated`), the others on the machine's; and Dynamo's
+    recompile limit raised, so no compiled variant silently runs eagerly."""
+    from fusion.kernels.calibration import Table
+    from fusion.kernels.policy import POLICY
+
+    model = _llama(True)
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: real_compile(fn, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    machine = Table("machine")
+    POLICY.set_table(machine)
+    case = decode.decode_case(
+        "tiny",
+        torch.float32,
+        "cpu",
+        prompt=4,
+        new_tokens=2,
+        loader=lambda *_: model,
+        compiled=True,
+    )
+    assert case.variants[-3:] == decode.COMPILED
+    fns = case.make()
+    assert torch._dynamo.config.recompile_limit == decode.COMPILED_ENTRIES
+    seen: list[bool] = []
+    real_greedy = decode.greedy
+
+    def greedy(target, ids, new_tokens):
+        seen.append(POLICY.table is machine)
+        return real_greedy(target, ids, new_tokens)
+
+    monkeypatch.setattr(decode, "greedy", greedy)
+    on_machine = {}
+    for variant in decode.COMPILED:
+        seen.clear()
+        fns[variant]()
+        on_machine[variant] = seen == [True]
+    assert on_machine == {
+        "compiled": True,
+        "fused+compiled": True,
+        "fused+calibrated+compiled": False,
+    }
+    torch._dynamo.reset()
