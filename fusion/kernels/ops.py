@@ -356,10 +356,16 @@ def product(
     apart). Eager: the choice is made now. While Dynamo traces: the `fusion::linear_product`
     operator where a fast kernel could be eligible by the rules a trace can ask (no
     autocast, subclass or mode; the operator makes the policy's choice, settings included,
-    when the compiled code runs), else None; `backend="torch"` traces nothing of ours.
+    when the compiled code runs), else None; `backend="torch"` traces nothing of ours. None
+    too where the product is watched and nothing was measured to win for this call
+    (`KernelPolicy.traced_reference`): Inductor then sees `F.linear`.
     Every kernel reads the live weight and caches nothing."""
     if not torch.compiler.is_compiling():
         return _chosen_product(op, shape, backend, x, weight, bias)
+    width = weight.shape[-1]
+    rows = x.numel() // width if width else 0
+    if policy.POLICY.traced_reference((op, shape, backend), dtype_name(x.dtype), rows):
+        return None
     if backend != "torch" and (
         native_gemm.traced(x, weight, bias) or onednn_backend.row_linear_traced(x, weight, bias)
     ):
@@ -470,22 +476,28 @@ def traced_stacked_product(
     stacked_bias: tuple[bool, ...],
 ) -> Tensor | None:
     """While Dynamo traces a merged projection (stacked weight `weight`, `bias`; its shards'
-    current `(weight, bias)` pairs `current`): the `fusion::stacked_product` operator, which
-    chooses the stacked kernel when the compiled code runs, where one of ours could be
-    eligible by the rules a trace can ask (the native kernel's or the oneDNN row's, on the
-    stacked operands: no autocast, subclass or mode) and no gradient is recorded (the
-    operator has no derivative of its own); else None (the caller computes the shards
-    apart). `backend="torch"` traces nothing of ours."""
+    current `(weight, bias)` pairs `current`; `shape` its policy key): the
+    `fusion::stacked_product` operator, which checks the views and makes the policy's
+    stacked choice when the compiled code runs; else None (the caller traces the shards
+    apart: the unfused calls, which Inductor compiles best). The operator is traced unless
+    the product computes its reference for this call whatever the thread count
+    (`KernelPolicy.traced_reference`: nothing measured to win for this shape, dtype and row
+    bucket under `backend`, so it would compute the shards apart anyway; an unanswered key
+    or a dynamic row count traces it, and it decides when it runs), where PyTorch would run the
+    plain dense product (`contract.plain_dense` as far as a trace can ask: no autocast,
+    subclass or mode) and no gradient is recorded (the operator has no derivative of its
+    own). `backend="torch"` traces nothing of ours."""
     if weight is None or backend == "torch":
+        return None
+    rows = x.numel() // shape[-1] if shape[-1] else 0
+    if policy.POLICY.traced_reference(("stacked", shape, backend), dtype_name(x.dtype), rows):
         return None
     tensors = [x, weight, *(t for pair in current for t in pair if t is not None)]
     if bias is not None:
         tensors.append(bias)
     if reference.records_grad(*tensors):
         return None
-    if not (
-        native_gemm.traced(x, weight, bias) or onednn_backend.row_linear_traced(x, weight, bias)
-    ):
+    if contract.plain_dense(x.device.type, x, weight, bias) is not None:
         return None
     return torch.ops.fusion.stacked_product(
         x,

@@ -144,6 +144,15 @@ class KernelPolicy:
     it read, so a new table or mode that changes one recompiles, and one that changes none
     does not. Keys are a model's product shapes: a handful per model, never per call."""
 
+    own_wins: dict[tuple[str, tuple[int, ...], str], frozenset[tuple[str, int]] | None] = field(
+        default_factory=dict
+    )
+    """For each watched key (`own_lanes`, answered with it): the (dtype, row bucket) pairs a
+    kernel other than the reference was measured to win for, at any thread count; None where
+    anything may run unmeasured (a pinned backend, the `eligible` mode) or not answered.
+    What compiled code reads to trace the unfused calls where no winner could run for the
+    call at hand (`traced_reference`)."""
+
     def quiet(self) -> bool:
         """Would every product of a plain or merged linear under a lane backend
         (`LANE_BACKENDS`) run its reference whatever the call (`idle`, recording aside)?
@@ -185,26 +194,73 @@ class KernelPolicy:
         lanes = self.own_lanes
         return all(lanes.get(key) is True for key in keys)
 
+    def traced_reference(
+        self, key: tuple[str, tuple[int, ...], str], dtype: str, rows: Any
+    ) -> bool:
+        """While Dynamo traces: does the watched product `key` (`watch_lane`) compute its
+        reference for a call of `dtype` (a policy dtype name) and `rows` rows, whatever the
+        thread count (which a trace cannot read)? True where nothing was measured to win for
+        its shape at all, or for that dtype and row bucket at any thread count (`own_wins`);
+        False where unanswered, where anything may run unmeasured, or where `rows` is not a
+        plain int (a dynamic shape): the caller then traces the operator, which decides when
+        it runs. Read only (Dynamo guards what it reads); a stale answer costs speed only."""
+        wins = self.own_wins.get(key)
+        if wins is None:
+            return False
+        if not wins:
+            return True
+        return isinstance(rows, int) and (dtype, row_bucket(rows)) not in wins
+
+    def traced_route(
+        self, keys: tuple[tuple[str, tuple[int, ...], str], ...], dtype: str, rows: Any
+    ) -> bool:
+        """While Dynamo traces: may a fused forward whose products are `keys` trace its
+        class's original for this call? Routes open, nothing recording, and every product
+        on its reference for it (`traced_reference`)."""
+        if not self.routes or self.recording:
+            return False
+        return all(self.traced_reference(key, dtype, rows) for key in keys)
+
     def watch_lane(self, op: str, shape: tuple[int, ...], backend: str) -> tuple:
         """Watch the own lane of `op` at `shape` under `backend` (`own_lanes`, unanswered
         until `answer_lanes` or `lane_of`); returns its key. Reads nothing: safe in a
         constructor."""
         key = (op, tuple(int(n) for n in shape), backend)
         self.own_lanes.setdefault(key, None)
+        self.own_wins.setdefault(key, None)
         return key
 
     def answer_lanes(self) -> None:
-        """Answer every watched own lane now (`own_lanes`; loads the table)."""
+        """Answer every watched own lane now (`own_lanes`, `own_wins`; loads the table)."""
         for key in self.own_lanes:
-            self.own_lanes[key] = self._own_answer(key)
+            self._answer_lane(key)
 
     def lane_of(self, key: tuple[str, tuple[int, ...], str]) -> bool:
         """`idle_for` of a key (watched from now on where it was not), answered where it
         was not: what an eager forward keeps for the epoch (`LinearForward._own_lane`)."""
         answer = self.own_lanes.get(key)
         if answer is None:
-            answer = self.own_lanes[key] = self._own_answer(key)
+            answer = self._answer_lane(key)
         return answer and not self.recording
+
+    def _answer_lane(self, key: tuple[str, tuple[int, ...], str]) -> bool:
+        """Answer `key`'s `own_lanes` and `own_wins` entries; returns its own lane."""
+        op, shape, backend = key
+        lane = self.own_lanes[key] = self._own_answer(key)
+        wins: frozenset[tuple[str, int]] | None = frozenset()
+        if not lane:
+            wins = None
+            if backend not in PINNED and self.mode == "measured":
+                kernels = allowed(op, backend)
+                wins = frozenset(
+                    (entry.dtype, entry.rows)
+                    for entry in self.table.entries.values()
+                    if entry.op == op
+                    and tuple(entry.shape) == shape
+                    and _best(entry, kernels) != "reference"
+                )
+        self.own_wins[key] = wins
+        return lane
 
     def _own_answer(self, key: tuple[str, tuple[int, ...], str]) -> bool:
         op, shape, backend = key
@@ -227,7 +283,7 @@ class KernelPolicy:
             self.answer_lanes()
         else:
             for key in self.own_lanes:
-                self.own_lanes[key] = None
+                self.own_lanes[key] = self.own_wins[key] = None
 
     def reset(self) -> None:
         self._mode = None
@@ -237,6 +293,7 @@ class KernelPolicy:
         self.recording = False
         self.routes = True
         self.own_lanes.clear()
+        self.own_wins.clear()
 
     @contextmanager
     def routing(self, enabled: bool) -> Iterator[None]:

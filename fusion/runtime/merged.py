@@ -66,6 +66,9 @@ class MergedLinear(nn.Module):
         self.backend = backend
         self.kernel_shape = (*self.output_sizes, self.in_features)
         """The policy's key for this module's products (`fusion.kernels.policy`)."""
+        # its own quiet lane, answered by `fusion.fuse` and read by compiled code
+        # (`ops.traced_stacked_product`)
+        POLICY.watch_lane("stacked", self.kernel_shape, backend)
         # A plain tuple: nn.Module registers only Module/Parameter/Tensor attributes, so the
         # children stay the parent's alone (one name each in named_modules/parameters).
         self.shards: tuple[nn.Linear, ...] = tuple(linears.values())
@@ -335,23 +338,9 @@ class MergedLinear(nn.Module):
         self, x: torch.Tensor, current: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     ) -> tuple[torch.Tensor, ...]:
         """Each shard's `F.linear` on its own current Parameters: the unfused calls exactly
-        (autograd included). Eager, nothing else (the cheapest path: it is the reference of
-        every call the policy gives no kernel). While Dynamo traces (the merged module
-        always computes apart then), a shard's product without a gradient may be the
-        `fusion::linear_product` operator, which makes the policy's choice for its shape when
-        the compiled code runs, as an unmerged projection's `LinearForward` would."""
-        if not torch.compiler.is_compiling():
-            # eager: exactly the unfused calls (the policy's stacked choice was asked first)
-            return tuple(F.linear(x, weight, bias) for weight, bias in current)
-        pieces = []
-        for weight, bias in current:
-            tensors = (x, weight) if bias is None else (x, weight, bias)
-            decoded = None
-            if not reference.records_grad(*tensors):
-                shape = tuple(weight.shape)
-                decoded = ops.product("linear", shape, self.backend, x, weight, bias)
-            pieces.append(F.linear(x, weight, bias) if decoded is None else decoded)
-        return tuple(pieces)
+        (autograd included), eager or traced (the cheapest path: it is the reference of every
+        call the policy gives no stacked kernel, and what Inductor compiles best)."""
+        return tuple(F.linear(x, weight, bias) for weight, bias in current)
 
     def extra_repr(self) -> str:
         shards = ", ".join(

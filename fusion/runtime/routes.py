@@ -112,14 +112,19 @@ class Route:
         nothing there, and in situ each question costs about ten times what it costs warm."""
         policy = POLICY
         if torch.compiler.is_compiling():
-            # compiled code routes on a quiet lane only, the process's or its own, both
-            # answered eagerly (`KernelPolicy.traced_lane`, `traced_own_lane`), never by
-            # the per-call rule, whose memo it must not read (so guard on)
-            if not (
-                self._laned and (policy.traced_lane() or policy.traced_own_lane(self._lane_keys))
-            ):
+            # compiled code routes on a quiet lane, the process's or its own, or where
+            # nothing was measured to win for this call's dtype and row bucket, all
+            # answered eagerly (`KernelPolicy.traced_lane`, `traced_own_lane`,
+            # `traced_route`), never by the per-call rule, whose memo it must not read
+            if not self._laned:
                 return False
             x = args[0] if args else kwargs.get(self.first)
+            if not (
+                policy.traced_lane()
+                or policy.traced_own_lane(self._lane_keys)
+                or self._traced_reference(x)
+            ):
+                return False
             on_reference = not self._acts_on_cpu or (isinstance(x, torch.Tensor) and x.is_cpu)
             return on_reference and not _any_hooked(self._watched)
         # `routes_open()` spelled out (its tests hold this to it)
@@ -154,6 +159,15 @@ class Route:
             allowed = self._policy_allows(x, width)
             memo[0] = (key, allowed)
         return allowed and not _any_hooked(self._watched)
+
+    def _traced_reference(self, x: Any) -> bool:
+        """While Dynamo traces: does every merged product compute its reference for an input
+        like `x` whatever the thread count (`KernelPolicy.traced_route`: nothing measured to
+        win for its shape, `x`'s dtype and row bucket)?"""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self._width:
+            return False
+        rows = x.numel() // self._width if self._width else 0
+        return POLICY.traced_route(self._lane_keys, ops.dtype_name(x.dtype), rows)
 
     def _own_lane(self) -> bool:
         """This route's own quiet lane, where the process's is closed (winners measured for

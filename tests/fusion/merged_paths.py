@@ -35,13 +35,15 @@ def _stacked(op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: st
 def stacked_products() -> Iterator[None]:
     """A block in which the kernel policy chooses the stacked product for every merged
     call (the path a kernel measured faster takes: one product on the stacked weight while
-    the views hold and no gradient is recorded, its output split into pieces); the default
-    policy computes every shard apart."""
+    the views hold and no gradient is recorded, its output split into pieces), compiled
+    code included (the `fusion::stacked_product` node is traced: no answer made eagerly
+    says the reference); the default policy computes every shard apart."""
     POLICY.forget()  # answers memoised before the patch must not answer inside it
     try:
         with (
             mock.patch.object(POLICY, "choose", _stacked),
             mock.patch.object(POLICY, "idle", lambda op, backend: False),
+            mock.patch.object(POLICY, "traced_reference", lambda *args: False),
         ):
             yield
     finally:

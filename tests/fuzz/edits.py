@@ -56,8 +56,15 @@ EDIT_KINDS = (
     "parametrize",  # a weight put under torch.nn.utils.parametrize
     "prune",  # a weight pruned (torch.nn.utils.prune.l1_unstructured)
     "inference-mode",  # built, fused, or both inside torch.inference_mode(); run outside it
+    "compiled-weight-move",  # compiled and run, then every weight moved (`p.data = ...`)
 )
 """Every post-fuse edit kind, simplest first (Hypothesis shrinks towards the first)."""
+
+COMPILING_KINDS = frozenset({"compiled-weight-move"})
+"""Kinds that run `torch.compile` (seconds per example, per call shape and dtype the oracle
+tries): drawn by the searching profiles and where `FUZZ_EDIT_KINDS` names them, not by
+`fuzz-ci` (its 250 derandomized edits would take minutes more of CI; the `compile`
+lifecycle check covers the same hazard on every corpus architecture in CI)."""
 
 KINDS_ENV = "FUZZ_EDIT_KINDS"
 """`FUZZ_EDIT_KINDS=quantize-dynamic,copy-copy` draws only those kinds (to check one fix)."""
@@ -175,6 +182,8 @@ def edit_kinds() -> tuple[str, ...]:
     """The kinds drawn: all of EDIT_KINDS, or those `FUZZ_EDIT_KINDS` names."""
     chosen = os.environ.get(KINDS_ENV, "")
     if not chosen:
+        if os.environ.get("FUZZ_PROFILE", "fuzz-ci") == "fuzz-ci":
+            return tuple(k for k in EDIT_KINDS if k not in COMPILING_KINDS)
         return EDIT_KINDS
     kinds = tuple(k.strip() for k in chosen.split(",") if k.strip())
     unknown = sorted(set(kinds) - set(EDIT_KINDS))
@@ -613,6 +622,44 @@ def _prune(model: nn.Module, spec: EditSpec) -> Edit | None:
     return Edit("prune", f"{qualname}.weight pruned (l1, 30%)", per_model=prune_weight)
 
 
+class CompiledThenMoved(nn.Module):
+    """`model` under `torch.compile` (Dynamo, eager backend): its first call runs the compiled
+    code once, then moves every floating weight to memory of its own (`p.data = p.data *
+    0.75`: a merged projection's views of its stacked weight are broken) and runs it again;
+    every later call runs the compiled code. Dynamo guards neither `.data` nor an address, so
+    compiled code that kept reading memory the move left behind (a stacked weight) computes
+    stale values. The unfused twin is wrapped alike, so parameter names match."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.moved = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = torch.compile(self.model, backend="eager")
+        if not self.moved:
+            # each example's models are new code for Dynamo, and its per-code cache limit
+            # is shared with every example before (fused forwards share their code)
+            torch._dynamo.reset()
+            with torch.no_grad():
+                compiled(*args, **kwargs)
+            for param in self.model.parameters():
+                if param.is_floating_point():
+                    param.data = param.data * 0.75
+            self.moved = True
+        return compiled(*args, **kwargs)
+
+
+def _compiled_weight_move(model: nn.Module, spec: EditSpec) -> Edit | None:
+    if not any(p.is_floating_point() for p in model.parameters()):
+        return None
+    return Edit(
+        "compiled-weight-move",
+        "torch.compile'd and run, then every weight moved (p.data = p.data * 0.75)",
+        per_model=CompiledThenMoved,
+    )
+
+
 def resolve(spec: EditSpec, model: nn.Module, generated: types.ModuleType) -> Edit | None:
     """The edit `spec` means for the unfused `model` (built from the imported `generated`
     module), or None when the module offers its kind no site."""
@@ -645,6 +692,8 @@ def resolve(spec: EditSpec, model: nn.Module, generated: types.ModuleType) -> Ed
         return _parametrize(model, spec)
     if kind == "prune":
         return _prune(model, spec)
+    if kind == "compiled-weight-move":
+        return _compiled_weight_move(model, spec)
     if kind == "inference-mode":
         variant = spec.choice % 3
         build_inside, fuse_inside = variant in (0, 1), variant in (1, 2)

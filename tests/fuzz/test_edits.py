@@ -263,3 +263,59 @@ def test_a_module_called_as_a_global_is_a_code_swap_site(
 
 def _honest_fuse_root(model: nn.Module) -> FusionReport:
     return FusionReport(applied=[Applied("", "honest", "GeneratedModel", "nothing frozen")])
+
+
+GLU_SOURCE = """\
+import torch
+from torch import nn
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(8, 16, bias=False)
+        self.up_proj = nn.Linear(8, 16, bias=False)
+        self.down_proj = nn.Linear(16, 8, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeneratedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = Mlp()
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def build():
+    return GeneratedModel()
+
+
+def make_inputs(generator):
+    return (torch.randn(1, 1, 8, generator=generator),), {}
+"""
+
+GLU_MODULE = GeneratedModule("glu_mlp", "GeneratedModel", GLU_SOURCE, (), ("handwritten",))
+
+
+def test_the_compiled_weight_move_finds_a_stacked_weight_read_after_the_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compiled-weight-move` (compile, run, `p.data = ...` on every weight, run again):
+    the fused GLU passes, its compiled stacked product checking the views when it runs;
+    with that check taken away, the compiled code reads the stacked weight the move left
+    behind and the edit family fails on the stacked path."""
+    from fusion.kernels import ops
+
+    spec = EditSpec("compiled-weight-move", 0, 0)
+    outcome = check_edit(GLU_MODULE, spec, 0, tmp_path)
+    assert outcome.status == "fused" and "glu" in outcome.fusers, outcome
+    assert outcome.failure is None, outcome.failure
+    monkeypatch.setattr(ops, "stacked_views_hold", lambda *args: True)
+    outcome = check_edit(GLU_MODULE, spec, 0, tmp_path)
+    assert outcome.failure is not None and outcome.failure.kind == "module-parity", outcome
+    assert "stacked product" in outcome.failure.message, outcome.failure

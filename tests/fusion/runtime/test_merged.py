@@ -365,29 +365,34 @@ def test_several_rows_take_one_gemm_per_shard_on_cpu(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_compiled_merged_linear_makes_the_eager_choices(monkeypatch, bias: bool) -> None:
-    """Under torch.compile: one row is one `fusion::stacked_product` node (which makes the
-    eager stacked choice when it runs) where a kernel of ours could take it, never the
-    shards apart; several rows take one linear per shard; values equal the eager
-    module's."""
-    from fusion.kernels import onednn as onednn_backend
-    from fusion.kernels.native import gemm as native_gemm
+def test_compiled_merged_linear_makes_the_eager_choices(bias: bool) -> None:
+    """Under torch.compile a merged projection is one `fusion::stacked_product` node (which
+    makes the eager stacked choice when it runs) where a kernel could win for the call, and
+    its shards apart (the unfused calls, for Inductor) where nothing was measured to win for
+    its shape, dtype and row bucket (`KernelPolicy.traced_reference`); an unanswered key
+    traces the node. Values equal the eager module's throughout."""
+    from tests.fusion.policy_tables import WIN, entry, table
 
-    monkeypatch.setattr(onednn_backend, "ROW_MIN_ELEMENTS", 0)
-    onednn_backend.resolve_machine()
-    native_gemm.resolve()
     merged = _merged((64, 16, 16), 32, bias=bias).eval()
-    with torch.no_grad():
-        for rows in (1, 5):
-            x = torch.randn(1, rows, 32)
+    shape = merged.kernel_shape
+
+    def traced(rows: int) -> list[str]:
+        x = torch.randn(1, rows, 32)
+        with torch.no_grad():
             out, targets = compiled_call_targets(merged, x)
             torch.testing.assert_close(out, merged(x), rtol=1e-5, atol=1e-6)
-            linears = sum("linear" in t and "decode_linear" not in t for t in targets)
-            ours = onednn_backend.row_machine_known_ok() or native_gemm.known_ok()
-            if rows == 1 and ours:
-                assert targets == ["fusion.stacked_product"], targets
-            elif rows > 1:
-                assert linears == 3, targets
+        return targets
+
+    def apart(targets: list[str]) -> bool:
+        return sum("linear" in t for t in targets) == 3 and not any("fusion" in t for t in targets)
+
+    assert POLICY.own_wins[("stacked", shape, "auto")] is None  # watched, not answered
+    assert traced(1) == ["fusion.stacked_product"] == traced(5)
+    POLICY.set_table(table())  # nothing measured: the shards apart at every row count
+    assert apart(traced(1)) and apart(traced(5))
+    POLICY.set_table(table(entry("stacked", shape, 1, stacked=WIN)))  # won at one row
+    assert traced(1) == ["fusion.stacked_product"]
+    assert apart(traced(5))
 
 
 @pytest.mark.parametrize("change", ["assign-data", "new-parameter", "drop-bias", "restack"])

@@ -230,17 +230,19 @@ def test_a_replaced_child_still_computes_the_unfused_function() -> None:
     assert torch.equal(forward(fused, ids), forward(unfused, ids))
 
 
-def test_compiled_code_routes_on_a_quiet_lane_only() -> None:
+def test_compiled_code_routes_by_answers_made_eagerly() -> None:
     """While Dynamo traces, a route is taken on the process's quiet lane
-    (`KernelPolicy.traced_lane`) or its own (`traced_own_lane`: winners measured only for
-    other shapes), never by the per-call rule: a winner for one of its own products at
-    another row count closes its lane, and the compiled code runs the rewrite though the
-    eager call (whose rows have no winner) routes. Each table recompiles where it changes
-    an answer the trace read (Dynamo guards it), with no `torch._dynamo.reset()`."""
+    (`KernelPolicy.traced_lane`), on its own (`traced_own_lane`: winners measured only for
+    other shapes), or where none of its products was measured to win for the call's dtype
+    and row bucket (`traced_route`), all answered outside the trace: a winner for its own
+    products at one row makes a one-row call trace the rewrite, while a five-row call still
+    routes (the eager per-call rule agrees). Each table recompiles where it changes an
+    answer the trace read (Dynamo guards it), with no `torch._dynamo.reset()`."""
     _, fused = fused_model()
     POLICY.set_table(measured(fused, 5, "float32", stacked=LOSS))
     route = bound_forwards(fused)[0]._route
-    x = torch.randn(1, 5, route.merged[0].in_features)
+    width = route.merged[0].in_features
+    x, row = torch.randn(1, 5, width), torch.randn(1, 1, width)
 
     def takes(x):
         return x + 1 if route.takes_original((x,), {}) else x - 1
@@ -260,10 +262,14 @@ def test_compiled_code_routes_on_a_quiet_lane_only() -> None:
     for won in measured(fused, 1, "float32", stacked=WIN).entries.values():
         own.add(won)  # its own products win at one row: no lane of its own
     POLICY.set_table(own)
-    assert route.takes_original((x,), {}) and not route._own_lane()  # 5 rows: no winner
-    assert torch.equal(compiled(x), x - 1)
+    assert not route._own_lane()
+    assert route.takes_original((x,), {}) and not route.takes_original((row,), {})
+    assert torch.equal(compiled(x), x + 1)  # five rows: nothing won there
+    assert torch.equal(compiled(row), row - 1)
+    with POLICY.routing(False):
+        assert torch.equal(compiled(x), x - 1)
     POLICY.set_table(others)
-    assert torch.equal(compiled(x), x + 1)
+    assert torch.equal(compiled(row), row + 1)
 
 
 def _traced_calls(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
