@@ -18,6 +18,7 @@ from fusion.kernels import ops
 from fusion.kernels.native import gemm as native_gemm
 from fusion.kernels.policy import POLICY
 from fusion.runtime.linear_forward import LinearForward, linear_forward
+from tests.fusion.kernels.native_helpers import force_native_on
 from tests.fusion.policy_tables import WIN, entry, table
 
 
@@ -384,11 +385,15 @@ def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) ->
         assert chosen == [(64, 48)]
 
 
-def test_compiled_under_other_shapes_winners_a_linear_traces_its_class_forward() -> None:
+def test_compiled_under_other_shapes_winners_a_linear_traces_its_class_forward(
+    monkeypatch,
+) -> None:
     """Compiled code takes a linear's own lane (`KernelPolicy.traced_own_lane`, answered by
     `fuse` and by each `forget`) where a winner for another shape closed the process's, so
     Inductor sees the unfused `F.linear`; where its own shape wins, the next call recompiles
     (Dynamo guarded the answer it read) and runs the `fusion::linear_product` operator."""
+    force_native_on(monkeypatch)  # the kernel eligible at these sizes on any flavour
+    POLICY.use("measured")  # ... but chosen by the tables below
     model = _model()
     fusion.fuse(model)
     x = torch.randn(1, 48)
