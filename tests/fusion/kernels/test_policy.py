@@ -3,6 +3,8 @@ tables are written by hand; `test_calibration.py` tests the measuring)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -224,3 +226,36 @@ def test_describe_counts_the_table_entries_with_a_winner() -> None:
         table(entry("stacked", SHAPE, 1, native=LOSS), entry("linear", (8, 8), 1, native=WIN))
     )
     assert policy.describe()["table"].endswith("(2 measured, 1 with a winner)")
+
+
+def test_own_wins_are_the_dtype_and_row_buckets_anything_won_for() -> None:
+    """`own_wins` (answered with the own lanes) lists the (dtype, row bucket) pairs a kernel
+    won for at this shape, at any thread count (a trace cannot read it), so
+    `traced_reference` says the reference only where no count could choose a kernel; None
+    (the operator decides when it runs) in the `eligible` mode, for a pinned backend, and
+    unanswered; empty (the reference for every call) in the `reference` mode."""
+    key = POLICY.watch_lane("stacked", SHAPE, "auto")
+    pinned = POLICY.watch_lane("stacked", SHAPE, "native")
+    other_threads = dataclasses.replace(
+        entry("stacked", SHAPE, 8, native=WIN), threads=torch.get_num_threads() + 1
+    )
+    POLICY.set_table(table(entry("stacked", SHAPE, 1, native=WIN), other_threads))
+    assert POLICY.own_wins[key] == {("float32", 1), ("float32", 8)}
+    assert not POLICY.traced_reference(key, "float32", 1)
+    assert not POLICY.traced_reference(key, "float32", 5)  # bucket 8: won at another count
+    assert POLICY.traced_reference(key, "float32", 16) and POLICY.traced_reference(
+        key, "bfloat16", 1
+    )
+    assert POLICY.traced_reference(key, "float32", 10_000)  # past every bucket
+    assert POLICY.own_wins[pinned] is None and not POLICY.traced_reference(pinned, "float32", 16)
+    with POLICY.override("eligible"):
+        assert POLICY.own_wins[key] is None
+    with POLICY.override("reference"):
+        assert POLICY.own_wins[key] == frozenset() and POLICY.traced_reference(key, "float32", 1)
+    with POLICY.routing(True):
+        assert POLICY.traced_route((key,), "float32", 16)
+        assert not POLICY.traced_route((key, pinned), "float32", 16)
+        with POLICY.recording_asks():
+            assert not POLICY.traced_route((key,), "float32", 16)
+    with POLICY.routing(False):
+        assert not POLICY.traced_route((key,), "float32", 16)
