@@ -52,13 +52,17 @@ CACHE = MatchCache()
 def cache_key(module: nn.Module) -> CacheKey:
     """The class, and for each child its name, exact type, `inplace` flag, `max_norm`
     (`nn.Embedding` renormalises its own weight in place when set), whether it carries
-    hooks, a call path of its own, or an instance-level `forward`.
+    hooks, a call path of its own, or an instance-level `forward`, and the names of the
+    Parameters and buffers it registers itself.
 
     Matching reads the forward (per class) and asks of each child whether calling it can
     write its input or state (its type, `inplace=True`, `max_norm`, hooks, what runs instead
-    of the class forward), so all of that is in the key: two instances share a cached
-    verdict only if the analysis would say the same of both. Widths, biases, dtypes and
-    devices vary per instance and are checked by `validate`.
+    of the class forward) and what state it holds (the MoE fusers refuse experts holding
+    more than their weights), so all of that is in the key: two instances share a cached
+    verdict only if the analysis would say the same of both (a Parameter registered on one
+    instance's experts once made every later instance of the class refused with its
+    reason). Widths, biases, dtypes and devices vary per instance and are checked by
+    `validate`.
     """
     return (
         type(module),
@@ -71,6 +75,8 @@ def cache_key(module: nn.Module) -> CacheKey:
                 has_hooks(child) is not None,
                 own_call_path(child),
                 "forward" in child.__dict__,
+                tuple(child._parameters),
+                tuple(child._buffers),
             )
             for name, child in module.named_children()
         ),

@@ -604,3 +604,14 @@ def test_gating_edited_after_fusing_runs_the_original(edit) -> None:
 def _default_gate(self, gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return self.act_fn(gate) * up
+
+
+def test_an_instance_holding_more_state_does_not_refuse_later_instances() -> None:
+    """The match cache keys a class by what its children hold (`matches.cache_key`): experts
+    refused for a Parameter of their own leave a plain instance of the class, planned
+    later in another model, to fuse (it was once refused with the odd instance's reason)."""
+    odd = first_block("afmoe")
+    odd.experts.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    assert "experts hold" in refusal(odd)
+    report = fusion.plan(nn.Sequential(first_block("afmoe")))
+    assert [r.qualname for r in report.applied if r.fuser == "moe"] == ["0"], str(report)
