@@ -75,6 +75,14 @@ PINNED: dict[str, tuple[str, ...]] = {
 fused modules are the stacked GEMM: they have no products of their own)."""
 
 
+NO_WINS: frozenset[tuple[str, int]] = frozenset()
+"""`KernelPolicy.own_wins`' answer where nothing was measured to win: the own quiet lane."""
+
+UNMEASURED = "unmeasured"
+"""`KernelPolicy.own_wins`' answer where a kernel may run unmeasured (a pinned backend, the
+`eligible` mode): compiled code traces the operator, which decides when it runs."""
+
+
 MAX_BUCKET = 512
 """Rows past this fall in no bucket: the reference (no fast kernel is for prompts that long)."""
 
@@ -135,23 +143,19 @@ class KernelPolicy:
     where the table is loaded): a plain attribute, for the fused forwards of the lane's
     backends to read before anything else."""
 
-    own_lanes: dict[tuple[str, tuple[int, ...], str], bool | None] = field(default_factory=dict)
-    """Each watched product's own quiet lane by `(op, shape, backend)`: `idle_for`'s answer
-    with nothing recording, None where not answered since the last `forget` without a loaded
-    table. Fused forwards watch their shapes when made (`watch_lane`); `fusion.fuse`
-    (`answer_lanes`) and every `forget` where the table is loaded answer them, outside any
-    trace, and compiled code only reads them (`traced_own_lane`): Dynamo guards each value
-    it read, so a new table or mode that changes one recompiles, and one that changes none
-    does not. Keys are a model's product shapes: a handful per model, never per call."""
-
-    own_wins: dict[tuple[str, tuple[int, ...], str], frozenset[tuple[str, int]] | None] = field(
-        default_factory=dict
+    own_wins: dict[tuple[str, tuple[int, ...], str], frozenset[tuple[str, int]] | str | None] = (
+        field(default_factory=dict)
     )
-    """For each watched key (`own_lanes`, answered with it): the (dtype, row bucket) pairs a
-    kernel other than the reference was measured to win for, at any thread count; None where
-    anything may run unmeasured (a pinned backend, the `eligible` mode) or not answered.
-    What compiled code reads to trace the unfused calls where no winner could run for the
-    call at hand (`traced_reference`)."""
+    """Each watched product's answer by `(op, shape, backend)`: the (dtype, row bucket) pairs
+    a kernel other than the reference was measured to win for, at any thread count (empty:
+    the product's own quiet lane, `own_lane`), `UNMEASURED` where a kernel may run
+    unmeasured (a pinned backend, the `eligible` mode), None where not answered since the
+    last `forget` without a loaded table. Fused forwards watch their products when made
+    (`watch_lane`); `fusion.fuse` (`answer_lanes`) and every `forget` where the table is
+    loaded answer them, outside any trace, and compiled code only reads them
+    (`traced_own_lane`, `traced_reference`): Dynamo guards each value it read, so a new
+    table or mode that changes one recompiles, and one that changes none does not. Keys
+    are a model's product shapes: a handful per model, never per call."""
 
     def quiet(self) -> bool:
         """Would every product of a plain or merged linear under a lane backend
@@ -187,12 +191,12 @@ class KernelPolicy:
         """While Dynamo traces: may a fused forward whose products are `keys` (`watch_lane`)
         trace its class's original where the process's lane is closed (winners measured for
         other shapes, `traced_lane` False)? Routes open, nothing recording, and every key's
-        own lane answered True (`own_lanes`, answered eagerly: never computed here, where it
+        own lane answered (`own_wins` empty, answered eagerly: never computed here, where it
         would read the table). An unanswered key traces the rewrite: slower, never wrong."""
         if not self.routes or self.recording:
             return False
-        lanes = self.own_lanes
-        return all(lanes.get(key) is True for key in keys)
+        wins = self.own_wins
+        return all(wins.get(key) == NO_WINS for key in keys)
 
     def traced_reference(
         self, key: tuple[str, tuple[int, ...], str], dtype: str, rows: Any
@@ -205,7 +209,7 @@ class KernelPolicy:
         plain int (a dynamic shape): the caller then traces the operator, which decides when
         it runs. Read only (Dynamo guards what it reads); a stale answer costs speed only."""
         wins = self.own_wins.get(key)
-        if wins is None:
+        if not isinstance(wins, frozenset):
             return False
         if not wins:
             return True
@@ -222,45 +226,51 @@ class KernelPolicy:
         return all(self.traced_reference(key, dtype, rows) for key in keys)
 
     def watch_lane(self, op: str, shape: tuple[int, ...], backend: str) -> tuple:
-        """Watch the own lane of `op` at `shape` under `backend` (`own_lanes`, unanswered
-        until `answer_lanes` or `lane_of`); returns its key. Reads nothing: safe in a
+        """Watch the product `op` at `shape` under `backend` (`own_wins`, unanswered until
+        `answer_lanes` or `lane_of`); returns its key. Reads nothing: safe in a
         constructor."""
         key = (op, tuple(int(n) for n in shape), backend)
-        self.own_lanes.setdefault(key, None)
         self.own_wins.setdefault(key, None)
         return key
 
     def answer_lanes(self) -> None:
-        """Answer every watched own lane now (`own_lanes`, `own_wins`; loads the table)."""
-        for key in self.own_lanes:
+        """Answer every watched product now (`own_wins`; loads the table)."""
+        for key in self.own_wins:
             self._answer_lane(key)
+
+    def own_lane(self, key: tuple[str, tuple[int, ...], str]) -> bool:
+        """Is `key`'s own quiet lane answered open (nothing measured to win for its shape:
+        `own_wins` empty)? Reads the answers only."""
+        return self.own_wins.get(key) == NO_WINS
 
     def lane_of(self, key: tuple[str, tuple[int, ...], str]) -> bool:
         """`idle_for` of a key (watched from now on where it was not), answered where it
         was not: what an eager forward keeps for the epoch (`LinearForward._own_lane`)."""
-        answer = self.own_lanes.get(key)
-        if answer is None:
-            answer = self._answer_lane(key)
-        return answer and not self.recording
+        wins = self.own_wins.get(key)
+        if wins is None:
+            wins = self._answer_lane(key)
+        return wins == NO_WINS and not self.recording
 
-    def _answer_lane(self, key: tuple[str, tuple[int, ...], str]) -> bool:
-        """Answer `key`'s `own_lanes` and `own_wins` entries; returns its own lane."""
+    def _answer_lane(
+        self, key: tuple[str, tuple[int, ...], str]
+    ) -> frozenset[tuple[str, int]] | str:
+        """Answer and return `key`'s `own_wins` entry."""
         op, shape, backend = key
-        lane = self.own_lanes[key] = self._own_answer(key)
-        wins: frozenset[tuple[str, int]] | None = frozenset()
-        if not lane:
-            wins = None
-            if backend not in PINNED and self.mode == "measured":
-                kernels = allowed(op, backend)
-                wins = frozenset(
-                    (entry.dtype, entry.rows)
-                    for entry in self.table.entries.values()
-                    if entry.op == op
-                    and tuple(entry.shape) == shape
-                    and _best(entry, kernels) != "reference"
-                )
+        if self._own_answer(key):
+            wins: frozenset[tuple[str, int]] | str = NO_WINS
+        elif backend in PINNED or self.mode != "measured":
+            wins = UNMEASURED
+        else:
+            kernels = allowed(op, backend)
+            wins = frozenset(
+                (entry.dtype, entry.rows)
+                for entry in self.table.entries.values()
+                if entry.op == op
+                and tuple(entry.shape) == shape
+                and _best(entry, kernels) != "reference"
+            )
         self.own_wins[key] = wins
-        return lane
+        return wins
 
     def _own_answer(self, key: tuple[str, tuple[int, ...], str]) -> bool:
         op, shape, backend = key
@@ -278,12 +288,12 @@ class KernelPolicy:
             # answered now, where that reads no file: compiled code only reads the answer
             # (`traced_lane`), and a model compiled on the lane finds it again after a
             # table that closed it is put back, instead of recompiling without it; so
-            # are the own lanes (`traced_own_lane`)
+            # are the watched products (`own_wins`)
             self.quiet()
             self.answer_lanes()
         else:
-            for key in self.own_lanes:
-                self.own_lanes[key] = self.own_wins[key] = None
+            for key in self.own_wins:
+                self.own_wins[key] = None
 
     def reset(self) -> None:
         self._mode = None
@@ -292,7 +302,6 @@ class KernelPolicy:
         self.asked.clear()
         self.recording = False
         self.routes = True
-        self.own_lanes.clear()
         self.own_wins.clear()
 
     @contextmanager

@@ -310,6 +310,19 @@ def test_parametrization_and_pruning_after_fusing_compute_as_unfused() -> None:
     assert fused[2].forward.guard_failures == 0  # pruned: still the fast path, live weight
 
 
+def _spy_chosen(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes `ops.chosen_for` is asked for from now on (a product asking the policy)."""
+    chosen: list[tuple[int, ...]] = []
+    real_chosen = ops.chosen_for
+
+    def spied(memo, op, shape, *args):
+        chosen.append(shape)
+        return real_chosen(memo, op, shape, *args)
+
+    monkeypatch.setattr(ops, "chosen_for", spied)
+    return chosen
+
+
 def test_the_quiet_lane_runs_the_class_forward_and_nothing_else(monkeypatch) -> None:
     """With routes open and nothing measured to win (`KernelPolicy.quiet`), a call runs what
     the unfused module runs, `type(module).forward`, without asking the policy or any
@@ -341,14 +354,7 @@ def test_the_quiet_lane_runs_the_class_forward_and_nothing_else(monkeypatch) -> 
             assert torch.equal(model[0](x), want)
         assert model[0].forward.guard_failures == 1
 
-    chosen: list[tuple[int, ...]] = []
-    real_chosen = ops.chosen_for
-
-    def spied(memo, op, shape, *args):
-        chosen.append(shape)
-        return real_chosen(memo, op, shape, *args)
-
-    monkeypatch.setattr(ops, "chosen_for", spied)
+    chosen = _spy_chosen(monkeypatch)
     with torch.no_grad(), POLICY.routing(True):
         with POLICY.recording_asks():  # calibration must see the product asked
             model[0](x)
@@ -368,14 +374,7 @@ def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) ->
     fusion.fuse(model)
     x = torch.randn(1, 48)
     POLICY.set_table(table(entry("linear", (8, 8), 1, native=WIN)))
-    chosen: list[tuple[int, ...]] = []
-    real_chosen = ops.chosen_for
-
-    def spied(memo, op, shape, *args):
-        chosen.append(shape)
-        return real_chosen(memo, op, shape, *args)
-
-    monkeypatch.setattr(ops, "chosen_for", spied)
+    chosen = _spy_chosen(monkeypatch)
     want = F.linear(x, model[0].weight, model[0].bias)
     with torch.no_grad(), POLICY.routing(True):
         assert torch.equal(model[0](x), want)
@@ -404,14 +403,14 @@ def test_compiled_under_other_shapes_winners_a_linear_traces_its_class_forward(
         return gm.forward
 
     POLICY.set_table(table(entry("linear", (8, 8), 1, native=WIN)))
-    assert POLICY.lane is False and POLICY.own_lanes[("linear", (64, 48), "auto")] is True
+    assert POLICY.lane is False and POLICY.own_lane(("linear", (64, 48), "auto"))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with torch.no_grad(), POLICY.routing(True):
         torch.testing.assert_close(compiled(x), model(x))
         assert targets and not any("fusion" in t for t in targets), targets
         POLICY.set_table(table(entry("linear", (64, 48), 1, native=WIN)))
-        assert POLICY.own_lanes[("linear", (64, 48), "auto")] is False
+        assert not POLICY.own_lane(("linear", (64, 48), "auto"))
         targets.clear()
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
         assert any("fusion.linear_product" in t for t in targets), targets

@@ -10,7 +10,7 @@ import torch
 
 from fusion.kernels import policy
 from fusion.kernels.calibration import Entry, Ratio
-from fusion.kernels.policy import POLICY, allowed, row_bucket
+from fusion.kernels.policy import POLICY, UNMEASURED, allowed, row_bucket
 from tests.fusion.policy_tables import LOSS, NOISE, WIN, entry, table
 
 SHAPE = (64, 32, 32, 128)
@@ -197,13 +197,13 @@ def test_watched_own_lanes_are_answered_outside_a_trace_and_read_inside() -> Non
     POLICY.reset()
     mine = POLICY.watch_lane("stacked", SHAPE, "auto")
     theirs = POLICY.watch_lane("stacked", other, "auto")
-    assert POLICY.own_lanes == {mine: None, theirs: None}
+    assert POLICY.own_wins == {mine: None, theirs: None}
     assert not POLICY.traced_own_lane((mine,))  # unanswered: the rewrite
     POLICY.answer_lanes()
-    assert POLICY.own_lanes == {mine: True, theirs: True}  # the empty table on disk
+    assert POLICY.own_wins == {mine: frozenset(), theirs: frozenset()}  # the empty table
     POLICY.set_table(table(entry("stacked", SHAPE, 16, native=WIN)))
     for key in (mine, theirs):
-        assert POLICY.own_lanes[key] == POLICY.idle_for(*key)
+        assert POLICY.own_lane(key) == POLICY.idle_for(*key)
     assert POLICY.traced_own_lane((theirs,)) and not POLICY.traced_own_lane((theirs, mine))
     with POLICY.recording_asks():
         assert not POLICY.traced_own_lane((theirs,)) and not POLICY.lane_of(theirs)
@@ -211,10 +211,10 @@ def test_watched_own_lanes_are_answered_outside_a_trace_and_read_inside() -> Non
         assert not POLICY.traced_own_lane((theirs,))
     POLICY._table = None
     POLICY.forget()
-    assert POLICY.own_lanes == {mine: None, theirs: None}
-    assert POLICY.lane_of(theirs) and POLICY.own_lanes[theirs] is True  # loads, answers
+    assert POLICY.own_wins == {mine: None, theirs: None}
+    assert POLICY.lane_of(theirs) and POLICY.own_lane(theirs)  # loads, answers
     POLICY.reset()
-    assert POLICY.own_lanes == {}
+    assert POLICY.own_wins == {}
 
 
 def test_describe_counts_the_table_entries_with_a_winner() -> None:
@@ -231,9 +231,9 @@ def test_describe_counts_the_table_entries_with_a_winner() -> None:
 def test_own_wins_are_the_dtype_and_row_buckets_anything_won_for() -> None:
     """`own_wins` (answered with the own lanes) lists the (dtype, row bucket) pairs a kernel
     won for at this shape, at any thread count (a trace cannot read it), so
-    `traced_reference` says the reference only where no count could choose a kernel; None
-    (the operator decides when it runs) in the `eligible` mode, for a pinned backend, and
-    unanswered; empty (the reference for every call) in the `reference` mode."""
+    `traced_reference` says the reference only where no count could choose a kernel;
+    `UNMEASURED` (the operator decides when it runs) in the `eligible` mode and for a pinned
+    backend; empty (the reference for every call) in the `reference` mode."""
     key = POLICY.watch_lane("stacked", SHAPE, "auto")
     pinned = POLICY.watch_lane("stacked", SHAPE, "native")
     other_threads = dataclasses.replace(
@@ -247,9 +247,11 @@ def test_own_wins_are_the_dtype_and_row_buckets_anything_won_for() -> None:
         key, "bfloat16", 1
     )
     assert POLICY.traced_reference(key, "float32", 10_000)  # past every bucket
-    assert POLICY.own_wins[pinned] is None and not POLICY.traced_reference(pinned, "float32", 16)
+    assert POLICY.own_wins[pinned] == UNMEASURED and not POLICY.traced_reference(
+        pinned, "float32", 16
+    )
     with POLICY.override("eligible"):
-        assert POLICY.own_wins[key] is None
+        assert POLICY.own_wins[key] == UNMEASURED
     with POLICY.override("reference"):
         assert POLICY.own_wins[key] == frozenset() and POLICY.traced_reference(key, "float32", 1)
     with POLICY.routing(True):

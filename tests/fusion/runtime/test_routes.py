@@ -255,7 +255,7 @@ def test_compiled_code_routes_by_answers_made_eagerly() -> None:
     others.add(linear_winner())  # another shape's winner: the process's lane closes
     POLICY.set_table(others)
     assert route.takes_original((x,), {}) and POLICY.lane is False
-    assert all(POLICY.own_lanes[key] for key in route._lane_keys)
+    assert all(POLICY.own_lane(key) for key in route._lane_keys)
     assert torch.equal(compiled(x), x + 1)  # its own lane, answered by `forget`
     own = measured(fused, 5, "float32", stacked=LOSS)
     own.add(linear_winner())
