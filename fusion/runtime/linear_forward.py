@@ -102,7 +102,12 @@ class LinearForward:
         module = self.module
         policy = POLICY
         # the quiet lane (`KernelPolicy.quiet`): nothing to choose for any linear, so what
-        # the unfused module runs, `nn.Linear.forward` or whatever its class holds now
+        # the unfused module runs, `nn.Linear.forward` or whatever its class holds now;
+        # the process's lane first, read alike eager and traced (`KernelPolicy.traced_lane`),
+        # so the common call asks nobody whether Dynamo traces (two frames, cold on a
+        # decode step)
+        if self.laned and policy.lane is True and policy.routes and not policy.recording:
+            return type(module).forward(module, *args, **kwargs)
         if self.laned and (
             (policy.traced_lane() or policy.traced_own_lane(self._lane_keys()))
             if torch.compiler.is_compiling()

@@ -89,8 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         metavar="N",
-        help="model cases: time N separate copies of the unfused and of the fused model, "
-        "taking turns, and pool their rounds (default 1). Where a model's weights lie in "
+        help="model and decode (--generate) cases: time N separate copies of each eager "
+        "variant (unfused, fused, calibrated), taking turns, and pool their rounds "
+        "(default 1). Where a model's weights lie in "
         "memory moves its speed by a few per cent, so one copy each cannot resolve a "
         "difference that small; the table notes each copy's median",
     )

@@ -83,6 +83,7 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
             prompt=args.prompt,
             new_tokens=args.new_tokens,
             compiled=args.compile,
+            copies=args.copies,
         )
         return _run_and_print(cases, args, device, dtype)
     if args.models:

@@ -30,7 +30,14 @@ import fusion
 from fusion.kernels.calibration import Table
 from fusion.kernels.policy import POLICY
 from harness.reporting import table as text_table
-from harness.speed.bench.cases import END_TO_END, UNFUSED, Case, Unavailable
+from harness.speed.bench.cases import (
+    END_TO_END,
+    UNFUSED,
+    Case,
+    Unavailable,
+    copy_key,
+    variant_of,
+)
 from harness.speed.bench.table import Row
 
 SMOLLM2 = "smollm2-135m"
@@ -159,6 +166,7 @@ def decode_case(
     prompt: int = PROMPT,
     new_tokens: int = NEW_TOKENS,
     compiled: bool = False,
+    copies: int = 1,
     loader: Callable[[str, torch.dtype, str], nn.Module] = load_model,
 ) -> Case:
     """The decode case of model `name`: one call is one greedy `generate` of `new_tokens`
@@ -166,13 +174,23 @@ def decode_case(
     `compiled`. Every variant's tokens are compared with the unfused ones when the case is
     built; a difference is noted on the variant's row (in float32 the tokens of a fused
     model must be the unfused ones: the fusions are exact there or within a rounding that
-    does not flip an argmax of a real model, and a note shows where it did)."""
+    does not flip an argmax of a real model, and a note shows where it did).
+
+    Every variant times a deep copy made after loading, the unfused one included: a decode
+    step streams every weight, and its speed depends several per cent on where the weights
+    lie (a model as the loader left it against a deep copy of it read 1-9% apart, in-process
+    on a 2-core Xeon), so a baseline that is the loaded model and variants that are copies
+    would time placement with the fusion. `copies`: that many separate copies of the
+    eager variants (the compiled ones stay one each: compiling is the cost), timings pooled
+    over them (`Case.copies`)."""
     variants = (UNFUSED, *VARIANTS, *(COMPILED if compiled else ()))
 
     def make() -> dict[str, Callable[[], Any]]:
-        model = loader(name, dtype, device)
-        case.bytes_moved = new_tokens * weight_bytes_per_token(model)
-        ids = prompt_ids(model, prompt)
+        loaded = loader(name, dtype, device)
+        case.bytes_moved = new_tokens * weight_bytes_per_token(loaded)
+        ids = prompt_ids(loaded, prompt)
+        model = copy.deepcopy(loaded)
+        del loaded  # the baseline is a copy like every variant (docstring)
         fused = copy.deepcopy(model)
         report = fusion.fuse(fused)
         models: dict[str, Any] = {UNFUSED: model}
@@ -192,20 +210,25 @@ def decode_case(
                     target.forward = torch.compile(target.forward)
                     models[variant] = target
                 tables["fused+calibrated+compiled"] = tables["fused+calibrated"]
+        for k in range(1, copies):
+            for variant in (UNFUSED, *VARIANTS):
+                if not isinstance(models[variant], Unavailable):
+                    models[copy_key(variant, k)] = copy.deepcopy(models[variant])
         want = greedy(model, ids, new_tokens)
         fns: dict[str, Callable[[], Any]] = {}
-        for variant, target in models.items():
+        for key, target in models.items():
             if isinstance(target, Unavailable):
-                fns[variant] = target
+                fns[key] = target
                 continue
+            variant = variant_of(key)
             run = _generate(target, ids, new_tokens)
             if variant in tables:
                 run = with_table(tables[variant], run)
             got = run()  # also compiles a compiled variant
-            if not torch.equal(got, want):
+            if not torch.equal(got, want) and variant not in case.notes:
                 differ = int((got != want).sum()) if got.shape == want.shape else "all"
                 case.notes[variant] = f"greedy tokens differ from unfused ({differ} positions)"
-            fns[variant] = run
+            fns[key] = run
         return fns
 
     case = Case(
@@ -216,6 +239,7 @@ def decode_case(
         tokens=new_tokens,
         make=make,
         variants=variants,
+        copies=copies,
     )
     return case
 
@@ -277,14 +301,23 @@ def decode_cases(
     prompt: int = PROMPT,
     new_tokens: int = NEW_TOKENS,
     compiled: bool = False,
+    copies: int = 1,
 ) -> list[Case]:
     """A decode case per model of `models` (default: SmolLM2 where its wheel is installed,
     then every bench model). A SmolLM2 case asked for without the wheel is kept, and its
-    build reports the missing extra on its row."""
+    build reports the missing extra on its row. `copies`: see `decode_case`."""
     if models is None:
         models = [m for m in DECODE_MODELS if m != SMOLLM2 or smollm2_file() is not None]
     return [
-        decode_case(m, dtype, device, prompt=prompt, new_tokens=new_tokens, compiled=compiled)
+        decode_case(
+            m,
+            dtype,
+            device,
+            prompt=prompt,
+            new_tokens=new_tokens,
+            compiled=compiled,
+            copies=copies,
+        )
         for m in models
     ]
 

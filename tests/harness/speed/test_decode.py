@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fusion import inspection
 from harness.cli import bench as bench_command
 from harness.speed.bench import decode
+from harness.speed.bench.cases import UNFUSED, copy_key
 from harness.speed.bench.table import run_case
 
 
@@ -71,7 +73,7 @@ def test_tokens_that_differ_are_noted_on_the_variant_row(monkeypatch) -> None:
 
     def greedy(target, ids, new_tokens):
         out = real(target, ids, new_tokens)
-        return out if target is model else out.flip(-1)
+        return out if not inspection.fused_forwards(target) else out.flip(-1)
 
     monkeypatch.setattr(decode, "greedy", greedy)
     case = decode.decode_case(
@@ -80,6 +82,32 @@ def test_tokens_that_differ_are_noted_on_the_variant_row(monkeypatch) -> None:
     rows = run_case(case, budget_s=0.01)
     assert all("greedy tokens differ from unfused" in r.note for r in rows), rows
     assert all(r.fused_ms and r.speedup for r in rows), rows  # noted, and still timed
+
+
+def test_every_variant_times_a_copy_and_copies_are_pooled(monkeypatch) -> None:
+    """The baseline is a deep copy like every variant, never the loaded model (a decode
+    step's speed depends on where its weights lie); `copies` adds that many separate copies
+    of each eager variant, timed in turns and pooled into the variant's row."""
+    model = _llama(True)
+    timed: list[int] = []
+    real = decode.greedy
+
+    def greedy(target, ids, new_tokens):
+        timed.append(id(target))
+        return real(target, ids, new_tokens)
+
+    monkeypatch.setattr(decode, "greedy", greedy)
+    case = decode.decode_case(
+        "tiny", torch.float32, "cpu", prompt=4, new_tokens=2, copies=2, loader=lambda *_: model
+    )
+    fns = case.make()
+    eager = (UNFUSED, *decode.VARIANTS)
+    assert set(fns) == {copy_key(v, k) for v in eager for k in (0, 1)}
+    assert id(model) not in timed
+    assert len(set(timed)) == len(fns)  # each key its own model
+    rows = run_case(case, budget_s=0.01)
+    assert [r.variant for r in rows] == list(decode.VARIANTS)
+    assert all(r.copies == 2 and r.fused_copy_ms and len(r.fused_copy_ms) == 2 for r in rows)
 
 
 def test_unknown_model_is_refused_by_name() -> None:
@@ -129,7 +157,7 @@ def test_only_the_calibrated_variant_runs_on_the_calibrated_table(monkeypatch) -
     real_greedy = decode.greedy
 
     def greedy(target, ids, new_tokens):
-        label = "unfused" if target is model else "fused"
+        label = "fused" if inspection.fused_forwards(target) else "unfused"
         seen.append((label, POLICY.table is machine))
         return real_greedy(target, ids, new_tokens)
 
@@ -166,7 +194,7 @@ def test_with_table_puts_the_table_back_when_the_run_raises() -> None:
     assert POLICY.table is mine
 
 
-def test_compiled_variants_include_the_calibrated_one_on_its_table(monkeypatch) -> None:
+def test_compiled_variants_include_the_calibrated_one_on_its_table(monkeypatch, request) -> None:
     """With `compiled`: the unfused, fused and calibrated fused models compiled, the last on
     the calibrated table (as `fused+calibrated`), the others on the machine's; and Dynamo's
     recompile limit raised, so no compiled variant silently runs eagerly."""
@@ -176,7 +204,11 @@ def test_compiled_variants_include_the_calibrated_one_on_its_table(monkeypatch) 
     model = _llama(True)
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **_: real_compile(fn, backend="eager"))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    # `config.patch`, not monkeypatch: monkeypatch's undo of a config module's attribute
+    # deletes it, and every later compile in the process fails on the missing key
+    limit = torch._dynamo.config.patch(recompile_limit=8)
+    limit.__enter__()
+    request.addfinalizer(lambda: limit.__exit__(None, None, None))
     machine = Table("machine")
     POLICY.set_table(machine)
     case = decode.decode_case(
