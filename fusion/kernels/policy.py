@@ -95,6 +95,18 @@ def row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+def quiet_for(won: dict[Any, frozenset[int]], x: torch.Tensor, width: int) -> bool:
+    """Is a call on `x` (a tensor whose rows are `width` wide) outside every bucket of
+    `won` (`KernelPolicy.won_rows`), so every product it describes runs its reference?
+    The row bucket is `row_bucket`'s, inline (this runs on every call of a calibrated
+    model's fused forwards)."""
+    buckets = won.get(x.dtype)
+    if not buckets:
+        return True
+    rows = x.numel() // width
+    return not 1 <= rows <= MAX_BUCKET or (1 << (rows - 1).bit_length()) not in buckets
+
+
 def allowed(op: str, backend: str) -> tuple[str, ...]:
     """The kernels of `op` that `backend` allows, reference first. A pinned backend's tuple
     is its own kernel alone (see `pinned`)."""
@@ -245,11 +257,38 @@ class KernelPolicy:
 
     def lane_of(self, key: tuple[str, tuple[int, ...], str]) -> bool:
         """`idle_for` of a key (watched from now on where it was not), answered where it
-        was not: what an eager forward keeps for the epoch (`LinearForward._own_lane`)."""
+        was not (not while recording). Eager forwards keep `won_rows` for the epoch instead,
+        which also answers per dtype and row bucket."""
         wins = self.own_wins.get(key)
         if wins is None:
             wins = self._answer_lane(key)
         return wins == NO_WINS and not self.recording
+
+    def won_rows(
+        self, keys: tuple[tuple[str, tuple[int, ...], str], ...]
+    ) -> dict[Any, frozenset[int]] | None:
+        """Eager: the row buckets a kernel was measured to win for at any thread count, by
+        input dtype (a `torch.dtype` where the table's name is one, else the name), over
+        the watched products `keys` (`own_wins`, answered here where they were not), or
+        None where one may run a kernel unmeasured (a pinned backend, the `eligible`
+        mode). A call whose dtype and row bucket are not in it runs every product's
+        reference whatever the thread count (`quiet_for`): the rule compiled code reads
+        (`traced_reference`), so a product whose winners are for the prompt's rows leaves
+        the one-row decode calls on the unfused path. Not while recording (the caller
+        asks `routes_open` first)."""
+        won: dict[Any, set[int]] = {}
+        for key in keys:
+            wins = self.own_wins.get(key)
+            if wins is None:
+                wins = self._answer_lane(key)
+            if not isinstance(wins, frozenset):
+                return None
+            for dtype, bucket in wins:
+                named = getattr(torch, dtype, None)
+                won.setdefault(named if isinstance(named, torch.dtype) else dtype, set()).add(
+                    bucket
+                )
+        return {dtype: frozenset(buckets) for dtype, buckets in won.items()}
 
     def _answer_lane(
         self, key: tuple[str, tuple[int, ...], str]

@@ -114,7 +114,9 @@ class BoundForward:
         module = self.module
         route = self._route
         if route is not None and route.takes_original(args, kwargs):
-            if not torch.compiler.is_compiling():
+            # Dynamo must not count (it would guard on the count); `is_dynamo_compiling`
+            # is one frame where `is_compiling` is two, on the hottest path
+            if not torch.compiler.is_dynamo_compiling():
                 self.original_calls += 1
             # what calling the unfused module runs now: its current class's forward
             return type(module).forward(module, *args, **kwargs)

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.modules import linear as linear_module
 
 from fusion.kernels import ops
-from fusion.kernels.policy import LANE_BACKENDS, POLICY
+from fusion.kernels.policy import LANE_BACKENDS, POLICY, quiet_for
 from fusion.runtime.bound import install_forward
 
 LINEAR_FORWARD = nn.Linear.__dict__["forward"]
@@ -92,7 +92,7 @@ class LinearForward:
         self.guard_failures = 0
         self.last_failure: str | None = None
         self._choice: tuple | None = None  # `ops.chosen_for`'s memo
-        self._lane_memo: tuple | None = None  # (epoch, answer) of `_own_lane`
+        self._lane_memo: tuple | None = None  # (epoch, answer) of `won_rows`: `_quiet_call`
         self.__signature__ = _SIGNATURE
         self.__name__ = "forward"
         self.__qualname__ = "Linear.forward"
@@ -113,7 +113,7 @@ class LinearForward:
             if torch.compiler.is_compiling()
             else policy.routes
             and not policy.recording
-            and (policy.lane or (policy.lane is None and policy.quiet()) or self._own_lane())
+            and (policy.lane or (policy.lane is None and policy.quiet()) or self._quiet_call(args))
         ):
             return type(module).forward(module, *args, **kwargs)
         # `premise_failure`, inlined: this runs on every call of a large projection
@@ -147,19 +147,27 @@ class LinearForward:
             decoded = ops.product("linear", tuple(weight.shape), self.backend, x, weight, bias)
         return LINEAR(x, weight, bias) if decoded is None else decoded
 
-    def _own_lane(self) -> bool:
-        """This linear's own quiet lane, where the process's is closed (winners measured
-        for other shapes): nothing measured to win for its weight's shape
-        (`KernelPolicy.idle_for`), kept for the policy's epoch. A stale answer (a weight of
-        another shape put in within an epoch) costs speed only: both paths compute the
-        class's function."""
+    def _quiet_call(self, args: tuple[Any, ...]) -> bool:
+        """Where the process's lane is closed: does this call compute the reference whatever
+        the thread count, by this linear's own answers (`KernelPolicy.won_rows`: nothing
+        measured to win for its weight's shape, or nothing for the input's dtype and row
+        bucket)? A stale answer (a weight of another shape put in within an epoch) costs
+        speed only: both paths compute the class's function."""
         epoch = POLICY.epoch
         memo = self._lane_memo
         if memo is not None and memo[0] is epoch:
-            return memo[1]
-        answer = POLICY.lane_of(self._lane_keys()[0])
-        self._lane_memo = (epoch, answer)
-        return answer
+            won = memo[1]
+        else:
+            won = POLICY.won_rows(self._lane_keys())
+            self._lane_memo = (epoch, won)
+        if won is None:
+            return False
+        if not won:
+            return True
+        x = args[0] if len(args) == 1 else None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.shape[-1]:
+            return False
+        return quiet_for(won, x, x.shape[-1])
 
     def _lane_keys(self) -> tuple[tuple[str, tuple[int, ...], str]]:
         """The policy's key of this linear's own lane (`KernelPolicy.watch_lane`): its

@@ -208,7 +208,9 @@ class NormForward:
             and (backend == "torch" or (backend == "auto" and x.is_cpu))
         ):
             module = self.module
-            if not torch.compiler.is_compiling():
+            # Dynamo must not count (it would guard on the count); `is_dynamo_compiling`
+            # is one frame where `is_compiling` is two, on the hottest path
+            if not torch.compiler.is_dynamo_compiling():
                 self.original_calls += 1
             return type(module).forward(module, x)
         compiling = torch.compiler.is_compiling()

@@ -42,7 +42,7 @@ from torch import get_num_threads, nn
 
 from fusion.analysis.callpath import HOOK_ATTRS
 from fusion.kernels import ops
-from fusion.kernels.policy import LANE_BACKENDS, POLICY
+from fusion.kernels.policy import LANE_BACKENDS, POLICY, quiet_for
 from fusion.runtime.guards import ChildGuard, Guard
 from fusion.runtime.merged import ActAndMul, MergedLinear
 from fusion.runtime.norm_forward import NormForward
@@ -81,7 +81,7 @@ class Route:
             "_laned": all(module.backend in LANE_BACKENDS for module in (*self.merged, *self.acts)),
             "_acts_on_cpu": any(act.backend == "auto" for act in self.acts),
             "_memo": [None],  # (key, allowed) of the last call (`takes_original`)
-            "_lane_memo": [None],  # (epoch, answer) of `_own_lane`
+            "_lane_memo": [None],  # (epoch, answer) of `_won_rows`
             # its products' own lanes, watched from now on (`KernelPolicy.watch_lane`:
             # answered by `fusion.fuse` and each `forget`, read by compiled code)
             "_lane_keys": tuple(
@@ -159,6 +159,13 @@ class Route:
         width = x.shape[-1]
         if width != self._width or not width:
             return False
+        if self._laned and (not self._acts_on_cpu or x.is_cpu):
+            # this call's own lane: nothing measured to win for its dtype and row bucket
+            # at any thread count (a calibration whose winners are the prompt's rows
+            # leaves the decode's one-row calls here, not on the per-call key below)
+            won = self._won_rows()
+            if won is not None and quiet_for(won, x, width):
+                return not _any_hooked(self._watched)
         if self._idle():  # nothing any product could choose: no key to build
             for backend in self._act_backends:
                 if not ops.eager_reference(backend, x):
@@ -187,15 +194,19 @@ class Route:
 
     def _own_lane(self) -> bool:
         """This route's own quiet lane, where the process's is closed (winners measured for
-        other shapes): nothing measured to win for any of its merged products' shapes
-        (`KernelPolicy.idle_for`), kept for the policy's epoch."""
+        other shapes): nothing measured to win for any of its merged products' shapes."""
+        return self._won_rows() == {}
+
+    def _won_rows(self) -> dict[Any, frozenset[int]] | None:
+        """`KernelPolicy.won_rows` of this route's products, kept for the policy's epoch (a
+        new table or mode starts one)."""
         epoch = POLICY.epoch
         memo = self._lane_memo
         if memo[0] is not None and memo[0][0] is epoch:
             return memo[0][1]
-        answer = all(POLICY.lane_of(key) for key in self._lane_keys)
-        memo[0] = (epoch, answer)
-        return answer
+        won = POLICY.won_rows(self._lane_keys)
+        memo[0] = (epoch, won)
+        return won
 
     def _idle(self) -> bool:
         """Would every merged projection compute its reference whatever the call

@@ -5,6 +5,7 @@ plain linear is refused."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -369,7 +370,7 @@ def test_the_quiet_lane_runs_the_class_forward_and_nothing_else(monkeypatch) -> 
 def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) -> None:
     """Another model calibrated on this machine closes the process's quiet lane; a linear
     whose own shape has no winner still runs its class forward without asking for a kernel
-    (`LinearForward._own_lane`); its own winner brings the kernel path back."""
+    (`LinearForward._quiet_call`); its own winner brings the kernel path back."""
     model = _model()
     fusion.fuse(model)
     x = torch.randn(1, 48)
@@ -382,6 +383,30 @@ def test_a_winner_for_another_shape_leaves_a_linear_its_own_lane(monkeypatch) ->
         POLICY.set_table(table(entry("linear", (64, 48), 1, native=WIN)))
         torch.testing.assert_close(model[0](x), want)
         assert chosen == [(64, 48)]
+
+
+def test_a_winner_at_other_rows_leaves_those_calls_on_the_class_forward(monkeypatch) -> None:
+    """A linear whose shape won only at 8 rows (a prompt's) runs its class forward for a
+    one-row call without asking for a kernel (`KernelPolicy.won_rows`: nothing won for
+    that dtype and row bucket at any thread count), and asks for the 8-row call; a win at
+    any thread count counts, so a second thread count's winner at one row brings it back."""
+    model = _model()
+    fusion.fuse(model)
+    one, eight = torch.randn(1, 48), torch.randn(8, 48)
+    chosen = _spy_chosen(monkeypatch)
+    prompt_only = table(entry("linear", (64, 48), 8, native=WIN))
+    POLICY.set_table(prompt_only)
+    with torch.no_grad(), POLICY.routing(True):
+        assert torch.equal(model[0](one), F.linear(one, model[0].weight, model[0].bias))
+        assert POLICY.lane is False and chosen == []
+        torch.testing.assert_close(model[0](eight), F.linear(eight, model[0].weight, model[0].bias))
+        assert chosen == [(64, 48)]
+        one_row = entry("linear", (64, 48), 1, native=WIN)
+        # measured for another thread count only
+        prompt_only.add(dataclasses.replace(one_row, threads=one_row.threads + 1))
+        POLICY.set_table(prompt_only)
+        model[0](one)
+        assert chosen == [(64, 48), (64, 48)]
 
 
 def test_compiled_under_other_shapes_winners_a_linear_traces_its_class_forward(

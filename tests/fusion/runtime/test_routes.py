@@ -473,10 +473,55 @@ def test_a_linear_winner_closes_the_quiet_lane_but_not_the_routes() -> None:
     assert original == len(bound_forwards(fused)) and merged == 0
 
 
+def test_winners_at_other_rows_leave_those_calls_on_the_original(monkeypatch) -> None:
+    """A calibration whose winners for a route's own products are at the prompt's rows (8)
+    leaves a one-row call (a decode step) on the original without the per-call policy
+    question (`KernelPolicy.won_rows`, `quiet_for`), while an 8-row call asks it and runs
+    the rewrite; a hook on a merged child still keeps every call on the rewrite."""
+    _, fused = fused_model()
+    POLICY.set_table(measured(fused, 8, "float32", stacked=WIN))
+    assert POLICY.lane is False
+    route = bound_forwards(fused)[0]._route
+    width = route.merged[0].in_features
+    one, eight = torch.randn(1, 1, width), torch.randn(1, 8, width)
+    asked = []
+    real = POLICY.runs_reference
+    monkeypatch.setattr(POLICY, "runs_reference", lambda *a: asked.append(a[3]) or real(*a))
+    assert route.takes_original((one,), {}) and asked == []
+    assert not route.takes_original((eight,), {}) and asked == [8]
+    assert route.takes_original((one.to(torch.bfloat16),), {})  # no bf16 entry at all
+    handle = route.merged[0].register_forward_hook(lambda *a: None)
+    assert not route.takes_original((one,), {})
+    handle.remove()
+    assert route.takes_original((one,), {})
+
+
+def test_won_rows_are_the_buckets_won_at_any_thread_count() -> None:
+    """`KernelPolicy.won_rows` unions, per torch dtype, the row buckets any of the products
+    won at any thread count; `quiet_for` is outside them (rows past every bucket are)."""
+    from fusion.kernels.policy import MAX_BUCKET, quiet_for
+
+    _, fused = fused_model()
+    table = measured(fused, 8, "float32", stacked=WIN)
+    for won in measured(fused, 2, "float32", stacked=WIN).entries.values():
+        table.add(dataclasses.replace(won, threads=won.threads + 1, dtype="bfloat16"))
+    POLICY.set_table(table)
+    keys = bound_forwards(fused)[0]._route._lane_keys
+    won = POLICY.won_rows(keys)
+    assert won == {torch.float32: frozenset({8}), torch.bfloat16: frozenset({2})}
+    width = 16
+    rows = {r: torch.zeros(r, width) for r in (1, 2, 5, 8, MAX_BUCKET + 1)}
+    assert [quiet_for(won, x, width) for x in rows.values()] == [True, True, False, False, True]
+    assert not quiet_for(won, rows[2].to(torch.bfloat16), width)
+    assert quiet_for(won, rows[8].to(torch.float16), width)
+    with POLICY.override("eligible"):
+        assert POLICY.won_rows(keys) is None  # may run unmeasured: no rows are known quiet
+
+
 def test_winners_for_other_shapes_leave_each_route_its_own_lane(monkeypatch) -> None:
     """Another model calibrated on this machine closes the process's quiet lane; a route
     whose own products have no winner still takes its original without asking the policy
-    per call (`Route._own_lane`, `KernelPolicy.idle_for`), kept for the epoch."""
+    per call (`Route._own_lane`, `KernelPolicy.won_rows`), kept for the epoch."""
     unfused, fused = fused_model()
     ids = token_ids(batch=1, seq=5)
     table = Table("another model")
