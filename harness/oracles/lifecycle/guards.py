@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fusion import inspection
-from fusion.kernels.calibration import Entry, Table
+from fusion.kernels.calibration import Entry, Ratio, Table
 from fusion.kernels.policy import MAX_BUCKET, POLICY, row_bucket
 from harness.oracles.lifecycle.core import (
     Context,
@@ -151,15 +151,16 @@ def _guard_round_trip(ctx: Context) -> str:
     raise _NotApplicable("no guarded rewritten forward runs on these inputs")
 
 
-def _references_measured(model: nn.Module) -> Table:
+def _references_measured(model: nn.Module, winners_at: int | None = None) -> Table:
     """A calibration table in which every merged projection of `model` was measured, at
     every row bucket and this thread count, in every floating dtype, to run its reference
-    (no kernel won): what `fusion.calibrate` writes on a machine where fusion only costs."""
+    (no kernel won): what `fusion.calibrate` writes on a machine where fusion only costs.
+    `winners_at`: except at that row bucket, where the stacked GEMM won (`WON`)."""
     table = Table("lifecycle: every merged product measured to lose")
-    buckets = sorted({row_bucket(rows) for rows in range(1, MAX_BUCKET + 1)})
     for merged in inspection.merged_projections(model):
         for dtype in ("float32", "bfloat16", "float16", "float64"):
-            for bucket in buckets:
+            for bucket in _buckets():
+                won = bucket == winners_at
                 table.add(
                     Entry(
                         op="stacked",
@@ -167,12 +168,16 @@ def _references_measured(model: nn.Module) -> Table:
                         dtype=dtype,
                         rows=bucket,
                         threads=torch.get_num_threads(),
-                        median_us={"reference": 1.0},
-                        ratios={},
-                        rounds=0,
+                        median_us={"reference": 1.0, **({"stacked": 0.5} if won else {})},
+                        ratios={"stacked": WON} if won else {},
+                        rounds=9 if won else 0,
                     )
                 )
     return table
+
+
+WON = Ratio(2.0, 1.8, 2.2)
+"""A measurement no margin or spread can call anything but a win."""
 
 
 def _route(ctx: Context) -> str:
@@ -181,23 +186,60 @@ def _route(ctx: Context) -> str:
     their classes' originals on the fused state (`FusedForward.routed`; with no linear
     winning either, by the quiet lane, `KernelPolicy.quiet`, which the plain linears'
     forwards take too): the logits agree with the unfused model's, and at least one forward
-    took the route. The other checks
-    run with routes closed (`harness.runner.arch_check.check_model`), judging the rewrites."""
+    took the route. Then with every merged product measured to win only at a row bucket
+    the inputs never use (a calibration whose winners are a prompt's rows, seen by a
+    decode step): the routes are taken by that rule (`KernelPolicy.won_rows`), and the
+    logits agree again. The other checks run with routes closed
+    (`harness.runner.arch_check.check_model`), judging the rewrites."""
     if POLICY.mode != "measured":
         raise _NotApplicable(f"kernel policy mode {POLICY.mode!r}: routes are measured-mode only")
     fused = copy.deepcopy(ctx.fused)
     forwards = [f for f in inspection.fused_forwards(fused) if f.routed]
     if not forwards:
         raise _NotApplicable("no rewritten forward has a route (no merged projection it calls)")
+    taken = _taken_on(fused, forwards, ctx, _references_measured(fused))
+    if not taken:
+        raise _NotApplicable("no route taken on these inputs (hooks, or another input width)")
+    said = f"{taken} of the rewritten forwards' calls ran the original; logits agree"
+    used = {row_bucket(rows) for rows in _input_rows(ctx)}
+    unused = next((b for b in _buckets() if b not in used), None)
+    if unused is None:
+        return said
+    table = _references_measured(fused, winners_at=unused)
+    by_rows = _taken_on(fused, forwards, ctx, table)
+    if not by_rows:
+        raise _Failed(
+            f"with every merged product winning only at {unused} rows, which these inputs "
+            "never use, no rewritten forward took its route"
+        )
+    return f"{said}; winners only at {unused} rows: {by_rows} calls routed, logits agree"
+
+
+def _taken_on(fused: nn.Module, forwards: list, ctx: Context, table: Table) -> int:
+    """How many calls of `forwards` ran the original while `fused` computed the inputs with
+    routes open on `table` (the logits compared with the unfused model's)."""
+    before = sum(inspection.original_calls(f.module) for f in forwards)
     previous = POLICY.table
-    POLICY.set_table(_references_measured(fused))
+    POLICY.set_table(table)
     try:
         with POLICY.routing(True):
             got = _logits(fused, ctx)
     finally:
         POLICY.set_table(previous)
-    taken = sum(inspection.original_calls(f.module) for f in forwards)
-    if not taken:
-        raise _NotApplicable("no route taken on these inputs (hooks, or another input width)")
     _compare("logits on the route", got, ctx.unfused_logits, ctx.allowance)
-    return f"{taken} of the rewritten forwards' calls ran the original; logits agree"
+    return sum(inspection.original_calls(f.module) for f in forwards) - before
+
+
+def _input_rows(ctx: Context) -> set[int]:
+    """The row counts a projection of the model sees on the check's inputs (batch x
+    sequence of every tensor input of two or more dimensions)."""
+    return {
+        int(value.shape[0] * value.shape[1])
+        for value in ctx.inputs.values()
+        if isinstance(value, torch.Tensor) and value.dim() >= 2
+    }
+
+
+def _buckets() -> list[int]:
+    """Every row bucket a calibration table can hold, smallest first."""
+    return sorted({row_bucket(rows) for rows in range(1, MAX_BUCKET + 1)})
