@@ -147,25 +147,24 @@ class Route:
         if not policy.routes or policy.recording:
             return False
         x = args[0] if args else kwargs.get(self.first)
-        if (
-            self._laned
-            and (policy.lane or (policy.lane is None and policy.quiet()) or self._own_lane())
-            # an `auto` act-and-mul is on its reference only on a CPU (inline: a hot path)
-            and (not self._acts_on_cpu or (isinstance(x, torch.Tensor) and x.is_cpu))
-        ):
-            return not _any_hooked(self._watched)
+        won = None
+        # an `auto` act-and-mul is on its reference only on a CPU (inline: a hot path)
+        if self._laned and (not self._acts_on_cpu or (isinstance(x, torch.Tensor) and x.is_cpu)):
+            if policy.lane or (policy.lane is None and policy.quiet()):
+                return not _any_hooked(self._watched)
+            won = self._won_rows()
+            if won is not None and not won:  # its own lane: no winner for its shapes
+                return not _any_hooked(self._watched)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return False
         width = x.shape[-1]
         if width != self._width or not width:
             return False
-        if self._laned and (not self._acts_on_cpu or x.is_cpu):
-            # this call's own lane: nothing measured to win for its dtype and row bucket
-            # at any thread count (a calibration whose winners are the prompt's rows
-            # leaves the decode's one-row calls here, not on the per-call key below)
-            won = self._won_rows()
-            if won is not None and quiet_for(won, x, width):
-                return not _any_hooked(self._watched)
+        # this call's own lane: nothing measured to win for its dtype and row bucket at any
+        # thread count (a calibration whose winners are the prompt's rows leaves the
+        # decode's one-row calls here, not on the per-call key below)
+        if won is not None and quiet_for(won, x, width):
+            return not _any_hooked(self._watched)
         if self._idle():  # nothing any product could choose: no key to build
             for backend in self._act_backends:
                 if not ops.eager_reference(backend, x):
@@ -191,11 +190,6 @@ class Route:
             return False
         rows = x.numel() // self._width if self._width else 0
         return POLICY.traced_route(self._lane_keys, ops.dtype_name(x.dtype), rows)
-
-    def _own_lane(self) -> bool:
-        """This route's own quiet lane, where the process's is closed (winners measured for
-        other shapes): nothing measured to win for any of its merged products' shapes."""
-        return self._won_rows() == {}
 
     def _won_rows(self) -> dict[Any, frozenset[int]] | None:
         """`KernelPolicy.won_rows` of this route's products, kept for the policy's epoch (a

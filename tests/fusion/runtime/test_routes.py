@@ -262,7 +262,7 @@ def test_compiled_code_routes_by_answers_made_eagerly() -> None:
     for won in measured(fused, 1, "float32", stacked=WIN).entries.values():
         own.add(won)  # its own products win at one row: no lane of its own
     POLICY.set_table(own)
-    assert not route._own_lane()
+    assert route._won_rows()  # winners of its own: no lane of its own
     assert route.takes_original((x,), {}) and not route.takes_original((row,), {})
     assert torch.equal(compiled(x), x + 1)  # five rows: nothing won there
     assert torch.equal(compiled(row), row - 1)
@@ -521,7 +521,7 @@ def test_won_rows_are_the_buckets_won_at_any_thread_count() -> None:
 def test_winners_for_other_shapes_leave_each_route_its_own_lane(monkeypatch) -> None:
     """Another model calibrated on this machine closes the process's quiet lane; a route
     whose own products have no winner still takes its original without asking the policy
-    per call (`Route._own_lane`, `KernelPolicy.won_rows`), kept for the epoch."""
+    per call (`Route._won_rows` empty: `KernelPolicy.won_rows`), kept for the epoch."""
     unfused, fused = fused_model()
     ids = token_ids(batch=1, seq=5)
     table = Table("another model")
