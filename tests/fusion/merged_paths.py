@@ -1,6 +1,7 @@
 """Steer every merged projection down one path: its stacked product (`stacked_products`),
-the route around it (`measured_references`), or an injected fault (`inject`, tests of the
-oracles).
+the route around it (`measured_references`), the route by the row-bucket rule
+(`measured_elsewhere`), or an injected fault (`inject`, tests of the oracles). Each path
+is a context manager taking the model the block runs (only `measured_elsewhere` reads it).
 
 A fault is `fault(merged, x) -> tensor`, the concatenated output it claims. Every path of
 `MergedLinear.forward` (the concatenation, `pieces` that splits it, `outputs` that the GLU
@@ -15,7 +16,8 @@ from unittest import mock
 import pytest
 import torch
 
-from fusion.kernels.policy import POLICY
+from fusion.kernels.calibration import OPS, Entry, Ratio, Table
+from fusion.kernels.policy import MAX_BUCKET, POLICY
 from fusion.runtime import routes
 from fusion.runtime.merged import MergedLinear
 
@@ -32,7 +34,7 @@ def _stacked(op: str, shape: tuple[int, ...], dtype: str, rows: int, backend: st
 
 
 @contextmanager
-def stacked_products() -> Iterator[None]:
+def stacked_products(model: torch.nn.Module | None = None) -> Iterator[None]:
     """A block in which the kernel policy chooses the stacked product for every merged
     call (the path a kernel measured faster takes: one product on the stacked weight while
     the views hold and no gradient is recorded, its output split into pieces), compiled
@@ -51,7 +53,7 @@ def stacked_products() -> Iterator[None]:
 
 
 @contextmanager
-def measured_references() -> Iterator[None]:
+def measured_references(model: torch.nn.Module | None = None) -> Iterator[None]:
     """A block in which routes are open and every merged projection's product runs its
     reference (what an uncalibrated machine runs, or a table where nothing wins), so a
     rewritten forward whose kernels are all merged products runs its class's original
@@ -67,6 +69,59 @@ def measured_references() -> Iterator[None]:
             yield
     finally:
         POLICY.forget()
+
+
+ELSEWHERE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+WON = Ratio(2.0, 1.8, 2.2)
+
+
+def elsewhere_table(model: torch.nn.Module | None = None) -> Table:
+    """A table in which every product the policy watches (`KernelPolicy.own_wins`: each
+    fused forward's, made or copied in this process; only `model`'s where given: their
+    number grows with every model fused in the process, and each table is answered for all
+    of them) won, in every floating dtype, only at the largest row bucket (`MAX_BUCKET`), by
+    the first kernel its op has besides the reference that needs no build of its own (not
+    `native`: its entries name a build)."""
+    shapes = None
+    if model is not None:
+        shapes = {tuple(m.kernel_shape) for m in model.modules() if isinstance(m, MergedLinear)}
+        shapes |= {tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear}
+    table = Table("winners only at the largest row bucket")
+    for op, shape, _backend in list(POLICY.own_wins):
+        if shapes is not None and shape not in shapes:
+            continue
+        kernel = next(k for k in OPS[op] if k not in ("reference", "native"))
+        for dtype in ELSEWHERE_DTYPES:
+            table.add(
+                Entry(
+                    op=op,
+                    shape=shape,
+                    dtype=dtype,
+                    rows=MAX_BUCKET,
+                    threads=torch.get_num_threads(),
+                    median_us={"reference": 1.0, kernel: 0.5},
+                    ratios={kernel: WON},
+                    rounds=9,
+                )
+            )
+    return table
+
+
+@contextmanager
+def measured_elsewhere(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """A block in which routes are open and every watched product (of `model`, where given)
+    won only at a row bucket no test input reaches (`elsewhere_table`): the process's quiet
+    lane and each product's own are closed, so a rewritten forward or plain linear takes its
+    route by the row-bucket rule alone (`KernelPolicy.won_rows`: nothing won for the call's
+    dtype and row bucket), the path a calibrated machine's decode steps take when the
+    winners were the prompt's. The table in use before is put back on leaving."""
+    previous = POLICY.table
+    POLICY.set_table(elsewhere_table(model))
+    try:
+        with POLICY.routing(True):
+            yield
+    finally:
+        POLICY.set_table(previous)
 
 
 def stale_route(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:

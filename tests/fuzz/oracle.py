@@ -59,7 +59,7 @@ from fusion.kernels.policy import POLICY
 from fusion.report import FusionReport
 from fusion.runtime.checkpoint import unfused_named
 from harness.oracles.lifecycle import double_child, dtype_mismatch, guarded_children, output_dtypes
-from tests.fusion.merged_paths import measured_references, stacked_products
+from tests.fusion.merged_paths import measured_elsewhere, measured_references, stacked_products
 from tests.fuzz.comparisons import compare, same_state, state, structure
 from tests.fuzz.edits import Edit, EditSpec, patches, resolve
 from tests.fuzz.strategies import GeneratedModule
@@ -266,6 +266,9 @@ def check(generated: GeneratedModule, seed: int, directory: Path) -> Outcome:
         failure = failure or _stacked_failure(
             module, seed, *pristine, path=measured_references, label="on the route"
         )
+        failure = failure or _stacked_failure(
+            module, seed, *pristine, path=measured_elsewhere, label="on the row-bucket route"
+        )
         exact = all(applied.fuser in EXACT_FUSERS for applied in report.applied)
         failure = failure or _ambient_failure(module, seed, *pristine, exact_casts=exact)
         failure = failure or _premise_failure(module, seed, *pristine)
@@ -387,14 +390,16 @@ def _stacked_failure(
     seed: int,
     original: nn.Module,
     fused: nn.Module,
-    path: Callable[[], AbstractContextManager[None]] = stacked_products,
+    path: Callable[[nn.Module], AbstractContextManager[None]] = stacked_products,
     label: str = "with one stacked product",
 ) -> Failure | None:
     """The path a kernel measured faster takes, which the default policy (the reference:
     each shard's own product) never does: without autograd, every merged projection as one
     stacked product, its output split into pieces laid out as the rewrite asked (views,
     contiguous, fresh copies); or, with `path=measured_references`, the route a calibrated
-    machine takes where no kernel wins (the class's original forward on the fused state).
+    machine takes where no kernel wins (the class's original forward on the fused state);
+    or, with `path=measured_elsewhere`, the same route taken by the row-bucket rule (winners
+    only at rows the inputs never have, the process's quiet lane closed).
     Outputs and mutated inputs must agree with the unfused forward's; `module-parity` /
     `input-state` / `fused-forward-error` otherwise, the message (`label`) saying which
     path."""
@@ -407,7 +412,7 @@ def _stacked_failure(
     except Exception:
         return None  # the unfused forward needs autograd: nothing to compare
     try:
-        with torch.no_grad(), path():
+        with torch.no_grad(), path(fused_copy):
             actual = fused_copy(*args_fused, **kwargs_fused)
     except Exception as exc:
         return Failure(
@@ -674,6 +679,13 @@ def check_edit(generated: GeneratedModule, spec: EditSpec, seed: int, directory:
                 failure = failure or _stacked_failure(module, seed, *pristine)
                 failure = failure or _stacked_failure(
                     module, seed, *pristine, path=measured_references, label="on the route"
+                )
+                failure = failure or _stacked_failure(
+                    module,
+                    seed,
+                    *pristine,
+                    path=measured_elsewhere,
+                    label="on the row-bucket route",
                 )
                 failure = failure or _ambient_failure(module, seed, *pristine)
                 failure = _labelled(failure, label)
