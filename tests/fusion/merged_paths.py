@@ -124,15 +124,18 @@ def measured_elsewhere(model: torch.nn.Module | None = None) -> Iterator[None]:
         POLICY.set_table(previous)
 
 
-def stale_route(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
+def stale_route(
+    monkeypatch: pytest.MonkeyPatch, factor: float, *, off_the_lane: bool = False
+) -> None:
     """A fault only on the route (`fusion.runtime.routes`): whenever a rewritten forward takes its
     class's original, its merged projections' stacked weights (so their shards' Parameters,
-    views of it) are first scaled by `factor` (undone with `monkeypatch`)."""
+    views of it) are first scaled by `factor` (undone with `monkeypatch`). `off_the_lane`:
+    only where the process's quiet lane is closed (the row-bucket rule's routes)."""
     takes = routes.Route.takes_original
 
     def takes_with_stale_shards(self, args, kwargs):
         taken = takes(self, args, kwargs)
-        if taken:
+        if taken and not (off_the_lane and POLICY.lane is not False):
             with torch.no_grad():
                 for merged in self.merged:
                     merged.stacked_weight.mul_(factor)

@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.engine import apply
-from fusion.kernels.policy import POLICY
 from fusion.report import FusionReport
 from fusion.runtime import merged as modules
-from fusion.runtime import norm_forward, routes
+from fusion.runtime import norm_forward
 from fusion.runtime.merged import MergedLinear
 from tests.fusion import merged_paths
 from tests.fuzz.comparisons import relative_error
@@ -305,17 +304,7 @@ def test_the_row_bucket_route_is_judged(tmp_path: Path, monkeypatch: pytest.Monk
     """A fault only on the route taken by the row-bucket rule (the process's quiet lane
     closed by winners at rows the inputs never have: `KernelPolicy.won_rows`): the oracle's
     row-bucket pass finds it, the lane pass before it does not."""
-    takes = routes.Route.takes_original
-
-    def stale_off_the_lane(self, args, kwargs):
-        taken = takes(self, args, kwargs)
-        if taken and POLICY.lane is False:
-            with torch.no_grad():
-                for merged in self.merged:
-                    merged.stacked_weight.mul_(1.001)
-        return taken
-
-    monkeypatch.setattr(routes.Route, "takes_original", stale_off_the_lane)
+    merged_paths.stale_route(monkeypatch, 1.001, off_the_lane=True)
     outcome = check(ATTENTION, 0, tmp_path)
     assert outcome.failure is not None and outcome.failure.kind == "module-parity", outcome
     assert "on the row-bucket route" in outcome.failure.message

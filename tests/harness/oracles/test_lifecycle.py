@@ -356,23 +356,12 @@ def test_the_route_by_row_bucket_is_checked(llama, llama_inputs, monkeypatch):
     process's quiet lane closed: the routes are taken by the row-bucket rule,
     `KernelPolicy.won_rows`) and compares it: a fault only there (the shards' weights off
     by 1% whenever a route is taken with the lane closed) fails it."""
-    from fusion.kernels.policy import POLICY
-    from fusion.runtime import routes
+    from tests.fusion import merged_paths
 
     result = _run(llama, llama_inputs, fusion.fuse)
     assert _verdicts(result)["route"] == "pass"
     assert "winners only at" in str(result.lifecycle["route"])
-    takes = routes.Route.takes_original
-
-    def stale_off_the_lane(self, args, kwargs):
-        taken = takes(self, args, kwargs)
-        if taken and POLICY.lane is False:
-            with torch.no_grad():
-                for merged in self.merged:
-                    merged.stacked_weight.mul_(1.01)
-        return taken
-
-    monkeypatch.setattr(routes.Route, "takes_original", stale_off_the_lane)
+    merged_paths.stale_route(monkeypatch, 1.01, off_the_lane=True)
     result = _run(llama, llama_inputs, fusion.fuse)
     assert _verdicts(result)["route"] == "fail", result.lifecycle["route"]
 
