@@ -239,7 +239,7 @@ class KernelPolicy:
 
     def watch_lane(self, op: str, shape: tuple[int, ...], backend: str) -> tuple:
         """Watch the product `op` at `shape` under `backend` (`own_wins`, unanswered until
-        `answer_lanes` or `lane_of`); returns its key. Reads nothing: safe in a
+        `answer_lanes` or `won_rows`); returns its key. Reads nothing: safe in a
         constructor."""
         key = (op, tuple(int(n) for n in shape), backend)
         self.own_wins.setdefault(key, None)
@@ -254,15 +254,6 @@ class KernelPolicy:
         """Is `key`'s own quiet lane answered open (nothing measured to win for its shape:
         `own_wins` empty)? Reads the answers only."""
         return self.own_wins.get(key) == NO_WINS
-
-    def lane_of(self, key: tuple[str, tuple[int, ...], str]) -> bool:
-        """`idle_for` of a key (watched from now on where it was not), answered where it
-        was not (not while recording). Eager forwards keep `won_rows` for the epoch instead,
-        which also answers per dtype and row bucket."""
-        wins = self.own_wins.get(key)
-        if wins is None:
-            wins = self._answer_lane(key)
-        return wins == NO_WINS and not self.recording
 
     def won_rows(
         self, keys: tuple[tuple[str, tuple[int, ...], str], ...]

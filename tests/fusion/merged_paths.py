@@ -9,6 +9,7 @@ rewrite takes) goes through `outputs`, so all of them then compute the fault."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -16,10 +17,11 @@ from unittest import mock
 import pytest
 import torch
 
-from fusion.kernels.calibration import OPS, Entry, Ratio, Table
+from fusion.kernels.calibration import OPS, Table
 from fusion.kernels.policy import MAX_BUCKET, POLICY
 from fusion.runtime import routes
 from fusion.runtime.merged import MergedLinear
+from tests.fusion.policy_tables import WIN, entry
 
 Fault = Callable[[MergedLinear, torch.Tensor], torch.Tensor]
 
@@ -72,7 +74,6 @@ def measured_references(model: torch.nn.Module | None = None) -> Iterator[None]:
 
 
 ELSEWHERE_DTYPES = ("float32", "bfloat16", "float16", "float64")
-WON = Ratio(2.0, 1.8, 2.2)
 
 
 def elsewhere_table(model: torch.nn.Module | None = None) -> Table:
@@ -81,30 +82,20 @@ def elsewhere_table(model: torch.nn.Module | None = None) -> Table:
     number grows with every model fused in the process, and each table is answered for all
     of them) won, in every floating dtype, only at the largest row bucket (`MAX_BUCKET`), by
     the first kernel its op has besides the reference that needs no build of its own (not
-    `native`: its entries name a build)."""
+    `native`)."""
     shapes = None
     if model is not None:
         shapes = {tuple(m.kernel_shape) for m in model.modules() if isinstance(m, MergedLinear)}
         shapes |= {tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear}
-    table = Table("winners only at the largest row bucket")
+    won = Table("winners only at the largest row bucket")
     for op, shape, _backend in list(POLICY.own_wins):
         if shapes is not None and shape not in shapes:
             continue
         kernel = next(k for k in OPS[op] if k not in ("reference", "native"))
+        one = entry(op, shape, MAX_BUCKET, **{kernel: WIN})
         for dtype in ELSEWHERE_DTYPES:
-            table.add(
-                Entry(
-                    op=op,
-                    shape=shape,
-                    dtype=dtype,
-                    rows=MAX_BUCKET,
-                    threads=torch.get_num_threads(),
-                    median_us={"reference": 1.0, kernel: 0.5},
-                    ratios={kernel: WON},
-                    rounds=9,
-                )
-            )
-    return table
+            won.add(dataclasses.replace(one, dtype=dtype))
+    return won
 
 
 @contextmanager

@@ -206,13 +206,13 @@ def test_watched_own_lanes_are_answered_outside_a_trace_and_read_inside() -> Non
         assert POLICY.own_lane(key) == POLICY.idle_for(*key)
     assert POLICY.traced_own_lane((theirs,)) and not POLICY.traced_own_lane((theirs, mine))
     with POLICY.recording_asks():
-        assert not POLICY.traced_own_lane((theirs,)) and not POLICY.lane_of(theirs)
+        assert not POLICY.traced_own_lane((theirs,))
     with POLICY.routing(False):
         assert not POLICY.traced_own_lane((theirs,))
     POLICY._table = None
     POLICY.forget()
     assert POLICY.own_wins == {mine: None, theirs: None}
-    assert POLICY.lane_of(theirs) and POLICY.own_lane(theirs)  # loads, answers
+    assert POLICY.won_rows((theirs,)) == {} and POLICY.own_lane(theirs)  # loads, answers
     POLICY.reset()
     assert POLICY.own_wins == {}
 
