@@ -23,6 +23,7 @@ Contracts:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from fusion.analysis.source import method_source
 # Every import of fusion's internals, in one block (the layout move rewrites these paths).
 from fusion.fusers import registry
 from fusion.fusers.moe.experts import experts_child
+from fusion.kernels.policy import POLICY
 from fusion.runtime.bound import BoundForward
 from fusion.runtime.checkpoint import fused_names, unfused_named
 from fusion.runtime.experts import FusedExperts
@@ -47,6 +49,7 @@ __all__ = [
     "FusedForward",
     "GuardCheck",
     "MergedProjection",
+    "counting_routes",
     "fused_forward",
     "fused_forwards",
     "fused_names",
@@ -173,9 +176,17 @@ def guard_failures(module: nn.Module) -> int:
 
 def original_calls(module: nn.Module) -> int:
     """How many calls of `module`'s rewritten forward took its measured route to the class's
-    original (live; 0 where `module` has no rewrite)."""
+    original while routes were counted (`counting_routes`; live; 0 where `module` has no
+    rewrite)."""
     forward = module.__dict__.get("forward")
     return forward.original_calls if isinstance(forward, BoundForward) else 0
+
+
+def counting_routes() -> AbstractContextManager[None]:
+    """A block in which every call a fused forward sends to its class's original by a
+    route is counted (`original_calls`). Off outside one: the count costs a frame on the
+    hottest path of a decode step (`KernelPolicy.counting`)."""
+    return POLICY.counting_routes()
 
 
 def merged_projections(model: nn.Module) -> list[MergedProjection]:

@@ -107,6 +107,18 @@ def quiet_for(won: dict[Any, frozenset[int]], x: torch.Tensor, width: int) -> bo
     return not 1 <= rows <= MAX_BUCKET or (1 << (rows - 1).bit_length()) not in buckets
 
 
+def in_row_lane(lane: dict[Any, int] | None, x: torch.Tensor, width: int) -> bool:
+    """Is a call on `x` (a tensor whose rows are `width` wide) in the row-bucket lane
+    `lane` (`KernelPolicy.row_lane`): its dtype absent, or its row bucket below the
+    smallest winning one (`2 * rows <= bound`, the buckets being powers of two)? Rows
+    past every bucket also run the reference, but are left to the per-call rule. Its hot
+    callers spell this out inline; a test holds them to it."""
+    if lane is None:
+        return False
+    bound = lane.get(x.dtype)
+    return bound is None or 2 * x.numel() <= bound * width
+
+
 def allowed(op: str, backend: str) -> tuple[str, ...]:
     """The kernels of `op` that `backend` allows, reference first. A pinned backend's tuple
     is its own kernel alone (see `pinned`)."""
@@ -155,6 +167,27 @@ class KernelPolicy:
     where the table is loaded): a plain attribute, for the fused forwards of the lane's
     backends to read before anything else."""
 
+    counting: bool = False
+    """While set (`counting_routes`), every call a fused forward sends to its class's
+    original by a route is counted in that forward's `original_calls`. Off by default:
+    outside a trace the count needs a call to ask whether Dynamo traces (it must not guard
+    on a count), and on a decode step that frame, run from the caches a GEMV has just
+    emptied, is most of what a routed call costs over the unfused one."""
+    row_lane: dict[Any, int] | None = None
+    """The process's row-bucket lane, answered with `lane` (`quiet`): by input dtype (a
+    `torch.dtype` where the table's name is one), the smallest row bucket at which a kernel
+    other than the reference won, at any thread count, in any entry of the table for a
+    plain or merged linear under a lane backend (`LANE_BACKENDS`); {} in the `reference`
+    mode, None in the `eligible` mode and until answered. A call of a dtype absent from
+    it, or whose rows `r` satisfy `2 * r <= bound`, runs the reference of every product of
+    a lane backend, whatever its shape and the thread count (`in_row_lane`): the buckets
+    are powers of two, so `row_bucket(r)` is below the smallest winning bucket exactly
+    there. Read from the table, not from the products a process watches, so a product
+    made later (a copy, another model) is covered as the quiet lane covers it. A fused
+    forward reads it first where the quiet lane is closed by winners at other rows (a
+    calibration whose winners are the prompt's, seen by the decode's one-row calls), alike
+    eager and traced (it implies `traced_route` for every product of a lane backend:
+    Dynamo guards what it read, so a new table recompiles)."""
     own_wins: dict[tuple[str, tuple[int, ...], str], frozenset[tuple[str, int]] | str | None] = (
         field(default_factory=dict)
     )
@@ -186,7 +219,25 @@ class KernelPolicy:
                 for op in ("linear", "stacked")
                 for backend in LANE_BACKENDS
             )
+            self.row_lane = self._row_lane()
         return lane
+
+    def _row_lane(self) -> dict[Any, int] | None:
+        """`row_lane`, computed from the mode and the table."""
+        if self.mode == "reference":
+            return {}
+        if self.mode != "measured":
+            return None
+        lowest: dict[Any, int] = {}
+        for entry in self.table.entries.values():
+            if entry.op not in ("linear", "stacked") or not any(
+                _best(entry, allowed(entry.op, backend)) != "reference" for backend in LANE_BACKENDS
+            ):
+                continue
+            named = getattr(torch, entry.dtype, None)
+            dtype = named if isinstance(named, torch.dtype) else entry.dtype
+            lowest[dtype] = min(lowest.get(dtype, entry.rows), entry.rows)
+        return lowest
 
     def traced_lane(self) -> bool:
         """While Dynamo traces: may a fused forward of a lane backend trace its class's
@@ -314,6 +365,7 @@ class KernelPolicy:
         self.idle_answers.clear()
         self.epoch = object()
         self.lane = None
+        self.row_lane = None
         if self._table is not None:
             # answered now, where that reads no file: compiled code only reads the answer
             # (`traced_lane`), and a model compiled on the lane finds it again after a
@@ -332,6 +384,7 @@ class KernelPolicy:
         self.asked.clear()
         self.recording = False
         self.routes = True
+        self.counting = False
         self.own_wins.clear()
 
     @contextmanager
@@ -342,6 +395,15 @@ class KernelPolicy:
             yield
         finally:
             self.routes = previous
+
+    @contextmanager
+    def counting_routes(self) -> Iterator[None]:
+        """A block in which routed calls are counted (`counting`), then as before."""
+        previous, self.counting = self.counting, True
+        try:
+            yield
+        finally:
+            self.counting = previous
 
     def routes_open(self) -> bool:
         """May a rewritten forward take its route now: routes enabled and no asks being

@@ -36,7 +36,8 @@ names are left to Dynamo's own guards on the globals it reads.
 Routes (`fusion.runtime.routes`): where every kernel the rewrite could choose for a call
 runs its reference (nothing measured to win here, or measured to lose), the call runs that
 forward too, before any guard is checked (the original needs none), counted in
-`original_calls`.
+`original_calls` while routes are counted (`KernelPolicy.counting_routes`: a count costs a
+frame on the hottest path).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from torch import nn
 from fusion.analysis import source
 from fusion.analysis.callpath import FUSION_INSTALLED
 from fusion.errors import RewriteRefused
+from fusion.kernels.policy import POLICY
 from fusion.runtime import routes
 from fusion.runtime.guards import (
     ChildGuard,
@@ -101,7 +103,8 @@ class BoundForward:
         self.last_failure: str | None = None
         self.original_calls = 0
         """Calls that ran the class's original forward by the route (`fusion.runtime.routes`):
-        every kernel the rewrite could choose measured slower here for the call."""
+        every kernel the rewrite could choose measured slower here for the call; counted
+        only while routes are counted (`KernelPolicy.counting_routes`)."""
         self.call = rewrap(self.class_forward, fn)
         # The class's own signature (the rewrite keeps the parameters, minus annotations).
         signature = inspect.signature(inspect.unwrap(self.class_forward))
@@ -112,20 +115,60 @@ class BoundForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        laned = self._laned
+        if laned is not None:
+            # `Route.takes_original`'s first block (the process's lanes), spelled out: on a
+            # decode step nearly every call of a model nobody calibrated, or calibrated for
+            # its prompt's rows, ends here, and each frame runs from the caches a
+            # weight-streaming GEMV has just emptied (one frame per fused forward is what
+            # remains over the unfused model: docs/benchmarks.md). A test holds this copy
+            # to the method.
+            policy = POLICY
+            if policy.routes and not policy.recording:
+                x = args[0] if args else kwargs.get(laned.first)
+                tensor = isinstance(x, torch.Tensor)
+                width = laned._width
+                lane = policy.row_lane
+                if (
+                    policy.lane is True
+                    or (
+                        tensor
+                        and lane is not None
+                        and x.dim()
+                        and x.shape[-1] == width
+                        and ((bound := lane.get(x.dtype)) is None or 2 * x.numel() <= bound * width)
+                    )
+                ) and (not laned._acts_on_cpu or (tensor and x.is_cpu)):
+                    for watched in laned._watched:
+                        state = watched.__dict__  # `callpath.HOOK_ATTRS`, inline
+                        if (
+                            state.get("_forward_hooks")
+                            or state.get("_forward_pre_hooks")
+                            or state.get("_backward_hooks")
+                            or state.get("_backward_pre_hooks")
+                        ):
+                            break
+                    else:
+                        if policy.counting and not torch.compiler.is_dynamo_compiling():
+                            self.original_calls += 1
+                        return type(module).forward(module, *args, **kwargs)
         route = self._route
         if route is not None and route.takes_original(args, kwargs):
-            # Dynamo must not count (it would guard on the count); `is_dynamo_compiling`
-            # is one frame where `is_compiling` is two, on the hottest path
-            if not torch.compiler.is_dynamo_compiling():
-                self.original_calls += 1
-            # what calling the unfused module runs now: its current class's forward
-            return type(module).forward(module, *args, **kwargs)
+            return self._routed(module, args, kwargs)
         reason = self.failure()
         if reason is None:
             return self.call(module, *args, **kwargs)
         if not torch.compiler.is_compiling():
             self.guard_failures += 1
             self.last_failure = reason
+        return type(module).forward(module, *args, **kwargs)
+
+    def _routed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call on the route: what calling the unfused module runs now, its current
+        class's forward; counted where routes are counted (`KernelPolicy.counting`: never
+        while Dynamo traces, which would guard on the count)."""
+        if POLICY.counting and not torch.compiler.is_dynamo_compiling():
+            self.original_calls += 1
         return type(module).forward(module, *args, **kwargs)
 
     @property
@@ -142,6 +185,8 @@ class BoundForward:
             norm_route = routes.norm_route_of(self.module, self.norm_sites, self.class_forward)
             route = norm_route if route is None else None
         self._route = route
+        self._laned = route if isinstance(route, routes.Route) and route._laned else None
+        """The route whose lane block `__call__` spells out (a route of lane backends)."""
 
     def failure(self) -> str | None:
         """Why the rewrite may not run now (a guard that no longer holds), or None: the

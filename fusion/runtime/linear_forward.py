@@ -106,8 +106,18 @@ class LinearForward:
         # the process's lane first, read alike eager and traced (`KernelPolicy.traced_lane`),
         # so the common call asks nobody whether Dynamo traces (two frames, cold on a
         # decode step)
-        if self.laned and policy.lane is True and policy.routes and not policy.recording:
-            return type(module).forward(module, *args, **kwargs)
+        if self.laned and policy.routes and not policy.recording:
+            if policy.lane is True:
+                return type(module).forward(module, *args, **kwargs)
+            # the process's row-bucket lane (`KernelPolicy.row_lane`, `in_row_lane`
+            # inline), likewise alike eager and traced
+            lane = policy.row_lane
+            if lane is not None and len(args) == 1 and not kwargs:
+                x = args[0]
+                if isinstance(x, torch.Tensor) and x.dim():
+                    bound = lane.get(x.dtype)
+                    if bound is None or 2 * x.numel() <= bound * x.shape[-1]:
+                        return type(module).forward(module, *args, **kwargs)
         if self.laned and (
             (policy.traced_lane() or policy.traced_own_lane(self._lane_keys()))
             if torch.compiler.is_compiling()

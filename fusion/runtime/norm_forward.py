@@ -108,7 +108,8 @@ class NormForward:
         self.guard_failures = 0
         self.last_failure: str | None = None
         self.original_calls = 0
-        """Calls that ran the class's original forward by the route (the module docstring)."""
+        """Calls that ran the class's original forward by the route (the module docstring),
+        while routes are counted (`KernelPolicy.counting_routes`)."""
         self.disabled: str | None = None
         """Set when an unpickled forward cannot be trusted: every call runs the original."""
         signature = inspect.signature(inspect.unwrap(self.cls.forward))
@@ -208,9 +209,9 @@ class NormForward:
             and (backend == "torch" or (backend == "auto" and x.is_cpu))
         ):
             module = self.module
-            # Dynamo must not count (it would guard on the count); `is_dynamo_compiling`
-            # is one frame where `is_compiling` is two, on the hottest path
-            if not torch.compiler.is_dynamo_compiling():
+            # counted only where asked (`KernelPolicy.counting`), and never while Dynamo
+            # traces (it would guard on the count): the question is a frame
+            if POLICY.counting and not torch.compiler.is_dynamo_compiling():
                 self.original_calls += 1
             return type(module).forward(module, x)
         compiling = torch.compiler.is_compiling()

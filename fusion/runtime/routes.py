@@ -42,7 +42,7 @@ from torch import get_num_threads, nn
 
 from fusion.analysis.callpath import HOOK_ATTRS
 from fusion.kernels import ops
-from fusion.kernels.policy import LANE_BACKENDS, POLICY, quiet_for
+from fusion.kernels.policy import LANE_BACKENDS, POLICY, in_row_lane, quiet_for
 from fusion.runtime.guards import ChildGuard, Guard
 from fusion.runtime.merged import ActAndMul, MergedLinear
 from fusion.runtime.norm_forward import NormForward
@@ -115,22 +115,24 @@ class Route:
         bucket at any thread count), send the call to the original before the per-call key
         is built."""
         policy = POLICY
-        if policy.lane is True and policy.routes and not policy.recording and self._laned:
-            # the process's quiet lane, read first and alike eager and traced (it is
-            # `KernelPolicy.traced_lane`: Dynamo guards the three attributes): no call to
-            # ask whether Dynamo traces, and the hooks read inline, since on a decode step
-            # each frame here runs from the caches a GEMV has just emptied (the installed
-            # forwards' checks measured 2-3% of a SmolLM2 token: docs/benchmarks.md)
-            if self._acts_on_cpu:
-                x = args[0] if args else kwargs.get(self.first)
-                if not (isinstance(x, torch.Tensor) and x.is_cpu):
+        if self._laned and policy.routes and not policy.recording:
+            # the process's lanes, read first and alike eager and traced: the quiet lane
+            # (`KernelPolicy.traced_lane`: Dynamo guards the three attributes) or the
+            # row-bucket lane (`KernelPolicy.row_lane`, implying `traced_route`): no call
+            # to ask whether Dynamo traces, and the hooks read inline, since on a decode
+            # step each frame here runs from the caches a GEMV has just emptied (the
+            # installed forwards' checks measured 2-3% of a SmolLM2 token:
+            # docs/benchmarks.md). `BoundForward.__call__` spells this block out inline.
+            x = args[0] if args else kwargs.get(self.first)
+            if policy.lane is True or (
+                isinstance(x, torch.Tensor)
+                and x.dim()
+                and x.shape[-1] == self._width
+                and in_row_lane(policy.row_lane, x, self._width)
+            ):
+                if self._acts_on_cpu and not (isinstance(x, torch.Tensor) and x.is_cpu):
                     return False
-            for module in self._watched:
-                state = module.__dict__
-                for attr in HOOK_ATTRS:
-                    if state.get(attr):
-                        return False
-            return True
+                return not _any_hooked(self._watched)
         if torch.compiler.is_compiling():
             # compiled code routes on a quiet lane, the process's or its own, or where
             # nothing was measured to win for this call's dtype and row bucket, all

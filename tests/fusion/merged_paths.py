@@ -20,6 +20,7 @@ import torch
 from fusion.kernels.calibration import OPS, Table
 from fusion.kernels.policy import MAX_BUCKET, POLICY
 from fusion.runtime import routes
+from fusion.runtime.bound import BoundForward
 from fusion.runtime.merged import MergedLinear
 from tests.fusion.policy_tables import WIN, entry
 
@@ -122,14 +123,20 @@ def stale_route(
     class's original, its merged projections' stacked weights (so their shards' Parameters,
     views of it) are first scaled by `factor` (undone with `monkeypatch`). `off_the_lane`:
     only where the process's quiet lane is closed (the row-bucket rule's routes)."""
-    takes = routes.Route.takes_original
+    call = BoundForward.__call__
 
-    def takes_with_stale_shards(self, args, kwargs):
-        taken = takes(self, args, kwargs)
-        if taken and not (off_the_lane and POLICY.lane is not False):
+    def call_with_stale_shards(self, *args, **kwargs):
+        # asked of the rule (`Route.takes_original`), so the route is faulted whichever
+        # copy of it takes the call (`BoundForward.__call__` spells its lane block out)
+        route = self._route
+        if (
+            isinstance(route, routes.Route)
+            and route.takes_original(args, kwargs)
+            and not (off_the_lane and POLICY.lane is not False)
+        ):
             with torch.no_grad():
-                for merged in self.merged:
+                for merged in route.merged:
                     merged.stacked_weight.mul_(factor)
-        return taken
+        return call(self, *args, **kwargs)
 
-    monkeypatch.setattr(routes.Route, "takes_original", takes_with_stale_shards)
+    monkeypatch.setattr(BoundForward, "__call__", call_with_stale_shards)

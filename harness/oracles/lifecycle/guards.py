@@ -222,7 +222,7 @@ def _taken_on(fused: nn.Module, forwards: list, ctx: Context, table: Table) -> i
     previous = POLICY.table
     POLICY.set_table(table)
     try:
-        with POLICY.routing(True):
+        with POLICY.routing(True), POLICY.counting_routes():
             got = _logits(fused, ctx)
     finally:
         POLICY.set_table(previous)

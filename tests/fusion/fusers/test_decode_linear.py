@@ -439,3 +439,22 @@ def test_compiled_under_other_shapes_winners_a_linear_traces_its_class_forward(
         targets.clear()
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
         assert any("fusion.linear_product" in t for t in targets), targets
+
+
+def test_a_call_in_the_row_lane_asks_nothing_of_its_own(monkeypatch) -> None:
+    """Where the process's row-bucket lane holds the call (`KernelPolicy.row_lane`: every
+    watched product's winners are at more rows), a linear runs its class forward before
+    its own answers (`_quiet_call`) are read; past the lane it reads them."""
+    model = _model()
+    fusion.fuse(model)
+    POLICY.set_table(table(entry("linear", (64, 48), 8, native=WIN)))
+    assert POLICY.row_lane == {torch.float32: 8}
+    own = []
+    real = LinearForward._quiet_call
+    monkeypatch.setattr(LinearForward, "_quiet_call", lambda s, a: own.append(1) or real(s, a))
+    one, eight = torch.randn(1, 48), torch.randn(8, 48)
+    with torch.no_grad(), POLICY.routing(True):
+        assert torch.equal(model[0](one), F.linear(one, model[0].weight, model[0].bias))
+        assert own == []
+        model[0](eight)
+        assert own == [1]

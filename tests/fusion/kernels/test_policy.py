@@ -261,3 +261,64 @@ def test_own_wins_are_the_dtype_and_row_buckets_anything_won_for() -> None:
             assert not POLICY.traced_route((key,), "float32", 16)
     with POLICY.routing(False):
         assert not POLICY.traced_route((key,), "float32", 16)
+
+
+def test_the_row_lane_is_the_smallest_bucket_won_per_dtype_in_the_table() -> None:
+    """`row_lane`: per torch dtype, the smallest row bucket any linear or stacked entry
+    of the table won at under a lane backend, at any thread count, whatever the shape,
+    answered with the quiet lane; {} in the `reference` mode, None in the `eligible` mode.
+    `in_row_lane` is exactly "the call's row bucket is below it" (or no winner for its
+    dtype), checked against `row_bucket` for every row count up to the largest bucket
+    (past it: not in the lane)."""
+    other = (64, 32, 32, 256)
+    bf16_elsewhere = dataclasses.replace(
+        entry("stacked", other, 4, native=WIN),
+        dtype="bfloat16",
+        threads=torch.get_num_threads() + 1,
+    )
+    POLICY.set_table(
+        table(
+            entry("stacked", SHAPE, 8, native=WIN),
+            entry("linear", (8, 8), 64, native=WIN),
+            entry("stacked", other, 2, native=LOSS),  # measured, lost: no winner
+            entry("experts", (4, 16, 8, 2), 1, native=WIN),  # not a lane's op
+            bf16_elsewhere,
+        )
+    )
+    lane = POLICY.row_lane
+    assert POLICY.lane is False and lane == {torch.float32: 8, torch.bfloat16: 4}
+    width = 3
+    for rows in range(0, policy.MAX_BUCKET + 3):
+        x = torch.zeros(rows, width)
+        bucket = row_bucket(rows)
+        # past the largest bucket the reference runs too, but the lane leaves those
+        # calls to the per-call rule (no prompt that long is a decode step)
+        assert policy.in_row_lane(lane, x, width) == (bucket < 8 and rows <= 4), rows
+    assert policy.in_row_lane(lane, torch.zeros(1, 2, width, dtype=torch.bfloat16), width)
+    assert not policy.in_row_lane(lane, torch.zeros(3, width, dtype=torch.bfloat16), width)
+    assert policy.in_row_lane(lane, torch.zeros(300, width, dtype=torch.float16), width)
+    assert not policy.in_row_lane(None, torch.zeros(1, 3), 3)
+    POLICY.forget()
+    assert POLICY.row_lane == lane  # answered again with the lane
+    only_torch = entry("stacked", SHAPE, 2, stacked=WIN)  # a kernel `backend="torch"` allows
+    POLICY.set_table(table(only_torch))
+    assert POLICY.row_lane == {torch.float32: 2}
+    with POLICY.override("eligible"):
+        assert POLICY.quiet() is False and POLICY.row_lane is None
+    with POLICY.override("reference"):
+        assert POLICY.quiet() and POLICY.row_lane == {}  # nothing may win: every call
+    POLICY.reset()
+    assert POLICY.row_lane is None
+
+
+def test_routes_are_counted_only_inside_counting_routes() -> None:
+    assert not POLICY.counting
+    with POLICY.counting_routes():
+        assert POLICY.counting
+        with POLICY.counting_routes():
+            pass
+        assert POLICY.counting
+    assert not POLICY.counting
+    POLICY.counting = True
+    POLICY.reset()
+    assert not POLICY.counting

@@ -14,6 +14,7 @@ import torch
 
 import fusion
 from fusion.errors import RewriteRefused
+from fusion.kernels.policy import POLICY
 from fusion.runtime.bound import BoundForward, _rebuild, rebind_installed, rewrap
 from tests.fusion.merged_paths import measured_references
 from tests.fusion.tiny_models import tiny_model, token_ids
@@ -248,7 +249,7 @@ def test_the_route_runs_the_current_class_forward() -> None:
     for model in (unfused, fused):
         model.model.layers[0].self_attn.__class__ = swapped
     ids = token_ids()
-    with measured_references():
+    with measured_references(), POLICY.counting_routes():
         want, got, forward = _attention_logits(unfused, fused, ids)
     assert forward.original_calls >= 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

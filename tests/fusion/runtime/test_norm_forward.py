@@ -240,13 +240,13 @@ def test_on_the_route_every_norm_runs_its_original_and_the_residual_adds_stay_ap
             lambda *a, _real=real, _name=name: kernels.append(_name) or _real(*a),
         )
     ids = token_ids(batch=1, seq=5)
-    with torch.no_grad(), POLICY.routing(True):
+    with torch.no_grad(), POLICY.routing(True), POLICY.counting_routes():
         assert torch.equal(fused(ids).logits, unfused(ids).logits)
     forwards = _norm_forwards(fused)
     assert forwards and all(f.original_calls > 0 for f in forwards)
     assert not kernels and all(f.guard_failures == 0 for f in forwards)
     taken = sum(f.original_calls for f in forwards)
-    with torch.no_grad(), POLICY.routing(False):
+    with torch.no_grad(), POLICY.routing(False), POLICY.counting_routes():
         fused(ids)
     assert sum(f.original_calls for f in forwards) == taken
     assert set(kernels) == {"norm_kernel", "norm_pair_kernel"}

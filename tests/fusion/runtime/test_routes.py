@@ -28,7 +28,9 @@ from tests.fusion.tiny_models import tiny_model, token_ids
 
 @pytest.fixture(autouse=True)
 def _routes_open():
-    with POLICY.routing(True):
+    # counted, so every test here can read `original_calls` (what counting costs and
+    # what it leaves uncounted: `test_routes_are_counted_only_where_asked`)
+    with POLICY.routing(True), POLICY.counting_routes():
         yield
 
 
@@ -543,3 +545,89 @@ def test_winners_for_other_shapes_leave_each_route_its_own_lane(monkeypatch) -> 
     )
     forward(fused, ids)
     assert calls(fused)[0] == len(bound_forwards(fused))  # no route more: the rewrites ran
+
+
+def _spied(monkeypatch) -> list[int]:
+    """Every call `Route.takes_original` answers, appended as 1 (the rule asked: the
+    inline lane block of `BoundForward.__call__` did not take the call)."""
+    asked: list[int] = []
+    rule = routes.Route.takes_original
+    monkeypatch.setattr(
+        routes.Route, "takes_original", lambda self, a, k: asked.append(1) or rule(self, a, k)
+    )
+    return asked
+
+
+def test_the_inline_lane_block_is_the_rules_first_block(monkeypatch) -> None:
+    """`BoundForward.__call__` spells out `Route.takes_original`'s lane block: where the
+    quiet lane is open or the call's rows are in the row-bucket lane, every rewritten
+    forward runs its original without asking the rule, and the rule, asked of the same
+    call, says the same; where a hook is on a merged child, routes are closed, or the rows
+    are past the lane, the rule is asked (and decides). Logits equal the unfused model's
+    on every path."""
+    unfused, fused = fused_model()
+    n = len(bound_forwards(fused))
+    one, eight = token_ids(batch=1, seq=1), token_ids(batch=1, seq=8)
+    asked = _spied(monkeypatch)
+
+    def run(ids: torch.Tensor) -> tuple[int, int]:
+        before, asked[:] = calls(fused)[0], []
+        assert torch.equal(forward(fused, ids), forward(unfused, ids))
+        return calls(fused)[0] - before, len(asked)
+
+    assert POLICY.lane is True and run(eight) == (n, 0)  # the quiet lane: inline
+    handle = merged_modules(fused)[0].register_forward_hook(lambda *a: None)
+    assert run(one) == (n - 1, 1)  # the hooked one asks the rule, which keeps the rewrite
+    handle.remove()
+    with POLICY.routing(False):
+        assert run(one) == (0, n)
+    POLICY.set_table(measured(fused, 8, "float32", stacked=WIN))  # the prompt's rows won
+    assert POLICY.lane is False and POLICY.row_lane == {torch.float32: 8}
+    assert run(one) == (n, 0)  # a decode step: the row-bucket lane, inline
+    assert run(token_ids(batch=1, seq=4)) == (n, 0)  # bucket 4, below 8
+    assert run(eight) == (0, n)  # the winners' bucket: the rule runs the rewrite
+    with POLICY.recording_asks():
+        assert run(one) == (0, n)
+    fused.to(torch.bfloat16)
+    unfused.to(torch.bfloat16)
+    assert run(eight) == (n, 0)  # no bfloat16 winner: every row count
+    # the rule, asked directly, agrees with each call the inline block took
+    route = bound_forwards(fused)[0]._route
+    x = torch.randn(1, 1, route.merged[0].in_features, dtype=torch.bfloat16)
+    assert route.takes_original((x,), {})
+
+
+def test_the_inline_hook_check_reads_every_hook_attribute() -> None:
+    """The inline lane block names the hook dicts one by one: they must be
+    `callpath.HOOK_ATTRS`, all of them."""
+    import inspect as inspect_module
+
+    from fusion.analysis.callpath import HOOK_ATTRS
+
+    source = inspect_module.getsource(bound.BoundForward.__call__)
+    assert all(f'state.get("{attr}")' in source for attr in HOOK_ATTRS)
+    assert set(HOOK_ATTRS) <= set(vars(torch.nn.Linear(1, 1)))
+
+
+def test_routes_are_counted_only_where_asked() -> None:
+    """Outside `counting_routes` a routed call is not counted (the count costs a frame on
+    the hottest path); the result is the same either way."""
+    unfused, fused = fused_model()
+    ids = token_ids(batch=1, seq=5)
+    POLICY.counting = False  # this module's fixture counts: undone on leaving it
+    want = forward(unfused, ids)
+    assert torch.equal(forward(fused, ids), want) and calls(fused)[0] == 0
+    with POLICY.counting_routes():
+        assert torch.equal(forward(fused, ids), want)
+    assert calls(fused)[0] == len(bound_forwards(fused))
+
+
+def test_a_model_compiled_on_the_row_lane_traces_the_unfused_calls_for_its_rows() -> None:
+    """Compiled code reads the row-bucket lane as eager code does: a one-row call of a
+    model calibrated for 8-row winners traces the unfused model's calls; an 8-row call
+    traces the rewrites (their products may choose a kernel there)."""
+    unfused, fused = fused_model()
+    POLICY.set_table(measured(fused, 8, "float32", stacked=WIN))
+    one, eight = token_ids(batch=1, seq=1), token_ids(batch=1, seq=8)
+    assert _traced_calls(fused, one) == _traced_calls(unfused, one)
+    assert _traced_calls(fused, eight) != _traced_calls(unfused, eight)
