@@ -154,21 +154,18 @@ class BoundForward:
                         return type(module).forward(module, *args, **kwargs)
         route = self._route
         if route is not None and route.takes_original(args, kwargs):
-            return self._routed(module, args, kwargs)
+            # counted only where asked, never while Dynamo traces (it would guard on the
+            # count): asking is a frame
+            if POLICY.counting and not torch.compiler.is_dynamo_compiling():
+                self.original_calls += 1
+            # what calling the unfused module runs now: its current class's forward
+            return type(module).forward(module, *args, **kwargs)
         reason = self.failure()
         if reason is None:
             return self.call(module, *args, **kwargs)
         if not torch.compiler.is_compiling():
             self.guard_failures += 1
             self.last_failure = reason
-        return type(module).forward(module, *args, **kwargs)
-
-    def _routed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The call on the route: what calling the unfused module runs now, its current
-        class's forward; counted where routes are counted (`KernelPolicy.counting`: never
-        while Dynamo traces, which would guard on the count)."""
-        if POLICY.counting and not torch.compiler.is_dynamo_compiling():
-            self.original_calls += 1
         return type(module).forward(module, *args, **kwargs)
 
     @property
