@@ -66,6 +66,7 @@ from fusion.runtime.guards import (
     first_failure,
     holding_check,
 )
+from fusion.runtime.norm_forward import NormForward
 
 
 class BoundForward:
@@ -152,8 +153,28 @@ class BoundForward:
                         if policy.counting and not torch.compiler.is_dynamo_compiling():
                             self.original_calls += 1
                         return type(module).forward(module, *args, **kwargs)
+        sited = self._sited
+        if sited is not None:
+            # `NormRoute.takes_original`, spelled out likewise (it decides alone: a rewrite
+            # with norm sites has no other route); a test holds this copy to the method
+            policy = POLICY
+            if policy.routes and not policy.recording:
+                x = args[0] if args else kwargs.get(sited.first)
+                if isinstance(x, torch.Tensor):
+                    children = module._modules
+                    for name in sited.sites:
+                        child = children.get(name)
+                        norm = None if child is None else child.__dict__.get("forward")
+                        if type(norm) is NormForward and not (
+                            norm.backend == "torch" or (norm.backend == "auto" and x.is_cpu)
+                        ):
+                            break
+                    else:
+                        if policy.counting and not torch.compiler.is_dynamo_compiling():
+                            self.original_calls += 1
+                        return type(module).forward(module, *args, **kwargs)
         route = self._route
-        if route is not None and route.takes_original(args, kwargs):
+        if route is not None and sited is None and route.takes_original(args, kwargs):
             # counted only where asked, never while Dynamo traces (it would guard on the
             # count): asking is a frame
             if POLICY.counting and not torch.compiler.is_dynamo_compiling():
@@ -184,6 +205,8 @@ class BoundForward:
         self._route = route
         self._laned = route if isinstance(route, routes.Route) and route._laned else None
         """The route whose lane block `__call__` spells out (a route of lane backends)."""
+        self._sited = route if isinstance(route, routes.NormRoute) else None
+        """The residual-norm route `__call__` spells out whole."""
 
     def failure(self) -> str | None:
         """Why the rewrite may not run now (a guard that no longer holds), or None: the

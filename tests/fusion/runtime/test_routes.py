@@ -429,9 +429,20 @@ def test_a_layer_whose_norms_are_on_their_route_runs_its_original(monkeypatch) -
     monkeypatch.setattr(
         NormForward, "add_forward", lambda self, a, b: kernel_calls.append(1) or real(self, a, b)
     )
+    asked: list[bool] = []
+    rule = routes.NormRoute.takes_original
+    monkeypatch.setattr(
+        routes.NormRoute,
+        "takes_original",
+        lambda self, a, k: asked.append(rule(self, a, k)) or asked[-1],
+    )
     ids = token_ids(batch=1, seq=5)
     assert torch.equal(forward(fused, ids), forward(unfused, ids))
     assert [f.original_calls for f in layers] == [1] * len(layers) and not kernel_calls
+    assert asked == []  # `BoundForward.__call__` spells the rule out: it was not asked
+    width = layers[0].module.get_submodule(layers[0].norm_sites[0]).weight.shape[0]
+    x = torch.randn(1, 5, width)
+    assert layers[0]._route.takes_original((x,), {})  # ... and says the same
     with POLICY.routing(False):
         torch.testing.assert_close(forward(fused, ids), forward(unfused, ids))
     assert [f.original_calls for f in layers] == [1] * len(layers)
@@ -440,6 +451,7 @@ def test_a_layer_whose_norms_are_on_their_route_runs_its_original(monkeypatch) -
     norm.__dict__["forward"].backend = "native"  # computes its own kernel, not the reference
     forward(fused, ids)
     assert layers[0].original_calls == 1 and layers[1].original_calls == 2
+    assert not layers[0]._route.takes_original((x,), {})  # the rule agrees
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "copy"])
@@ -586,6 +598,9 @@ def test_the_inline_lane_block_is_the_rules_first_block(monkeypatch) -> None:
     assert run(one) == (n, 0)  # a decode step: the row-bucket lane, inline
     assert run(token_ids(batch=1, seq=4)) == (n, 0)  # bucket 4, below 8
     assert run(eight) == (0, n)  # the winners' bucket: the rule runs the rewrite
+    handle = merged_modules(fused)[-1].register_forward_pre_hook(lambda *a: None)
+    assert run(one) == (n - 1, 1)  # on the row-bucket lane too, a hook keeps its rewrite
+    handle.remove()
     with POLICY.recording_asks():
         assert run(one) == (0, n)
     fused.to(torch.bfloat16)
