@@ -44,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and a greedy generate with the KV cache, "
         f"and judge the per-round ratios unfused / fused: 'slower' when the upper quartile is "
         f"below {SLOWER}, 'faster' when the lower quartile is above {FASTER}, else 'same'. "
-        "Architectures run one at a time. Exit status: 1 if any architecture is 'slower', "
+        "Architectures run one at a time; each one's verdict is printed as it finishes and "
+        "--json is rewritten after each (its 'complete' false until the end), so Ctrl-C "
+        "keeps what was measured: the table and summary of the finished ones, exit 130. "
+        "Exit status: 1 if any architecture is 'slower', "
         "0 otherwise (skipped and errored ones are reported, not failed), 2 bad usage."
     )
     parser.add_argument(

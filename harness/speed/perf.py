@@ -485,18 +485,38 @@ def measure_arch(
 
 
 def run(
-    archs: Sequence[str], options: PerfOptions, progress: Callable[[str], None] = lambda _: None
+    archs: Sequence[str],
+    options: PerfOptions,
+    progress: Callable[[str], None] = lambda _: None,
+    records: list[ArchPerf] | None = None,
+    done: Callable[[ArchPerf], None] = lambda _: None,
 ) -> list[ArchPerf]:
     """`measure_arch` of each of `archs`, one after the other in this process (timings never
     overlap other work of ours); each model is freed (reference cycles of bound forwards
-    included) before the next is built."""
-    records = []
+    included) before the next is built. Each record is appended to `records` (a list of
+    the caller's, so what was measured survives an interrupt) and passed to `done` as it
+    is finished, its verdict told to `progress` (`record_line`)."""
+    records = [] if records is None else records
     for arch in archs:
-        records.append(measure_arch(arch, options, progress))
+        record = measure_arch(arch, options, progress)
+        records.append(record)
+        progress(record_line(record))
+        done(record)
         gc.collect()
         if torch.device(options.device).type == "cuda":
             torch.cuda.empty_cache()
     return records
+
+
+def record_line(record: ArchPerf) -> str:
+    """One architecture's verdict as a progress line: the verdict, each token count's ratio
+    and the seconds it took, e.g. "llama: same (1: 1.01x, 128: 1.00x, gen 8: 0.99x; 41 s)"."""
+    ratios = ", ".join(
+        f"{t.tokens if t.kind == 'forward' else f'gen {t.tokens}'}: {t.ratio:.2f}x"
+        for t in record.timings
+    )
+    timed = f"{ratios}; " if ratios else ""
+    return f"{record.arch}: {record.verdict} ({timed}{record.seconds:.0f} s)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,14 +554,18 @@ def summary_line(records: Sequence[ArchPerf]) -> str:
     return "perf: " + ", ".join(f"{n} {k}" for k, n in counts.items())
 
 
-def document(records: Sequence[ArchPerf], options: PerfOptions) -> dict[str, Any]:
-    """The JSON document of a run: machine, options, thresholds and every record."""
+def document(
+    records: Sequence[ArchPerf], options: PerfOptions, complete: bool = True
+) -> dict[str, Any]:
+    """The JSON document of a run: machine, options, thresholds and every record;
+    `complete` False while the run goes on or after it was interrupted."""
     opts = asdict(options)
     opts["widths"] = dict(options.widths)
     return {
         "machine": machine_info(options.device),
         "options": opts,
         "thresholds": {"slower": SLOWER, "faster": FASTER},
+        "complete": complete,
         "records": [asdict(r) for r in records],
     }
 
@@ -612,12 +636,34 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"{options.dtype} on {options.device}, {torch.get_num_threads()} threads",
         file=sys.stderr,
     )
-    records = run(archs, options, lambda line: print(f"perf: {line}", file=sys.stderr, flush=True))
+    records: list[ArchPerf] = []
+
+    def save(_record: ArchPerf | None = None, complete: bool = False) -> None:
+        # after every architecture, so a run killed hours in keeps what it measured
+        if args.json:
+            args.json.write_text(json.dumps(document(records, options, complete), indent=1) + "\n")
+
+    interrupted = False
+    try:
+        run(
+            archs,
+            options,
+            lambda line: print(f"perf: {line}", file=sys.stderr, flush=True),
+            records,
+            save,
+        )
+    except KeyboardInterrupt:
+        interrupted = True
+        print(
+            f"perf: interrupted after {len(records)} of {len(archs)} architectures; "
+            "the table and summary hold those",
+            file=sys.stderr,
+        )
     print(format_table(records))
     for r in records:
         for note in r.notes:
             print(f"{r.arch}: {note}")
     print(summary_line(records))
-    if args.json:
-        args.json.write_text(json.dumps(document(records, options), indent=1) + "\n")
-    return exit_status(records)
+    save(complete=not interrupted)
+    status = exit_status(records)
+    return 130 if interrupted and status == 0 else status

@@ -216,9 +216,10 @@ def test_usage_errors_exit_2(argv, capsys):
 def test_run_perf_hands_off_with_the_perf_spellings(monkeypatch):
     seen = {}
 
-    def fake_run(archs, options, progress):
+    def fake_run(archs, options, progress, records, done):
         seen.update(archs=archs, options=options)
-        return [perf.ArchPerf(archs[0], "slower", [_timing("slower")])]
+        records.append(perf.ArchPerf(archs[0], "slower", [_timing("slower")]))
+        return records
 
     monkeypatch.setattr(perf, "run", fake_run)
     status = cli.main(
@@ -292,3 +293,35 @@ def test_the_commands_defaults_are_perfs_own():
     assert list(speed_perf.DTYPES) == list(perf_command.common.DTYPE_NAMES)
     assert list(calibrate_command.MODELS) == list(calibration.MODELS)
     assert calibrate_command.BUDGET_S == kernel_calibration.BUDGET_S
+
+
+def test_an_interrupted_run_keeps_every_finished_architecture(tmp_path, monkeypatch, capsys):
+    """Each architecture's verdict is told as it finishes and written to `--json` at once;
+    Ctrl-C during the next prints the table and summary of those finished, leaves the JSON
+    marked incomplete and exits 130 (1 where one was slower)."""
+    timing = perf.TokenPerf(1, 2.0, 1.0, 0.1, 0.1, 2.0, 1.9, 2.1, 5, "faster")
+
+    def measure(arch, options, progress):
+        if arch == "qwen3":
+            raise KeyboardInterrupt
+        return perf.ArchPerf(arch, "faster", [timing], seconds=3.0)
+
+    monkeypatch.setattr(perf, "measure_arch", measure)
+    out = tmp_path / "perf.json"
+    status = cli.main(["perf", "--arch", "llama", "qwen3", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert status == 130
+    assert "perf: llama: faster (1: 2.00x; 3 s)" in captured.err
+    assert "interrupted after 1 of 2 architectures" in captured.err
+    assert "llama" in captured.out and "qwen3" not in captured.out
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and [r["arch"] for r in doc["records"]] == ["llama"]
+    monkeypatch.setattr(
+        perf,
+        "measure_arch",
+        lambda arch, options, progress: perf.ArchPerf(
+            arch, "slower", [dataclasses.replace(timing, verdict="slower")]
+        ),
+    )
+    assert cli.main(["perf", "--arch", "llama", "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["complete"] is True
