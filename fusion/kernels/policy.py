@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,22 +388,22 @@ class KernelPolicy:
         self.own_wins.clear()
 
     @contextmanager
-    def routing(self, enabled: bool) -> Iterator[None]:
-        """A block in which routes are open (`enabled`) or closed, then as before."""
-        previous, self.routes = self.routes, enabled
+    def _flag(self, name: str, value: bool) -> Iterator[None]:
+        """A block in which the flag attribute `name` is `value`, then as before."""
+        previous = getattr(self, name)
+        setattr(self, name, value)
         try:
             yield
         finally:
-            self.routes = previous
+            setattr(self, name, previous)
 
-    @contextmanager
-    def counting_routes(self) -> Iterator[None]:
+    def routing(self, enabled: bool) -> AbstractContextManager[None]:
+        """A block in which routes are open (`enabled`) or closed, then as before."""
+        return self._flag("routes", enabled)
+
+    def counting_routes(self) -> AbstractContextManager[None]:
         """A block in which routed calls are counted (`counting`), then as before."""
-        previous, self.counting = self.counting, True
-        try:
-            yield
-        finally:
-            self.counting = previous
+        return self._flag("counting", True)
 
     def routes_open(self) -> bool:
         """May a rewritten forward take its route now: routes enabled and no asks being
@@ -411,14 +411,9 @@ class KernelPolicy:
         around it)."""
         return self.routes and not self.recording
 
-    @contextmanager
-    def recording_asks(self) -> Iterator[None]:
+    def recording_asks(self) -> AbstractContextManager[None]:
         """A block in which every product asks `choose` (no `idle` shortcut)."""
-        previous, self.recording = self.recording, True
-        try:
-            yield
-        finally:
-            self.recording = previous
+        return self._flag("recording", True)
 
     def idle(self, op: str, backend: str) -> bool:
         """Would `choose(op, ...)` answer the reference (an empty tuple) for every shape,
