@@ -135,7 +135,7 @@ def time_cpu_interleaved(
     max_rounds: int = 1000,
 ) -> dict[str, list[float]]:
     """Seconds per call of each of `fns`, one value per round, the variants taking turns
-    round by round (A, B, C, A, B, C, ...): a change in the machine's load during the run
+    round by round (A, B, C, C, B, A, ...): a change in the machine's load during the run
     (other work on a shared machine) then falls on every variant alike, so their ratio
     stays fair. Each variant's calls per round are sized to at least a millisecond; the
     number of rounds fits `budget_s` per variant. `clock` names one of `CLOCKS`."""
@@ -152,8 +152,12 @@ def time_cpu_interleaved(
     slowest = max(per_call[n] * calls[n] for n in fns) if fns else 1.0
     rounds = int(min(max_rounds, max(min_rounds, budget_s / slowest)))
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for round_ in range(rounds):
+        # the turn order reverses every round (A, B, C, C, B, A, ...), so no variant always
+        # runs right after the same other one: what a call leaves behind (caches, the
+        # allocator's free lists) would otherwise favour one side every round
+        for name, fn in order if round_ % 2 == 0 else reversed(order):
             t0 = now()
             for _ in range(calls[name]):
                 fn()

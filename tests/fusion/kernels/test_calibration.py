@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import os
+import statistics
+import time
 import warnings
 
 import pytest
@@ -99,6 +102,37 @@ def test_time_calls_interleaves_over_copies() -> None:
     assert [i for _, i in sequence] == [n % 3 for n in range(2 * (rounds + 2))]
     firsts = [sequence[2 * r][0] for r in range(rounds + 2)]
     assert firsts[:4] == ["ref", "other", "ref", "other"]
+
+
+def test_time_calls_keeps_a_calls_context_off_the_clock() -> None:
+    """A context `within` runs around a name's calls (entered, one untimed call, the timed
+    call, left): a slow switch in and out costs that side nothing on the clock, and a name
+    without one is primed the same way."""
+    inside: list[bool] = []
+    state = {"in": False}
+
+    @contextlib.contextmanager
+    def slow_switch():
+        time.sleep(0.003)
+        state["in"] = True
+        try:
+            yield
+        finally:
+            state["in"] = False
+            time.sleep(0.003)
+
+    calls = {
+        "switched": lambda i: inside.append(state["in"]),
+        "plain": lambda i: inside.append(state["in"]),
+    }
+    times, rounds = calibration.time_calls(
+        calls, copies=1, budget_s=0.0, within={"switched": slow_switch}
+    )
+    assert len(inside) == 4 * (rounds + 2)  # every call primed once, off the clock
+    assert inside.count(True) == 2 * (rounds + 2)  # the switched side ran inside its context
+    # both sides are empty calls: the 6 ms switch is nowhere near their medians
+    assert statistics.median(times["switched"]) < 0.002
+    assert statistics.median(times["plain"]) < 0.002
 
 
 def test_measure_key_times_the_eligible_kernels() -> None:
