@@ -110,7 +110,9 @@ class Route:
         could choose anything but its reference, whatever the call) only the hooks and,
         for an `auto` act-and-mul, the input's device are asked: the input's shape decides
         nothing there, and in situ each question costs about ten times what it costs warm.
-        Where it is closed, this route's own answers, kept per epoch (`KernelPolicy.
+        Where it is closed, a call in the process's row-bucket lane (`KernelPolicy.row_lane`:
+        its row bucket below every winner of its dtype) is answered the same way; past
+        it, this route's own answers, kept per epoch (`KernelPolicy.
         won_rows`: no winner for its products' shapes, or none for the call's dtype and row
         bucket at any thread count), send the call to the original before the per-call key
         is built."""

@@ -638,8 +638,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     records: list[ArchPerf] = []
 
-    def save(_record: ArchPerf | None = None, complete: bool = False) -> None:
-        # after every architecture, so a run killed hours in keeps what it measured
+    def save(complete: bool) -> None:
+        # after every architecture too, so a run killed hours in keeps what it measured
         if args.json:
             args.json.write_text(json.dumps(document(records, options, complete), indent=1) + "\n")
 
@@ -650,7 +650,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             options,
             lambda line: print(f"perf: {line}", file=sys.stderr, flush=True),
             records,
-            save,
+            lambda _record: save(complete=False),
         )
     except KeyboardInterrupt:
         interrupted = True
