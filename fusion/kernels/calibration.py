@@ -433,10 +433,11 @@ def time_calls(
     `within`: for a name, a context each of its calls runs in (a kernel mode), entered
     before its clock starts and left after it stops, with one untimed call first inside it,
     so neither the switch nor what it makes the next call rebuild (memoised answers) is
-    timed; a name without one is primed likewise (the priming call reads the copy the timed
-    call then reads: `within` is for whole-model calls, `copies=1`). Off the clock, or the side that switches
-    pays for the switch (a whole-model check's reference mode paid two table scans a call
-    and won the check for kernels that made the model slower)."""
+    timed; a name without one is primed likewise (the priming call reads the copy the
+    timed call then reads: `within` is for whole-model calls, `copies=1`). Off the clock,
+    or the side that switches pays for the switch (a whole-model check's reference mode
+    paid two table scans a call and won the check for kernels that made the model
+    slower)."""
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
     index = 0
