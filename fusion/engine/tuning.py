@@ -64,19 +64,39 @@ class Calibrated:
         return "\n".join(lines)
 
 
+def _special_ids(config: Any) -> set[int]:
+    """The token ids `config` names (`*_token_id`, `*_token_index`, `*_token_ids`): an
+    image or audio placeholder among random ids makes a multimodal forward ask for
+    features no input carries."""
+    ids: set[int] = set()
+    for name, value in vars(config).items():
+        if name.endswith(("_token_id", "_token_index", "_token_ids")):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return ids
+
+
 def default_run(model: nn.Module) -> Callable[[int], Any]:
-    """A forward of a Transformers causal LM on `tokens` random ids (batch 1, no cache)."""
+    """A forward of a Transformers causal LM on `tokens` random ids (batch 1, no cache).
+
+    The vocabulary is the text model's (`config.get_text_config()`: a multimodal model's
+    top config has none of its own) and the ids avoid every special token id the configs
+    name, so a placeholder for an image never appears without its image. Raises TypeError
+    where no vocabulary is found (pass `run=`)."""
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
     if not isinstance(vocab, int):
         raise TypeError(
             f"{type(model).__name__} has no config.vocab_size: pass `run=` to "
             "fusion.calibrate (a function of the token count that calls the model)"
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    special = _special_ids(config) | _special_ids(text)
+    plain = torch.tensor([i for i in range(vocab) if i not in special] or [0], device=device)
 
     def run(tokens: int) -> Any:
-        ids = torch.randint(0, vocab, (1, tokens), device=device)
+        ids = plain[torch.randint(0, len(plain), (1, tokens), device=device)]
         return model(input_ids=ids, use_cache=False)
 
     return run

@@ -65,9 +65,9 @@ FASTER = 1.03
 """A token count is `faster` when the lower quartile of unfused / fused is above this."""
 
 TOKENS = (1, 128)
+"""Default token counts: one decode step, a prompt chunk."""
 GENERATE = (8, 8)
 """(prompt tokens, new tokens) of the greedy `generate` timed beside the forwards."""
-"""Default token counts: one decode step, a prompt chunk."""
 
 LAYERS = 2
 VOCAB = 1024
@@ -254,9 +254,12 @@ def real_width_kwargs(default: Any, tiny: Mapping[str, Any], options: PerfOption
     `tiny` is the corpus's tiny kwargs of the same config: its depth attributes and per-layer
     lists (every layer kind kept, `DEPTH`) and its special token ids (remapped into a 256-id
     vocabulary, valid for any `vocab` >= 256) are taken; vocabularies are capped to
-    `options.vocab` (auxiliary ones take the tiny value), positions to `POSITIONS`. Where the
-    tiny stack's layers are all of one kind, the depth is `options.layers` (at most the
-    default). Sub-configs recurse. Pure: neither argument is mutated."""
+    `options.vocab` (an auxiliary one equal to the default vocabulary follows it, as the
+    embedding it indexes is indexed by the same ids; others take the tiny value), positions
+    to `POSITIONS`. Where the tiny stack's layers are all of one kind, the depth is
+    `options.layers` (at most the default). A size the default leaves None (no real width
+    to keep: the model would fail to build) is `_unset_size`'s. Sub-configs recurse. Pure:
+    neither argument is mutated."""
     values = config_values(default)
     count_name, count = _layer_count(values)
     kw: dict[str, Any] = {}
@@ -269,10 +272,13 @@ def real_width_kwargs(default: Any, tiny: Mapping[str, Any], options: PerfOption
         elif DEPTH.fullmatch(name) or TOKEN.fullmatch(name):
             kw[name] = copy.deepcopy(value)
         elif VOCABS.fullmatch(name) and name != "vocab_size":
-            kw[name] = value
+            follows = sub is not None and sub == values.get("vocab_size")
+            kw[name] = min(sub, options.vocab) if follows else value
         elif isinstance(count, int) and _is_per_layer(values.get(name), count):
             kw[name] = copy.deepcopy(value)
             per_layer.append(name)
+        elif sub is None and name in values and _is_size(value):
+            kw[name] = _unset_size(name, value, values)
     tiny_count = kw.get(count_name) if count_name else None
     if isinstance(count, int) and count_name:
         depth = min(options.layers, count)
@@ -289,6 +295,21 @@ def real_width_kwargs(default: Any, tiny: Mapping[str, Any], options: PerfOption
         if POSITION_NAMES.fullmatch(name) and isinstance(value, int) and value > POSITIONS:
             kw[name] = POSITIONS
     return kw
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unset_size(name: str, tiny: int, values: Mapping[str, Any]) -> int:
+    """The size for `name`, which the default config leaves None and the tiny one sets to
+    `tiny`: a head width is the real hidden width over the real head count (what a
+    Transformers model derives where it does); anything else (expert counts, top-k) is a
+    count, not a width, and takes the tiny value."""
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    if name == "head_dim" and _is_size(hidden) and _is_size(heads) and heads > 0:
+        return hidden // heads
+    return tiny
 
 
 def _is_per_layer(value: Any, count: int) -> bool:

@@ -4,6 +4,7 @@ and `backend=` restricts what runs whatever was measured."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,6 +128,43 @@ def test_model_check_pairs_the_chosen_and_reference_forwards(monkeypatch) -> Non
 def test_calibrate_needs_a_way_to_run_the_model() -> None:
     with pytest.raises(TypeError, match="pass `run=`"):
         tuning.calibrate(torch.nn.Linear(2, 2), save=False)
+
+
+class _Config:
+    """A composite config as a multimodal model has: no vocabulary of its own, the text
+    model's behind `get_text_config`, an image placeholder id among the text ids."""
+
+    def __init__(self) -> None:
+        self.image_token_id = 3
+        self.text_config = SimpleNamespace(vocab_size=8, eos_token_id=[5, 6], pad_token_id=None)
+
+    def get_text_config(self) -> SimpleNamespace:
+        return self.text_config
+
+
+class _Multimodal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _Config()
+        self.seen: list[torch.Tensor] = []
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool) -> None:
+        self.seen.append(input_ids)
+
+
+def test_default_run_draws_the_text_vocabulary_without_special_ids() -> None:
+    """A model whose top config has no `vocab_size` (a multimodal one) runs on its text
+    config's vocabulary, and never on an id the configs name as a special token: an image
+    placeholder without its image fails the forward."""
+    model = _Multimodal()
+    run = tuning.default_run(model)
+    torch.manual_seed(0)
+    for _ in range(20):
+        run(16)
+    ids = torch.cat(model.seen, dim=1)
+    assert ids.shape == (1, 320)
+    assert set(ids.unique().tolist()) == {0, 1, 2, 4, 7}
 
 
 def test_backend_torch_runs_no_fast_kernel(monkeypatch) -> None:
