@@ -84,11 +84,13 @@ DEPTH = re.compile(
     r"n_recurrent_layers|num_kv_shared_layers|first_k_dense_replace|num_dense_layers|"
     r"moe_layer_start_index|max_window_layers|.*_period|global_attn_every_n_layers|"
     r"no_rope_layer_interval|sliding_window_pattern|layer_group_size|"
-    r"interleave_moe_layer_step|decoder_sparse_step|n_layers_per_.*"
+    r"interleave_moe_layer_step|decoder_sparse_step|n_layers_per_.*|.*_layer_offset|"
+    r"is_decoder"
 )
 """Config attributes about depth and layer kinds: taken from the corpus's tiny config (which
 keeps one layer of every kind, and e.g. `first_k_dense_replace` below the depth, so an MoE
-stack still has MoE layers), never about widths."""
+stack still has MoE layers; Jamba's attention offset below its period), never about widths.
+`is_decoder` too: a causal LM of an encoder-decoder family (Reformer) needs it set."""
 
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 """The attribute names of a config's layer count (the first one that is an int is used)."""
@@ -247,7 +249,9 @@ def _uniform(value: Any, length: int) -> bool:
     )
 
 
-def real_width_kwargs(default: Any, tiny: Mapping[str, Any], options: PerfOptions) -> dict:
+def real_width_kwargs(
+    default: Any, tiny: Mapping[str, Any], options: PerfOptions, *, fill_unset: bool = False
+) -> dict:
     """Constructor kwargs that keep `default`'s widths: only the depth, the layer kinds, the
     vocabularies, the special token ids and the context length are changed.
 
@@ -257,9 +261,10 @@ def real_width_kwargs(default: Any, tiny: Mapping[str, Any], options: PerfOption
     `options.vocab` (an auxiliary one equal to the default vocabulary follows it, as the
     embedding it indexes is indexed by the same ids; others take the tiny value), positions
     to `POSITIONS`. Where the tiny stack's layers are all of one kind, the depth is
-    `options.layers` (at most the default). A size the default leaves None (no real width
-    to keep: the model would fail to build) is `_unset_size`'s. Sub-configs recurse. Pure:
-    neither argument is mutated."""
+    `options.layers` (at most the default). A size the default leaves None is kept None
+    (often an optional feature left off: Qwen4-Exp's token indexer) unless `fill_unset`
+    (the model cannot be built so: HunYuan's head width, dots1's expert counts), then it
+    is `_unset_size`'s. Sub-configs recurse. Pure: neither argument is mutated."""
     values = config_values(default)
     count_name, count = _layer_count(values)
     kw: dict[str, Any] = {}
@@ -268,7 +273,7 @@ def real_width_kwargs(default: Any, tiny: Mapping[str, Any], options: PerfOption
         sub = values.get(name)
         if isinstance(value, Mapping) and "model_type" in value and is_config(sub):
             kw[name] = {"model_type": value["model_type"]}
-            kw[name].update(real_width_kwargs(sub, value, options))
+            kw[name].update(real_width_kwargs(sub, value, options, fill_unset=fill_unset))
         elif DEPTH.fullmatch(name) or TOKEN.fullmatch(name):
             kw[name] = copy.deepcopy(value)
         elif VOCABS.fullmatch(name) and name != "vocab_size":
@@ -277,7 +282,7 @@ def real_width_kwargs(default: Any, tiny: Mapping[str, Any], options: PerfOption
         elif isinstance(count, int) and _is_per_layer(values.get(name), count):
             kw[name] = copy.deepcopy(value)
             per_layer.append(name)
-        elif sub is None and name in values and _is_size(value):
+        elif fill_unset and sub is None and name in values and _is_size(value):
             kw[name] = _unset_size(name, value, values)
     tiny_count = kw.get(count_name) if count_name else None
     if isinstance(count, int) and count_name:
@@ -303,11 +308,21 @@ def _is_size(value: Any) -> bool:
 
 def _unset_size(name: str, tiny: int, values: Mapping[str, Any]) -> int:
     """The size for `name`, which the default config leaves None and the tiny one sets to
-    `tiny`: a head width is the real hidden width over the real head count (what a
-    Transformers model derives where it does); anything else (expert counts, top-k) is a
-    count, not a width, and takes the tiny value."""
-    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
-    if name == "head_dim" and _is_size(hidden) and _is_size(heads) and heads > 0:
+    `tiny`: a head width (`*head_dim`) is the model's own head width, or the real hidden
+    width over the real head count where that is unset too (what a Transformers model
+    derives where it does: a tiny head would not fit the real rotary width); the key/value
+    heads are the attention heads (Transformers' reading of an unset count: no grouping);
+    anything else (expert counts, top-k, budgets) is a count, not a width, and takes the
+    tiny value."""
+    heads = values.get("num_attention_heads")
+    if name == "num_key_value_heads" and _is_size(heads):
+        return heads
+    if not name.endswith("head_dim"):
+        return tiny
+    own, hidden = values.get("head_dim"), values.get("hidden_size")
+    if _is_size(own):
+        return own
+    if _is_size(hidden) and _is_size(heads) and heads > 0:
         return hidden // heads
     return tiny
 
@@ -319,7 +334,9 @@ def _is_per_layer(value: Any, count: int) -> bool:
 
 def _structural_fixes(fixes: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of an `overrides.toml` `config` table that are not sizes (ints or lists of
-    ints belong to the tiny widths): layer-kind lists, rope tables, flags."""
+    ints belong to the tiny widths): layer-kind lists, rope tables, flags; a sub-config's
+    table (a `text_config`) likewise, entry by entry (Qwen4-Exp's tiny indexer widths
+    would not fit its real heads)."""
 
     def is_size(value: Any) -> bool:
         if isinstance(value, bool):
@@ -328,10 +345,14 @@ def _structural_fixes(fixes: Mapping[str, Any]) -> dict[str, Any]:
             return True
         return isinstance(value, (list, tuple)) and all(is_size(v) for v in value) and value
 
-    return {k: v for k, v in fixes.items() if not is_size(v)}
+    return {
+        k: _structural_fixes(v) if isinstance(v, Mapping) else v
+        for k, v in fixes.items()
+        if not is_size(v)
+    }
 
 
-def real_width_config(arch: str, options: PerfOptions) -> Any:
+def real_width_config(arch: str, options: PerfOptions, *, fill_unset: bool = False) -> Any:
     """The config of `arch` at its real default widths with the depth and vocabulary of
     `options` (`real_width_kwargs`), then `options.widths` merged over it. What the model is
     built from: the sub-config the causal-LM class takes, for composite configs. Raises
@@ -341,7 +362,8 @@ def real_width_config(arch: str, options: PerfOptions) -> Any:
     cls = config_class(arch)
     with quiet_transformers():
         default = cls(**copy.deepcopy(defaults))
-    kw = deep_merge(defaults, real_width_kwargs(default, tiny_kwargs(arch), options))
+    tiny = tiny_kwargs(arch)
+    kw = deep_merge(defaults, real_width_kwargs(default, tiny, options, fill_unset=fill_unset))
     kw = deep_merge(kw, _structural_fixes(ov.get("config", {})))
     kw = deep_merge(kw, dict(options.widths))
     with quiet_transformers():
@@ -362,6 +384,22 @@ def count_params(arch: str, config: Any) -> int:
     with quiet_transformers(), torch.device("meta"):
         model = model_class(arch)._from_config(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def sized_config(arch: str, options: PerfOptions) -> tuple[Any, int, bool]:
+    """(config, parameters, whether unset sizes were filled): `real_width_config` as the
+    defaults leave it where that builds (on the meta device, `count_params`), else with the
+    sizes the defaults leave None filled (`fill_unset`). Raises the first failure where
+    neither builds, so the recorded error is the one the defaults themselves give."""
+    try:
+        config = real_width_config(arch, options)
+        return config, count_params(arch, config), False
+    except Exception as first:
+        try:
+            config = real_width_config(arch, options, fill_unset=True)
+            return config, count_params(arch, config), True
+        except Exception:
+            raise first from None
 
 
 def estimate_bytes(params: int, dtype: torch.dtype) -> int:
@@ -458,10 +496,10 @@ def measure_arch(
     dtype = DTYPES[options.dtype]
     stage = "config"
     try:
-        config = real_width_config(arch, options)
+        config, record.params, filled = sized_config(arch, options)
         record.layers = _layers_of(config)
-        stage = "size"
-        record.params = count_params(arch, config)
+        if filled:
+            record.notes.append("sizes the default config leaves unset were filled")
         record.estimate_gb = estimate_bytes(record.params, dtype) / 1e9
         if record.estimate_gb > options.max_gb:
             record.verdict = f"skipped: too large ({record.estimate_gb:.1f} GB)"

@@ -133,25 +133,51 @@ def test_real_width_config_keeps_moe_layers_in_a_short_stack():
     assert not config.mlp_only_layers
 
 
-def test_a_size_the_default_leaves_unset_is_derived_or_the_tiny_count():
-    """A default config's None size has no real width to keep: the head width is the real
-    hidden width over the real heads; a count (here the KV heads) is the tiny one."""
+def test_a_size_the_default_leaves_unset_is_kept_or_derived_or_the_tiny_count():
+    """A default config's None size is kept (an optional feature left off) unless asked to
+    fill it: then the head width is the real hidden width over the real heads, unset
+    key/value heads are the attention heads, and another count is the tiny one."""
     default = LlamaConfig()
     default.head_dim = None
     default.num_key_value_heads = None
-    tiny = {"head_dim": 16, "num_key_value_heads": 2, "hidden_size": 64}
-    kw = perf.real_width_kwargs(default, tiny, perf.PerfOptions())
+    default.pretraining_tp = None
+    tiny = {"head_dim": 16, "num_key_value_heads": 2, "pretraining_tp": 3, "hidden_size": 64}
+    kept = perf.real_width_kwargs(default, tiny, perf.PerfOptions())
+    assert not {"head_dim", "num_key_value_heads", "pretraining_tp"} & set(kept)
+    kw = perf.real_width_kwargs(default, tiny, perf.PerfOptions(), fill_unset=True)
     assert kw["head_dim"] == default.hidden_size // default.num_attention_heads
-    assert kw["num_key_value_heads"] == 2
+    assert kw["num_key_value_heads"] == default.num_attention_heads
+    assert kw["pretraining_tp"] == 3
     assert "hidden_size" not in kw  # a width the default sets stays the default's
 
 
-@pytest.mark.parametrize("arch", ["dots1", "hunyuan_v1_dense"])
-def test_models_whose_defaults_leave_sizes_unset_are_counted(arch):
-    """dots1 (expert counts) and HunYuan (head width) default to None sizes their models
-    cannot be built from; the verdict recorded a size error for both."""
-    config = perf.real_width_config(arch, perf.PerfOptions())
-    assert perf.count_params(arch, config) > 0
+@pytest.mark.parametrize("arch", ["dots1", "hunyuan_v1_dense", "ministral", "nemotron"])
+def test_models_whose_defaults_leave_sizes_unset_are_sized_with_them_filled(arch):
+    """dots1 (expert counts), HunYuan and Ministral (head width) and Nemotron (key/value
+    heads) default to None sizes their models cannot be built from; the verdict recorded
+    an error for each before any timing."""
+    with pytest.raises(TypeError):
+        perf.count_params(arch, perf.real_width_config(arch, perf.PerfOptions()))
+    config, params, filled = perf.sized_config(arch, perf.PerfOptions())
+    assert filled and params == perf.count_params(arch, config) > 0
+
+
+@pytest.mark.parametrize("arch", ["jamba", "reformer"])
+def test_models_whose_tiny_config_sets_layer_kinds_or_flags_build_at_real_widths(arch):
+    """Jamba's attention offset is a layer-kind setting (the default offset lay past the
+    tiny period); Reformer's causal LM needs `is_decoder`."""
+    _, params, filled = perf.sized_config(arch, perf.PerfOptions())
+    assert not filled and params > 0
+
+
+def test_an_unset_head_width_is_the_models_own():
+    """Qwen4-Exp's token indexer (its tiny layer kinds use it) is unset by default; filled,
+    its head is the model's own head width, as a tiny head would not fit the real rotary
+    width (the config refuses it), and its counts the tiny ones."""
+    config, params, filled = perf.sized_config("qwen4_exp_text", perf.PerfOptions())
+    assert filled and params > 0
+    assert config.indexer_head_dim == config.head_dim
+    assert config.indexer_n_heads == perf.tiny_kwargs("qwen4_exp_text")["indexer_n_heads"]
 
 
 def test_an_auxiliary_vocabulary_of_the_default_size_follows_the_cap():
