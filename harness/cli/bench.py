@@ -1,7 +1,8 @@
 """`fusion-harness bench`: fused vs unfused timings (harness.speed.bench).
 
 The options are spelled out here, their choices included (tests keep them equal to
-`harness.speed.bench.cases.KERNELS` / `MODELS` and `harness.runner.arch_check.DTYPES`), so
+`harness.speed.bench.cases.KERNELS` / `MODELS`, `harness.speed.bench.decode`'s models and
+caches, and `harness.runner.arch_check.DTYPES`), so
 that building the parser does not import torch. `python -m harness.bench` runs `main`.
 """
 
@@ -19,6 +20,7 @@ DESCRIPTION = "Fused vs unfused timings: correct timers, benchmark cases and the
 KERNELS = ("rmsnorm_llama", "rmsnorm_gemma", "act_and_mul", "qkv", "gate_up", "moe")
 MODELS = ("model_llama", "model_qwen3", "model_qwen3_moe")
 DECODE_MODELS = ("smollm2-135m", "llama-3.2-1b-2L", "qwen3-0.6b-4L", "qwen3-30b-a3b-E32-2L")
+CACHES = ("dynamic", "static")
 DTYPE_NAMES = common.DTYPE_NAMES
 
 
@@ -113,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--generate` and the options only it reads (`--model`, `--prompt`, `--new-tokens`)."""
+    """`--generate` and the options only it reads (`--model`, `--prompt`, `--new-tokens`,
+    `--cache`)."""
     parser.add_argument(
         "--generate",
         action="store_true",
@@ -140,6 +143,14 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         default=32,
         metavar="N",
         help="--generate: tokens generated per call (default 32)",
+    )
+    parser.add_argument(
+        "--cache",
+        choices=CACHES,
+        default="dynamic",
+        help="--generate: the KV cache every variant generates with: dynamic (Transformers' "
+        "default, grown per token) or static (preallocated, what Transformers recommends "
+        "with torch.compile: one decode graph; the case is named '... static')",
     )
 
 

@@ -84,6 +84,7 @@ def run_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -
             new_tokens=args.new_tokens,
             compiled=args.compile,
             copies=args.copies,
+            cache=args.cache,
         )
         return _run_and_print(cases, args, device, dtype)
     if args.models:

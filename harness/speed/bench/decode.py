@@ -54,6 +54,11 @@ PROMPT = 8
 NEW_TOKENS = 32
 """Default number of generated tokens."""
 
+CACHES = ("dynamic", "static")
+"""KV caches a decode case can generate with: Transformers' default (`DynamicCache`, grown
+per token) and the preallocated `StaticCache` it recommends for compiled generation (one
+shape per step, so the compiled decode step is one graph)."""
+
 VARIANTS = ("fused", "fused+calibrated")
 """Variants beside `UNFUSED`: `fusion.fuse` as the README's quick start gives it (with this
 machine's calibration table as it is), and after `fusion.calibrate` at the prompt length and
@@ -131,9 +136,14 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     return total
 
 
-def greedy(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """`model.generate` greedy, with the KV cache, exactly `new_tokens` tokens after `ids`
-    (end-of-sequence tokens do not stop it early: every variant runs the same steps)."""
+def greedy(
+    model: nn.Module, ids: torch.Tensor, new_tokens: int, cache: str = "dynamic"
+) -> torch.Tensor:
+    """`model.generate` greedy, with the KV cache (`cache`, one of `CACHES`), exactly
+    `new_tokens` tokens after `ids` (end-of-sequence tokens do not stop it early: every
+    variant runs the same steps)."""
+    if cache not in CACHES:
+        raise ValueError(f"unknown KV cache {cache!r}; known: {', '.join(CACHES)}")
     with torch.no_grad():
         return model.generate(
             ids,
@@ -147,6 +157,7 @@ def greedy(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor
             temperature=None,
             top_p=None,
             top_k=None,
+            cache_implementation=None if cache == "dynamic" else cache,
         )
 
 
@@ -167,6 +178,7 @@ def decode_case(
     new_tokens: int = NEW_TOKENS,
     compiled: bool = False,
     copies: int = 1,
+    cache: str = "dynamic",
     loader: Callable[[str, torch.dtype, str], nn.Module] = load_model,
 ) -> Case:
     """The decode case of model `name`: one call is one greedy `generate` of `new_tokens`
@@ -182,7 +194,8 @@ def decode_case(
     on a 2-core Xeon), so a baseline that is the loaded model and variants that are copies
     would time placement with the fusion. `copies`: that many separate copies of the
     eager variants (the compiled ones stay one each: compiling is the cost), timings pooled
-    over them (`Case.copies`)."""
+    over them (`Case.copies`). `cache`: the KV cache every variant generates with
+    (`CACHES`; the case's name says which where it is not the default)."""
     variants = (UNFUSED, *VARIANTS, *(COMPILED if compiled else ()))
 
     def make() -> dict[str, Callable[[], Any]]:
@@ -214,14 +227,14 @@ def decode_case(
             for variant in (UNFUSED, *VARIANTS):
                 if not isinstance(models[variant], Unavailable):
                     models[copy_key(variant, k)] = copy.deepcopy(models[variant])
-        want = greedy(model, ids, new_tokens)
+        want = greedy(model, ids, new_tokens, cache)
         fns: dict[str, Callable[[], Any]] = {}
         for key, target in models.items():
             if isinstance(target, Unavailable):
                 fns[key] = target
                 continue
             variant = variant_of(key)
-            run = _generate(target, ids, new_tokens)
+            run = _generate(target, ids, new_tokens, cache)
             if variant in tables:
                 run = with_table(tables[variant], run)
             got = run()  # also compiles a compiled variant
@@ -233,7 +246,7 @@ def decode_case(
 
     case = Case(
         kernel="decode",
-        shape=f"{name} P{prompt}",
+        shape=f"{name} P{prompt}" + ("" if cache == "dynamic" else f" {cache}"),
         dtype=dtype,
         device=device,
         tokens=new_tokens,
@@ -258,8 +271,10 @@ def allow_recompiles() -> None:
     config.recompile_limit = max(config.recompile_limit, COMPILED_ENTRIES)
 
 
-def _generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> Callable[[], Any]:
-    return lambda: greedy(model, ids, new_tokens)
+def _generate(
+    model: nn.Module, ids: torch.Tensor, new_tokens: int, cache: str
+) -> Callable[[], Any]:
+    return lambda: greedy(model, ids, new_tokens, cache)
 
 
 def calibrated_table(model: nn.Module, prompt: int) -> Table:
@@ -302,10 +317,11 @@ def decode_cases(
     new_tokens: int = NEW_TOKENS,
     compiled: bool = False,
     copies: int = 1,
+    cache: str = "dynamic",
 ) -> list[Case]:
     """A decode case per model of `models` (default: SmolLM2 where its wheel is installed,
     then every bench model). A SmolLM2 case asked for without the wheel is kept, and its
-    build reports the missing extra on its row. `copies`: see `decode_case`."""
+    build reports the missing extra on its row. `copies`, `cache`: see `decode_case`."""
     if models is None:
         models = [m for m in DECODE_MODELS if m != SMOLLM2 or smollm2_file() is not None]
     return [
@@ -317,6 +333,7 @@ def decode_cases(
             new_tokens=new_tokens,
             compiled=compiled,
             copies=copies,
+            cache=cache,
         )
         for m in models
     ]

@@ -71,7 +71,7 @@ def test_tokens_that_differ_are_noted_on_the_variant_row(monkeypatch) -> None:
     model = _llama(True)
     real = decode.greedy
 
-    def greedy(target, ids, new_tokens):
+    def greedy(target, ids, new_tokens, *rest):
         out = real(target, ids, new_tokens)
         return out if not inspection.fused_forwards(target) else out.flip(-1)
 
@@ -92,7 +92,7 @@ def test_every_variant_times_a_copy_and_copies_are_pooled(monkeypatch) -> None:
     timed: list[int] = []
     real = decode.greedy
 
-    def greedy(target, ids, new_tokens):
+    def greedy(target, ids, new_tokens, *rest):
         timed.append(id(target))
         return real(target, ids, new_tokens)
 
@@ -126,6 +126,7 @@ def test_missing_smollm2_wheel_names_the_extra(monkeypatch) -> None:
 
 def test_command_choices_are_the_modules() -> None:
     assert bench_command.DECODE_MODELS == decode.DECODE_MODELS
+    assert bench_command.CACHES == decode.CACHES
     parser = copy.copy(bench_command.Parser(prog="x"))
     bench_command.add_arguments(parser)
     args = parser.parse_args(["--generate", "--model", "smollm2-135m", "--new-tokens", "5"])
@@ -135,6 +136,41 @@ def test_command_choices_are_the_modules() -> None:
         5,
         decode.PROMPT,
     )
+    assert args.cache == "dynamic"
+    assert parser.parse_args(["--generate", "--cache", "static"]).cache == "static"
+
+
+def test_a_static_cache_case_generates_with_it_and_says_so(monkeypatch) -> None:
+    """`cache="static"`: every variant's `generate` preallocates a `StaticCache` (what
+    Transformers recommends under torch.compile), the fused ones give the unfused tokens,
+    and the case's name says which cache it ran."""
+    from transformers import StaticCache
+
+    model = _llama(True)
+    caches: list[type] = []
+    real_forward = type(model).forward
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("use_cache") is not False:  # not calibration's cacheless forwards
+            caches.append(type(kwargs.get("cache", kwargs.get("past_key_values"))))
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", forward)
+    case = decode.decode_case(
+        "tiny",
+        torch.float32,
+        "cpu",
+        prompt=4,
+        new_tokens=3,
+        cache="static",
+        loader=lambda *_: model,
+    )
+    rows = run_case(case, budget_s=0.01, copy_bw=1e10)
+    assert caches and set(caches) == {StaticCache}
+    assert not any("differ" in r.note for r in rows)
+    assert case.shape == "tiny P4 static"
+    with pytest.raises(ValueError, match="unknown KV cache 'paged'"):
+        decode.greedy(model, decode.prompt_ids(model, 2), 1, "paged")
 
 
 def test_only_the_calibrated_variant_runs_on_the_calibrated_table(monkeypatch) -> None:
@@ -156,10 +192,10 @@ def test_only_the_calibrated_variant_runs_on_the_calibrated_table(monkeypatch) -
     seen: list[tuple[str, bool]] = []
     real_greedy = decode.greedy
 
-    def greedy(target, ids, new_tokens):
+    def greedy(target, ids, new_tokens, *rest):
         label = "fused" if inspection.fused_forwards(target) else "unfused"
         seen.append((label, POLICY.table is machine))
-        return real_greedy(target, ids, new_tokens)
+        return real_greedy(target, ids, new_tokens, *rest)
 
     monkeypatch.setattr(decode, "greedy", greedy)
     machine = Table("machine")
@@ -226,9 +262,9 @@ def test_compiled_variants_include_the_calibrated_one_on_its_table(monkeypatch, 
     seen: list[bool] = []
     real_greedy = decode.greedy
 
-    def greedy(target, ids, new_tokens):
+    def greedy(target, ids, new_tokens, *rest):
         seen.append(POLICY.table is machine)
-        return real_greedy(target, ids, new_tokens)
+        return real_greedy(target, ids, new_tokens, *rest)
 
     monkeypatch.setattr(decode, "greedy", greedy)
     on_machine = {}
