@@ -41,6 +41,29 @@ def test_operators_pass_opcheck(dtype: torch.dtype) -> None:
     torch.library.opcheck(torch.ops.fusion.moe_experts, (*_moe_args(dtype), "silu", "torch"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["reference", "eligible"])
+def test_product_operators_pass_opcheck(dtype: torch.dtype, mode: str) -> None:
+    """The two inference-only products (no autograd kernel of ours, `_product_operator`):
+    schema, fake implementation and dispatch agree with the real call, whether the policy
+    names the reference or lets a fast kernel run; and each computes its function."""
+    POLICY.use(mode)
+    try:
+        x, weight, bias = torch.randn(1, 16).to(dtype), torch.randn(24, 16).to(dtype), None
+        args = (x, weight, bias, "linear", [24, 16], "auto")
+        torch.library.opcheck(torch.ops.fusion.linear_product, args)
+        got = torch.ops.fusion.linear_product(*args)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight))
+        shards = list(weight.split([8, 16]))
+        stacked = (x, weight, None, shards, [None, None], [False, False], [24, 16], "auto")
+        torch.library.opcheck(torch.ops.fusion.stacked_product, stacked)
+        got = torch.ops.fusion.stacked_product(*stacked)
+        want = torch.cat([torch.nn.functional.linear(x, w) for w in shards], -1)
+        torch.testing.assert_close(got, want)
+    finally:
+        POLICY.reset()
+
+
 def test_operators_compute_the_kernels() -> None:
     args = _moe_args()
     want = torch_ref.moe_experts(*args, "silu")
