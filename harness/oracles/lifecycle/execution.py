@@ -32,8 +32,12 @@ from harness.oracles.lifecycle.guards import dtype_mismatch, output_dtypes
 
 
 def _generate(ctx: Context) -> str:
-    unfused, fused = ctx.unfused, ctx.fused
-    can = getattr(unfused, "can_generate", None)
+    """Greedy `generate` of the two models with Transformers' default (dynamic) KV cache,
+    then with the preallocated `StaticCache` (`cache_implementation="static"`, what
+    Transformers recommends under torch.compile: the attention writes into a cache of fixed
+    shape in place). A cache the unfused model cannot generate with is reported, not
+    judged; a fused model whose tokens differ off a near-tie fails either way."""
+    can = getattr(ctx.unfused, "can_generate", None)
     if not callable(can) or not can():
         raise _NotApplicable("the model cannot generate")
     kwargs = {k: v for k, v in _cast(ctx.inputs, ctx.dtype).items() if k != "use_cache"}
@@ -44,9 +48,27 @@ def _generate(ctx: Context) -> str:
         output_scores=True,
         return_dict_in_generate=True,
     )
+    detail = _greedy_identical(ctx, kwargs, options, "generate")
+    try:
+        static = _greedy_identical(
+            ctx, kwargs, {**options, "cache_implementation": "static"}, "static-cache generate"
+        )
+    except _NotApplicable as exc:
+        return f"{detail}; static cache not judged: {exc}"
+    except _Failed as exc:
+        raise _Failed(f"with a static cache: {exc}") from exc
+    return f"{detail}, and with a static cache {static.split(' ', 1)[1]}"
+
+
+def _greedy_identical(
+    ctx: Context, kwargs: dict[str, object], options: dict[str, object], what: str
+) -> str:
+    """`generate(**kwargs, **options)` of the fused model against the unfused one's: the
+    pass detail where the sequences are identical; `_NotApplicable` where the unfused model
+    raises or they part on a near-tie (`ctx.allowance`), `_Failed` otherwise."""
     with torch.no_grad():
-        want = _unfused("generate", lambda: unfused.generate(**kwargs, **options))
-        got = fused.generate(**kwargs, **options)
+        want = _unfused(what, lambda: ctx.unfused.generate(**kwargs, **options))
+        got = ctx.fused.generate(**kwargs, **options)
     if torch.equal(got.sequences, want.sequences):
         return f"{want.sequences.shape[-1] - kwargs['input_ids'].shape[-1]} tokens identical"
     if got.sequences.shape != want.sequences.shape:

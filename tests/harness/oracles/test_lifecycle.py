@@ -41,6 +41,34 @@ def test_real_fusion_passes_every_operation(llama, llama_inputs):
     assert result.lifecycle["compile"]["detail"] == lifecycle.NOT_COMPILED
 
 
+def _static_cache_fault_fuse(model):
+    """Fuse, then give the model logits that are wrong only when it generates with a
+    `StaticCache`: the defect of an attention rewrite that mishandles a preallocated cache."""
+    from transformers import StaticCache
+
+    fusion.fuse(model)
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, StaticCache):
+            output.logits = output.logits.roll(1, -1)
+        return output
+
+    model.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_a_fault_only_with_a_static_cache_fails_generate(llama, llama_inputs):
+    result = _run(llama, llama_inputs, _static_cache_fault_fuse)
+    generate = result.lifecycle["generate"]
+    assert generate["verdict"] == "fail", generate
+    assert "with a static cache" in generate["detail"]
+
+
+def test_generate_judges_both_caches(llama, llama_inputs):
+    detail = _run(llama, llama_inputs, fusion.fuse).lifecycle["generate"]["detail"]
+    assert "tokens identical, and with a static cache" in detail, detail
+
+
 def test_off_records_nothing(llama, llama_inputs):
     assert _run(llama, llama_inputs, fusion.fuse, mode="off").lifecycle == {}
 
