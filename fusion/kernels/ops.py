@@ -343,16 +343,15 @@ def _product_operator(schema: str, impl: Any, fake: Any) -> None:
     implementation; no autograd kernel of ours.
 
     Why not `torch.library.custom_op`, as every other operator here: its Python autograd
-    kernel runs on every call, gradient or not, and cost 20 us per call against 7 us for this
-    registration (a one-row bfloat16 product of 576 x 576 on a 2-core Xeon, one thread,
-    under no_grad: the native kernel 33 us alone, 55 us through the custom_op, 42 us through
-    this), on the path where the kernel exists to save 20-90 us; a compiled decode step of
-    SmolLM2 makes 120 such calls. Why it is safe without one: both are inference-only by
-    their callers, which trace them only where no gradient is recorded
-    (`reference.records_grad`, checked in `native_gemm.traced`,
-    `onednn_backend.row_linear_traced` and `traced_stacked_product`), and Dynamo guards
-    the grad mode the trace saw; a direct call that records a gradient gets PyTorch's
-    autograd fallback (a warning at backward), never a silently different forward."""
+    kernel runs on every call, gradient or not, and costs about three times this
+    registration's dispatch, on the path where a one-row kernel exists to save a few tens of
+    microseconds, once per projection of every compiled decode step (docs/benchmarks.md,
+    "fusion/kernels/ops.py"). Why it is safe without one: both are inference-only by their
+    callers, which trace them only where no gradient is recorded (`reference.records_grad`,
+    checked in `native_gemm.traced`, `onednn_backend.row_linear_traced` and
+    `traced_stacked_product`), and Dynamo guards the grad mode the trace saw. A direct call
+    that records a gradient gets PyTorch's autograd fallback, which warns at backward: not
+    a path fusion takes."""
     name = schema.split("(", 1)[0]
     _PRODUCTS.define(schema)
     _PRODUCTS.impl(name, impl, "CompositeExplicitAutograd")
