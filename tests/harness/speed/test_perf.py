@@ -201,6 +201,22 @@ def test_count_params_on_meta_matches_a_real_build():
     assert perf.count_params("llama", config) == sum(p.numel() for p in model.parameters())
 
 
+def test_calibration_runs_the_timed_forward_on_the_corpus_inputs(monkeypatch):
+    """The verdict calibrates on the forward it times, inputs made once per token count: a
+    model whose inputs are not one row of ids (MusicGen: one row per codebook) is
+    calibrated too (the default run of `fusion.calibrate` failed on its shape)."""
+    model = corpus.build("musicgen", seed=0)
+    made: list[int] = []
+    real = perf.decoder_forward
+    monkeypatch.setattr(perf, "decoder_forward", lambda m, n, s: made.append(n) or real(m, n, s))
+    run = perf.calibration_run(model, seed=0)
+    first, again = run(3), run(3)
+    assert made == [3]
+    assert torch.equal(first.last_hidden_state, again.last_hidden_state)
+    run(5)
+    assert made == [3, 5]
+
+
 def test_too_large_is_skipped_with_the_estimate_before_building(monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("a model over the limit must not be built")
