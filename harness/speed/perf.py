@@ -11,8 +11,9 @@ timed **interleaved**, round by round (`harness.speed.bench.timers.time_cpu_inte
 token count. The per-round ratios unfused / fused give the median and the quartiles; the
 verdict of one token count (`verdict`):
 
-- `slower` when the ratio's upper quartile is below `SLOWER` (0.97): measurably slower, a
-  failure of the command (exit 1);
+- `slower` when the ratio's upper quartile is below `SLOWER` (0.97), and again when that
+  count is timed a second time (`confirmed`): measurably slower, a failure of the command
+  (exit 1);
 - `faster` when its lower quartile is above `FASTER` (1.03);
 - `same` otherwise.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import inspect
 import json
@@ -211,6 +213,28 @@ def token_perf(tokens: int, unfused: Sequence[float], fused: Sequence[float]) ->
         rounds=len(ratios),
         verdict=verdict(q1, q3),
     )
+
+
+def confirmed(measure: Callable[[], TokenPerf], notes: list[str]) -> TokenPerf:
+    """`measure()`, and where its verdict is `slower`, `measure()` once more: the second
+    timing is the one judged, and a first `slower` the second does not repeat is noted.
+
+    Why: a run over every default architecture makes about 350 judgments, and noise alone
+    gives an occasional one past the margin (two in one full run, neither repeated when
+    timed again: docs/benchmarks.md); a model that really is slower is slower twice, so the
+    verdict fails where both timings agree, and where one alone said so the note keeps it
+    visible."""
+    first = measure()
+    if first.verdict != "slower":
+        return first
+    second = measure()
+    if second.verdict != "slower":
+        label = f"gen {first.tokens}" if first.kind == "generate" else f"{first.tokens} tokens"
+        notes.append(
+            f"{label}: slower at first ({first.ratio:.2f}x [{first.ratio_q1:.2f}-"
+            f"{first.ratio_q3:.2f}]), {second.verdict} timed again ({second.ratio:.2f}x)"
+        )
+    return second
 
 
 def arch_verdict(timings: Sequence[TokenPerf]) -> str:
@@ -464,12 +488,16 @@ def generate_perf(
     got = greedy(fused, ids, new)
     if not torch.equal(got, want):
         notes.append("generate: greedy tokens differ from the unfused model's")
-    unfused_times, fused_times = time_pair(
-        lambda: greedy(model, ids, new), lambda: greedy(fused, ids, new), options
-    )
-    timing = token_perf(new, unfused_times, fused_times)
-    timing.kind = "generate"
-    return timing
+
+    def measure() -> TokenPerf:
+        unfused_times, fused_times = time_pair(
+            lambda: greedy(model, ids, new), lambda: greedy(fused, ids, new), options
+        )
+        timing = token_perf(new, unfused_times, fused_times)
+        timing.kind = "generate"
+        return timing
+
+    return confirmed(measure, notes)
 
 
 def time_pair(
@@ -492,6 +520,12 @@ def time_pair(
         u.append(statistics.median(measure(unfused, options.device, block)))
         f.append(statistics.median(measure(fused, options.device, block)))
     return u, f
+
+
+def _forward_perf(
+    tokens: int, unfused: Callable[[], Any], fused: Callable[[], Any], options: PerfOptions
+) -> TokenPerf:
+    return token_perf(tokens, *time_pair(unfused, fused, options))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -539,12 +573,12 @@ def measure_arch(
         stage = "time"
         for tokens in options.tokens:
             progress(f"{arch}: timing {tokens} tokens")
-            unfused_times, fused_times = time_pair(
+            pair = (
                 decoder_forward(model, tokens, options.seed),
                 decoder_forward(fused, tokens, options.seed),
-                options,
             )
-            record.timings.append(token_perf(tokens, unfused_times, fused_times))
+            measure = functools.partial(_forward_perf, tokens, *pair, options)
+            record.timings.append(confirmed(measure, record.notes))
         if options.generate:
             stage = "generate"
             progress(f"{arch}: timing generate {options.generate[0]}+{options.generate[1]}")
