@@ -158,10 +158,22 @@ def calibrate(
 
     Safe to call on any model: it only runs forwards and times products on random weights
     of the same shapes; a model with nothing to choose measures nothing. `run(tokens)`
-    calls the model (default: `default_run`, a causal LM on random ids)."""
+    calls the model (default: `default_run`, a causal LM on random ids; where that call
+    raises, TypeError naming the model and the model's error, and asking for `run=`)."""
     started = time.perf_counter()
-    run = default_run(model) if run is None else run
-    per_count = products_asked(run, tokens)
+    if run is not None:
+        per_count = products_asked(run, tokens)
+    else:
+        run = default_run(model)
+        try:
+            per_count = products_asked(run, tokens)
+        except Exception as exc:
+            lines = str(exc).strip().splitlines() or [""]
+            raise TypeError(
+                f"{type(model).__name__} cannot run on one row of random token ids (the "
+                f"default run: {type(exc).__name__}: {lines[0][:200]}): pass `run=` to "
+                "fusion.calibrate (a function of the token count that calls the model)"
+            ) from exc
     keys = set().union(*per_count.values()) if per_count else set()
     table = policy.POLICY.table
     result = Calibrated()

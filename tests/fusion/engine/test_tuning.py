@@ -153,6 +153,17 @@ class _Multimodal(torch.nn.Module):
         self.seen.append(input_ids)
 
 
+def test_a_model_the_default_run_cannot_call_gets_one_line_asking_for_run() -> None:
+    """A model whose inputs are not one row of ids (MusicGen: a row per codebook) fails the
+    default run inside Transformers; calibrate says so in one line and asks for `run=`, the
+    model's own error kept as the cause."""
+    model = corpus.build("musicgen", seed=0)
+    with pytest.raises(TypeError, match=r"MusicgenForCausalLM cannot run on one row") as info:
+        tuning.calibrate(model, tokens=(1,), save=False)
+    assert "pass `run=`" in str(info.value) and "\n" not in str(info.value)
+    assert info.value.__cause__ is not None
+
+
 def test_default_run_draws_the_text_vocabulary_without_special_ids() -> None:
     """A model whose top config has no `vocab_size` (a multimodal one) runs on its text
     config's vocabulary, and never on an id the configs name as a special token: an image
