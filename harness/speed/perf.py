@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import gc
 import inspect
 import json
@@ -386,8 +385,8 @@ def real_width_config(arch: str, options: PerfOptions, *, fill_unset: bool = Fal
     cls = config_class(arch)
     with quiet_transformers():
         default = cls(**copy.deepcopy(defaults))
-    tiny = tiny_kwargs(arch)
-    kw = deep_merge(defaults, real_width_kwargs(default, tiny, options, fill_unset=fill_unset))
+    real = real_width_kwargs(default, tiny_kwargs(arch), options, fill_unset=fill_unset)
+    kw = deep_merge(defaults, real)
     kw = deep_merge(kw, _structural_fixes(ov.get("config", {})))
     kw = deep_merge(kw, dict(options.widths))
     with quiet_transformers():
@@ -469,6 +468,18 @@ def calibration_run(model: nn.Module, seed: int) -> Callable[[int], Any]:
     return run
 
 
+def forward_perf(
+    model: nn.Module, fused: nn.Module, tokens: int, options: PerfOptions, notes: list[str]
+) -> TokenPerf:
+    """The timing of the two models' decoder forwards on `tokens` tokens (`decoder_forward`),
+    interleaved (`time_pair`), a `slower` one timed again (`confirmed`)."""
+    unfused_call = decoder_forward(model, tokens, options.seed)
+    fused_call = decoder_forward(fused, tokens, options.seed)
+    return confirmed(
+        lambda: token_perf(tokens, *time_pair(unfused_call, fused_call, options)), notes
+    )
+
+
 def generate_perf(
     model: nn.Module, fused: nn.Module, options: PerfOptions, notes: list[str]
 ) -> TokenPerf | None:
@@ -522,12 +533,6 @@ def time_pair(
     return u, f
 
 
-def _forward_perf(
-    tokens: int, unfused: Callable[[], Any], fused: Callable[[], Any], options: PerfOptions
-) -> TokenPerf:
-    return token_perf(tokens, *time_pair(unfused, fused, options))
-
-
 def _one_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
@@ -573,12 +578,7 @@ def measure_arch(
         stage = "time"
         for tokens in options.tokens:
             progress(f"{arch}: timing {tokens} tokens")
-            pair = (
-                decoder_forward(model, tokens, options.seed),
-                decoder_forward(fused, tokens, options.seed),
-            )
-            measure = functools.partial(_forward_perf, tokens, *pair, options)
-            record.timings.append(confirmed(measure, record.notes))
+            record.timings.append(forward_perf(model, fused, tokens, options, record.notes))
         if options.generate:
             stage = "generate"
             progress(f"{arch}: timing generate {options.generate[0]}+{options.generate[1]}")
