@@ -13,7 +13,7 @@ build: that way reading the table never builds the kernel (`backend="torch"` bui
 
 How a kernel is judged (`judge`): calls are interleaved (each round calls every kernel once,
 in a rotating order), each call on a weight not read since many calls (copies cycled through
-`STREAM_FACTOR` times the last-level cache this machine reports, as a model's layers are), so every kernel sees
+`memory.STREAM_FACTOR` times the last-level cache this machine reports, as a model's layers are), so every kernel sees
 the same machine state; the per-round ratio reference time / kernel time is paired, which
 cancels the drift of a busy machine. A kernel *wins* only if its median ratio is at least
 `1 + MARGIN` and its lower quartile at least 1: measurably faster, not faster on average.
@@ -52,6 +52,7 @@ import torch
 
 from fusion import kernels
 from fusion.kernels import onednn as onednn_backend
+from fusion.kernels.memory import last_level_cache_bytes, stream_bytes
 from fusion.kernels.native import build as native_build
 from fusion.kernels.native import gemm as native_gemm
 
@@ -68,15 +69,6 @@ table naming any other op or kernel is not read)."""
 MARGIN = 0.03
 """A kernel must beat the reference by this fraction (median of paired ratios) to be used."""
 
-STREAM_FACTOR = 4
-"""Weight copies cycled per measurement cover this many times the last-level cache
-(`stream_bytes`): cycling through more than a cache holds evicts every line before its reuse
-under LRU, and the factor leaves room for the adaptive replacement of real caches and for a
-VM that reports less cache than its host shares with it."""
-
-FALLBACK_CACHE_BYTES = 64 << 20
-"""The last-level cache assumed where the OS does not say (as large as common server parts,
-so the stream errs on the long side)."""
 
 MAX_COPIES = 1 << 12
 """At most this many weight copies per measurement (a bound on the list, not on memory)."""
@@ -464,45 +456,6 @@ def time_calls(
             if rounds >= MIN_ROUNDS and spent >= budget_s:
                 break
     return times, rounds
-
-
-def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
-    """The size of the largest data or unified cache CPU 0 reports (sysfs `index*/size`,
-    e.g. '266240K'), or `FALLBACK_CACHE_BYTES` where there is none to read."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    sizes = []
-    for index in sorted(root.glob("index*")):
-        try:
-            if (index / "type").read_text().strip() == "Instruction":
-                continue
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        scale = units.get(text[-1:].upper(), 1)
-        digits = text[:-1] if text[-1:].upper() in units else text
-        if digits.isdigit():
-            sizes.append(int(digits) * scale)
-    return max(sizes) if sizes else FALLBACK_CACHE_BYTES
-
-
-def _available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) << 10
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def stream_bytes() -> int:
-    """How much memory the weight copies of one measurement cycle through:
-    `STREAM_FACTOR` x this machine's last-level cache, so each call reads its weight from
-    memory as a decode step reads a model's layers; at most a quarter of the memory
-    available now (a measurement never pushes the machine into swap or the OOM killer)."""
-    wanted = STREAM_FACTOR * last_level_cache_bytes()
-    available = _available_bytes()
-    return wanted if available is None else max(1 << 20, min(wanted, available // 4))
 
 
 def copies_for(nbytes: int, stream: int | None = None) -> int:

@@ -21,7 +21,9 @@
  * order.
  *
  * One input row (decode) takes its own loop (`row_block`): wider blocks of weight rows, the
- * same operations per output.
+ * same operations per output. Its software prefetch of the next block goes to L1, or only as
+ * far as L2 (`hint` 1), chosen per machine by measurement (fusion/kernels/native/prefetch.py):
+ * a hint changes where lines wait, never the arithmetic.
  *
  * Contract (the Python side checks it, fh_linear re-checks the cheap parts): K a positive
  * multiple of 16; unit stride along K for x and w; row strides ldx >= K, ldw >= K,
@@ -63,7 +65,7 @@ typedef float acc_t __attribute__((vector_size(VL * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VL * 2), aligned(2))); /* VL bf16 values */
 typedef uint32_t uvec __attribute__((vector_size(VL * 4)));
 
-int fh_abi_version(void) { return 5; }
+int fh_abi_version(void) { return 6; }
 
 static inline float lane_sum(acc_t v) {
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -197,7 +199,7 @@ static inline __attribute__((always_inline)) void weight_block(
    path computed it, so results still do not depend on the other rows of a call. */
 static inline __attribute__((always_inline)) void row_block(
     const float *x, const void *w, int64_t ldw, const float *b, float *y, int64_t n0, int nb,
-    int64_t K, const int bf16) {
+    int64_t K, const int bf16, const int l2) {
   const int64_t esize = bf16 ? 2 : 4;
   acc_t sum[NR1];
   const acc_t zero = {0};
@@ -219,7 +221,12 @@ static inline __attribute__((always_inline)) void row_block(
 #pragma GCC unroll 16
       for (int j = 0; j < NR1; j++) {
         /* once per 64-byte line (a bf16 step reads half a line) */
-        if (((k * esize) & 63) == 0) __builtin_prefetch(wr[j] + ahead + k * esize);
+        if (((k * esize) & 63) == 0) {
+          if (l2) /* prefetcht2: no L1 miss buffer held while the line travels */
+            __builtin_prefetch(wr[j] + ahead + k * esize, 0, 1);
+          else
+            __builtin_prefetch(wr[j] + ahead + k * esize);
+        }
         a[j] += u * LOAD_W(wr[j], k);
       }
     }
@@ -249,12 +256,22 @@ static void block_bf16(const float *x, int64_t ldx, const void *w, int64_t ldw, 
 
 static void row_f32(const float *x, const void *w, int64_t ldw, const float *b, float *y,
                     int64_t n0, int nb, int64_t K) {
-  row_block(x, w, ldw, b, y, n0, nb, K, 0);
+  row_block(x, w, ldw, b, y, n0, nb, K, 0, 0);
 }
 
 static void row_bf16(const float *x, const void *w, int64_t ldw, const float *b, float *y,
                      int64_t n0, int nb, int64_t K) {
-  row_block(x, w, ldw, b, y, n0, nb, K, 1);
+  row_block(x, w, ldw, b, y, n0, nb, K, 1, 0);
+}
+
+static void row_f32_l2(const float *x, const void *w, int64_t ldw, const float *b, float *y,
+                       int64_t n0, int nb, int64_t K) {
+  row_block(x, w, ldw, b, y, n0, nb, K, 0, 1);
+}
+
+static void row_bf16_l2(const float *x, const void *w, int64_t ldw, const float *b, float *y,
+                        int64_t n0, int nb, int64_t K) {
+  row_block(x, w, ldw, b, y, n0, nb, K, 1, 1);
 }
 
 typedef void (*row_fn)(const float *, const void *, int64_t, const float *, float *, int64_t, int,
@@ -290,10 +307,11 @@ static int linear_rows(const float *x, int64_t ldx, const void *w, int64_t ldw, 
   return 0;
 }
 
-/* y = x @ w^T (+ b), all float32. */
+/* y = x @ w^T (+ b), all float32; `hint` 1: the one-row loop prefetches to L2 only. */
 int fh_linear(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *b,
-              float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads, block_f32, row_f32);
+              float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int hint) {
+  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads, block_f32,
+                     hint ? row_f32_l2 : row_f32);
 }
 
 /* float32 -> bf16, round to nearest even; NaN -> the quiet NaN 0x7FC0: c10::BFloat16's rule,
@@ -319,7 +337,7 @@ static inline float widen_bf16(uint16_t h) {
    Returns -3 where a buffer cannot be allocated. */
 int fh_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
                    const uint16_t *b, uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                   int threads) {
+                   int threads, int hint) {
   if (M < 1 || N < 1 || K < 16 || K % 16 != 0) return -1;
   if (ldx < K || ldw < K || ldy < N || threads < 1) return -2;
   float *xf = malloc(sizeof(float) * (size_t)(M * K + M * N + (b ? N : 0)));
@@ -329,7 +347,8 @@ int fh_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ld
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xf[m * K + k] = widen_bf16(x[m * ldx + k]);
   for (int64_t n = 0; b && n < N; n++) bf[n] = widen_bf16(b[n]);
-  const int code = linear_rows(xf, K, w, ldw, bf, yf, N, M, N, K, threads, block_bf16, row_bf16);
+  const int code = linear_rows(xf, K, w, ldw, bf, yf, N, M, N, K, threads, block_bf16,
+                               hint ? row_bf16_l2 : row_bf16);
   if (code == 0)
     for (int64_t m = 0; m < M; m++)
       for (int64_t n = 0; n < N; n++) y[m * ldy + n] = round_bf16(yf[m * N + n]);

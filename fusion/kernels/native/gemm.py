@@ -38,6 +38,7 @@ unavailable (`status()` says why: no compiler, a build error, a failed probe, th
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ import torch
 
 from fusion.kernels import contract, reference
 from fusion.kernels.native import build as native_build
+from fusion.kernels.native import prefetch
 
 MIN_ELEMENTS = 1 << 18
 """Smallest weight (N * K elements) the kernel takes (1 MiB in float32, 512 KiB in bf16):
@@ -101,7 +103,7 @@ DISABLE_ENV = "FUSION_NATIVE_KERNELS"
 """Set to `0` to keep the native kernels off (read once, at first use)."""
 
 _SOURCE = "rowmajor_gemm"
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -122,15 +124,19 @@ class Resolved:
     """The built library's file name (it embeds the build's cache key), or 'none'."""
     bf16_function: object | None = None
     """The same kernel for bfloat16 operands (`fh_linear_bf16`), None wherever `function` is."""
+    prefetch: int = prefetch.L1
+    """The one-row loop's prefetch hint, the last argument of every call (`prefetch.choose`:
+    measured where the kernel is available, else `L1`); it never changes a result."""
+    prefetch_reason: str = ""
+    """How `prefetch` was chosen (`prefetch.Choice.reason`)."""
 
 
-def _build() -> tuple[tuple[object, object] | None, str, str]:
+def _build() -> tuple[tuple[object, object] | None, str, native_build.Built]:
     """The kernel's two ctypes functions (float32, bf16 weights), built and probed on this
-    machine, or None and why; and the library's file name (the build's identity)."""
+    machine, or None and why; and the build (its path names the build's identity)."""
     built = native_build.build(_SOURCE)
-    name = built.path.name if built.path is not None else "none"
     functions, reason = _load(built)
-    return functions, reason, name
+    return functions, reason, built
 
 
 def _load(built: native_build.Built) -> tuple[tuple[object, object] | None, str]:
@@ -161,7 +167,7 @@ def _load(built: native_build.Built) -> tuple[tuple[object, object] | None, str]
 
 def _declare(function) -> None:
     """Type one of the kernel's entry points (both share one signature: pointers, strides,
-    sizes, threads)."""
+    sizes, threads, the prefetch hint)."""
     function.restype = ctypes.c_int
     function.argtypes = [
         ctypes.c_void_p,
@@ -174,6 +180,7 @@ def _declare(function) -> None:
         ctypes.c_int64,
         ctypes.c_int64,
         ctypes.c_int64,
+        ctypes.c_int,
         ctypes.c_int,
     ]
 
@@ -199,8 +206,8 @@ def capability() -> str:
 def _probe(function, dtype: torch.dtype) -> str:
     """'' when small products with a bias and padded row strides, all operands of `dtype`
     (float32 or bfloat16, the entry point's), match float64 within that dtype's rounding at one
-    and two threads, bit-identically, at one row (the one-row loop) and at five; else what
-    differed."""
+    and two threads and with each prefetch hint, all bit-identically, at one row (the one-row
+    loop) and at five; else what differed."""
     # explicit device and dtype: the first call may come under `with torch.device("meta")`
     # or another default dtype (a model built on meta, then fused), where a plain
     # `torch.randn` would hand the kernel a pointer to no memory
@@ -214,11 +221,11 @@ def _probe(function, dtype: torch.dtype) -> str:
         bias = torch.randn(7, generator=generator, **cpu).to(dtype)
         expected = x.double() @ weight.double().t() + bias.double()  # on CPU, as its operands
         outs = []
-        for threads in (1, 2):
+        for threads, hint in ((1, prefetch.L1), (2, prefetch.L1), (1, prefetch.L2)):
             out = torch.full((rows, 7), float("nan"), device="cpu", dtype=dtype)
             code = function(
                 x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0), bias.data_ptr(),
-                out.data_ptr(), 7, rows, 7, 48, threads,
+                out.data_ptr(), 7, rows, 7, 48, threads, hint,
             )  # fmt: skip
             if code != 0:
                 return f"returned {code} at {rows} rows"
@@ -228,6 +235,8 @@ def _probe(function, dtype: torch.dtype) -> str:
             return f"max error {error:.3g} against float64 at {rows} rows"
         if not torch.equal(outs[0], outs[1]):
             return f"one and two threads differ at {rows} rows"
+        if not torch.equal(outs[0], outs[2]):
+            return f"the two prefetch hints differ at {rows} rows"
     return ""
 
 
@@ -260,11 +269,20 @@ class NativeKernelState:
         """This machine's answer, whatever a test pretends: resolved (built, probed, the
         machine rule applied) at the first call and kept until `reset`."""
         if self._machine is None:
-            functions, reason, build = _build()
+            functions, reason, built = _build()
+            build = built.path.name if built.path is not None else "none"
             verdict = _machine_rule() if functions is not None else reason
             limits = LIMITS.get(capability(), _NO_ROWS) if verdict == "available" else _NO_ROWS
             function, bf16_function = functions if functions is not None else (None, None)
-            self._machine = Resolved(function, reason, verdict, limits, build, bf16_function)
+            # measured only where `applies` may run it: a disabled kernel costs nothing
+            choice = (
+                prefetch.choose(functions, built.path)
+                if functions is not None and verdict == "available"
+                else prefetch.Choice(prefetch.L1, f"not measured: {verdict}")
+            )
+            self._machine = Resolved(
+                function, reason, verdict, limits, build, bf16_function, choice.hint, choice.reason
+            )
         return self._machine
 
     def pretend(self, resolved: Resolved) -> None:
@@ -279,9 +297,7 @@ class NativeKernelState:
         real = self.machine()
         if real.function is None:
             raise RuntimeError(f"the native linear is not built here: {real.reason}")
-        self.pretend(
-            Resolved(real.function, "built", "available", limits, real.build, real.bf16_function)
-        )
+        self.pretend(dataclasses.replace(real, reason="built", verdict="available", limits=limits))
 
     def pretend_off(self, reason: str) -> None:
         """Pretend the kernel is unavailable because of `reason` (as on a machine without a
@@ -489,7 +505,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if function is None:
         raise RuntimeError(f"the native linear is not built here: {state.reason}")
     _check_memory(x, weight, bias)
-    return run(function, x, weight, bias)
+    return run(function, x, weight, bias, state.prefetch)
 
 
 def try_linear(
@@ -502,7 +518,8 @@ def try_linear(
     emptied the caches: every check made twice was a cold frame more."""
     if not applies(x, weight, bias):
         return None
-    return run(_function(NATIVE.resolve(), weight.dtype), x, weight, bias)
+    state = NATIVE.resolve()
+    return run(_function(state, weight.dtype), x, weight, bias, state.prefetch)
 
 
 def _function(state: Resolved, dtype: torch.dtype) -> object | None:
@@ -524,10 +541,14 @@ def _reaches(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
 
 
 def run(
-    function: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    function: object,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    hint: int = prefetch.L1,
 ) -> torch.Tensor:
     """The kernel call behind `linear` and `try_linear`, on operands whose layout was
-    checked. The storages are held for the call, so another thread re-pointing a tensor
+    checked; `hint` is the one-row loop's prefetch (`Resolved.prefetch`: speed only). The storages are held for the call, so another thread re-pointing a tensor
     (`set_`) cannot free memory the kernel is reading; each is checked to hold what the
     kernel reads (`_reaches`)."""
     n, k = weight.shape
@@ -544,7 +565,7 @@ def run(
     code = function(
         rows.data_ptr(), rows.stride(0) if m > 1 else k, weight.data_ptr(), weight.stride(0),
         None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
-        torch.get_num_threads(),
+        torch.get_num_threads(), hint,
     )  # fmt: skip
     del held
     if code != 0:

@@ -41,7 +41,7 @@ def _spy(monkeypatch) -> list[tuple[int, ...]]:
     taken: list[tuple[int, ...]] = []
     real = native_gemm.run
     monkeypatch.setattr(
-        native_gemm, "run", lambda f, x, w, b: taken.append(tuple(w.shape)) or real(f, x, w, b)
+        native_gemm, "run", lambda f, x, w, *a: taken.append(tuple(w.shape)) or real(f, x, w, *a)
     )
     return taken
 

@@ -333,7 +333,7 @@ def test_merged_and_row_linears_take_it_at_decode_sizes(monkeypatch, rows: int) 
     calls: list[tuple[int, ...]] = []
     real = native_gemm.run
     monkeypatch.setattr(
-        native_gemm, "run", lambda f, x, w, b: calls.append(tuple(w.shape)) or real(f, x, w, b)
+        native_gemm, "run", lambda f, x, w, *a: calls.append(tuple(w.shape)) or real(f, x, w, *a)
     )
     merged = _merged((64, 16, 16), 32, bias=True)
     row = decode_linear(32, 48)
