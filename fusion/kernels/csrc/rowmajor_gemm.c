@@ -254,25 +254,16 @@ static void block_bf16(const float *x, int64_t ldx, const void *w, int64_t ldw, 
   weight_block(x, ldx, w, ldw, b, y, ldy, rows, n0, nb, K, 1);
 }
 
-static void row_f32(const float *x, const void *w, int64_t ldw, const float *b, float *y,
-                    int64_t n0, int nb, int64_t K) {
-  row_block(x, w, ldw, b, y, n0, nb, K, 0, 0);
-}
-
-static void row_bf16(const float *x, const void *w, int64_t ldw, const float *b, float *y,
-                     int64_t n0, int nb, int64_t K) {
-  row_block(x, w, ldw, b, y, n0, nb, K, 1, 0);
-}
-
-static void row_f32_l2(const float *x, const void *w, int64_t ldw, const float *b, float *y,
-                       int64_t n0, int nb, int64_t K) {
-  row_block(x, w, ldw, b, y, n0, nb, K, 0, 1);
-}
-
-static void row_bf16_l2(const float *x, const void *w, int64_t ldw, const float *b, float *y,
-                        int64_t n0, int nb, int64_t K) {
-  row_block(x, w, ldw, b, y, n0, nb, K, 1, 1);
-}
+/* One row loop per (element type, prefetch hint): each a copy of `row_block` with both fixed. */
+#define ROW_FN(name, bf16, l2)                                                                 \
+  static void name(const float *x, const void *w, int64_t ldw, const float *b, float *y,       \
+                   int64_t n0, int nb, int64_t K) {                                            \
+    row_block(x, w, ldw, b, y, n0, nb, K, bf16, l2);                                           \
+  }
+ROW_FN(row_f32, 0, 0)
+ROW_FN(row_bf16, 1, 0)
+ROW_FN(row_f32_l2, 0, 1)
+ROW_FN(row_bf16_l2, 1, 1)
 
 typedef void (*row_fn)(const float *, const void *, int64_t, const float *, float *, int64_t, int,
                        int64_t);
