@@ -348,6 +348,13 @@ def status() -> str:
     return NATIVE.resolve().verdict
 
 
+def prefetch_status() -> str:
+    """The one-row loop's prefetch hint and how it was chosen, e.g. 'l2 (measured: ...)'
+    (resolving first): a speed figure of the kernel is a figure of this hint."""
+    state = NATIVE.resolve()
+    return f"{prefetch.name(state.prefetch)} ({state.prefetch_reason})"
+
+
 def built() -> bool:
     """Whether the kernel is built and passed its probe here, whatever the machine rule says
     (`linear` works then; tests call it directly on every machine with a compiler)."""

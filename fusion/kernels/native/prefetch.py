@@ -72,7 +72,8 @@ class Choice:
     `L1` was kept."""
 
 
-def _name(hint: int) -> str:
+def name(hint: int) -> str:
+    """The name of `hint` (`HINTS`' key)."""
     return "l2" if hint == L2 else "l1"
 
 
@@ -97,9 +98,9 @@ def choose(kernels: tuple[Kernel, Kernel], library: Path | None) -> Choice:
         hint, medians = measure(kernels)
     except (RuntimeError, MemoryError) as exc:
         return Choice(L1, f"not measured ({exc}): l1 kept")
-    reason = "measured: " + ", ".join(f"{_name(h)} {s * 1e3:.2f} ms" for h, s in medians.items())
+    reason = "measured: " + ", ".join(f"{name(h)} {s * 1e3:.2f} ms" for h, s in medians.items())
     if cache is not None:
-        problem = _save(cache, _name(hint))
+        problem = _save(cache, name(hint))
         if problem:
             reason += f" (not saved: {problem})"
     return Choice(hint, reason)

@@ -253,6 +253,7 @@ def cpu_info() -> dict[str, Any]:
         "cpu_flags": [f for f in VECTOR_FLAGS if f in flags],
         "aten_cpu_capability": capability,
         "native_kernel": native_gemm.status(),
+        "native_prefetch": native_gemm.prefetch_status(),
     }
 
 

@@ -164,8 +164,16 @@ def test_table_shows_medians_with_their_spread_and_the_cpu() -> None:
     table = bench.format_table([row])
     assert "IQR" in table.splitlines()[0] and "0.2500" in table and "0.1250" in table
     info = bench.cpu_info()
-    assert set(info) == {"cpu_model", "cpu_flags", "aten_cpu_capability", "native_kernel"}
+    assert set(info) == {
+        "cpu_model",
+        "cpu_flags",
+        "aten_cpu_capability",
+        "native_kernel",
+        "native_prefetch",
+    }
     assert info["native_kernel"] == native_gemm.status()
+    assert info["native_prefetch"] == native_gemm.prefetch_status()
+    assert info["native_prefetch"].split()[0] in ("l1", "l2")
     assert set(info["cpu_flags"]) <= set(bench.table.VECTOR_FLAGS)
 
 
