@@ -18,6 +18,9 @@ without a bf16 dot-product path for one row, `F.linear` in bf16 streams its weig
 (in bytes per second) than float32 does (measured well below float32's rate on an AVX-512
 Xeon), so reading half the bytes is reading the weight faster.
 
+Prefetch: the one-row loop's hint (into L1, or only as far as L2) is this machine's measured
+choice, made once per built library (`prefetch`): it moves where lines wait, never a result.
+
 Rounding: each output is a sum over the vector lanes (16 with AVX-512, 8 with AVX2) of
 blocked partial sums (the C source says how), which errs less than MKL against float64 (the
 tests bound it by MKL's). The order depends only on K: bit-identical results at any
