@@ -21,9 +21,9 @@
  * order.
  *
  * One input row (decode) takes its own loop (`row_block`): wider blocks of weight rows, the
- * same operations per output. Its software prefetch of the next block goes to L1, or only as
- * far as L2 (`hint` 1), chosen per machine by measurement (fusion/kernels/native/prefetch.py):
- * a hint changes where lines wait, never the arithmetic.
+ * same operations per output. Both loops prefetch the next block into L1, or only as far as L2
+ * (`hint` 1), chosen per machine by measurement (fusion/kernels/native/prefetch.py): a hint
+ * changes where lines wait, never the arithmetic.
  *
  * Contract (the Python side checks it, fh_linear re-checks the cheap parts): K a positive
  * multiple of 16; unit stride along K for x and w; row strides ldx >= K, ldw >= K,
@@ -91,6 +91,9 @@ static inline float lane_sum(acc_t v) {
 }
 
 #define LOAD(p) (*(const vec *)(p))
+/* The next block's line: into L1, or only as far as L2 where `l2` (prefetcht2: no L1 miss
+   buffer held while the line travels); a constant at every call site. */
+#define PREFETCH(p, l2) ((l2) ? __builtin_prefetch((p), 0, 1) : __builtin_prefetch(p))
 
 /* VL bf16 values widened to float32: exact (the 16 bits become the float's top half). On x86
    one zero-extending move and a shift: GCC lowers the generic conversion of a whole 512-bit
@@ -126,7 +129,7 @@ static inline acc_t load_bf16(const uint16_t *p) {
    elements are float32, or bf16 where `bf16` (inlined into each caller with a constant). */
 static inline __attribute__((always_inline)) void weight_block(
     const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b, float *y,
-    int64_t ldy, int rows, int64_t n0, int nb, int64_t K, const int bf16) {
+    int64_t ldy, int rows, int64_t n0, int nb, int64_t K, const int bf16, const int l2) {
   const int64_t esize = bf16 ? 2 : 4; /* bytes per weight element */
   acc_t sum[MB][NR];
   const acc_t zero = {0};
@@ -151,7 +154,7 @@ static inline __attribute__((always_inline)) void weight_block(
         acc_t v[NR];
 #pragma GCC unroll 16
         for (int j = 0; j < NR; j++) {
-          __builtin_prefetch(wr[j] + ahead + k * esize);
+          PREFETCH(wr[j] + ahead + k * esize, l2);
           v[j] = LOAD_W(wr[j], k);
           HOLD(v[j]);
         }
@@ -177,7 +180,7 @@ static inline __attribute__((always_inline)) void weight_block(
         const acc_t u = LOAD(xr + k);
 #pragma GCC unroll 16
         for (int j = 0; j < NR; j++) {
-          __builtin_prefetch(wr[j] + ahead + k * esize);
+          PREFETCH(wr[j] + ahead + k * esize, l2);
           a[j] += u * LOAD_W(wr[j], k);
         }
       }
@@ -221,12 +224,7 @@ static inline __attribute__((always_inline)) void row_block(
 #pragma GCC unroll 16
       for (int j = 0; j < NR1; j++) {
         /* once per 64-byte line (a bf16 step reads half a line) */
-        if (((k * esize) & 63) == 0) {
-          if (l2) /* prefetcht2: no L1 miss buffer held while the line travels */
-            __builtin_prefetch(wr[j] + ahead + k * esize, 0, 1);
-          else
-            __builtin_prefetch(wr[j] + ahead + k * esize);
-        }
+        if (((k * esize) & 63) == 0) PREFETCH(wr[j] + ahead + k * esize, l2);
         a[j] += u * LOAD_W(wr[j], k);
       }
     }
@@ -240,19 +238,20 @@ static inline __attribute__((always_inline)) void row_block(
   }
 }
 
-/* One weight block per element type: each a copy of `weight_block` with its loads fixed. */
 typedef void (*block_fn)(const float *, int64_t, const void *, int64_t, const float *, float *,
                          int64_t, int, int64_t, int, int64_t);
 
-static void block_f32(const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b,
-                      float *y, int64_t ldy, int rows, int64_t n0, int nb, int64_t K) {
-  weight_block(x, ldx, w, ldw, b, y, ldy, rows, n0, nb, K, 0);
-}
-
-static void block_bf16(const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b,
-                       float *y, int64_t ldy, int rows, int64_t n0, int nb, int64_t K) {
-  weight_block(x, ldx, w, ldw, b, y, ldy, rows, n0, nb, K, 1);
-}
+/* One weight block per (element type, prefetch hint): each a copy of `weight_block` with both
+   fixed. */
+#define BLOCK_FN(name, bf16, l2)                                                               \
+  static void name(const float *x, int64_t ldx, const void *w, int64_t ldw, const float *b,    \
+                   float *y, int64_t ldy, int rows, int64_t n0, int nb, int64_t K) {           \
+    weight_block(x, ldx, w, ldw, b, y, ldy, rows, n0, nb, K, bf16, l2);                        \
+  }
+BLOCK_FN(block_f32, 0, 0)
+BLOCK_FN(block_bf16, 1, 0)
+BLOCK_FN(block_f32_l2, 0, 1)
+BLOCK_FN(block_bf16_l2, 1, 1)
 
 /* One row loop per (element type, prefetch hint): each a copy of `row_block` with both fixed. */
 #define ROW_FN(name, bf16, l2)                                                                 \
@@ -298,10 +297,10 @@ static int linear_rows(const float *x, int64_t ldx, const void *w, int64_t ldw, 
   return 0;
 }
 
-/* y = x @ w^T (+ b), all float32; `hint` 1: the one-row loop prefetches to L2 only. */
+/* y = x @ w^T (+ b), all float32; `hint` 1: both loops prefetch only as far as L2. */
 int fh_linear(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *b,
               float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int hint) {
-  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads, block_f32,
+  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads, hint ? block_f32_l2 : block_f32,
                      hint ? row_f32_l2 : row_f32);
 }
 
@@ -338,7 +337,7 @@ int fh_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ld
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xf[m * K + k] = widen_bf16(x[m * ldx + k]);
   for (int64_t n = 0; b && n < N; n++) bf[n] = widen_bf16(b[n]);
-  const int code = linear_rows(xf, K, w, ldw, bf, yf, N, M, N, K, threads, block_bf16,
+  const int code = linear_rows(xf, K, w, ldw, bf, yf, N, M, N, K, threads, hint ? block_bf16_l2 : block_bf16,
                                hint ? row_bf16_l2 : row_bf16);
   if (code == 0)
     for (int64_t m = 0; m < M; m++)

@@ -18,7 +18,7 @@ without a bf16 dot-product path for one row, `F.linear` in bf16 streams its weig
 (in bytes per second) than float32 does (measured well below float32's rate on an AVX-512
 Xeon), so reading half the bytes is reading the weight faster.
 
-Prefetch: the one-row loop's hint (into L1, or only as far as L2) is this machine's measured
+Prefetch: the loops' hint (into L1, or only as far as L2) is this machine's measured
 choice, made once per built library (`prefetch`): it moves where lines wait, never a result.
 
 Rounding: each output is a sum over the vector lanes (16 with AVX-512, 8 with AVX2) of
@@ -128,7 +128,7 @@ class Resolved:
     bf16_function: object | None = None
     """The same kernel for bfloat16 operands (`fh_linear_bf16`), None wherever `function` is."""
     prefetch: int = prefetch.L1
-    """The one-row loop's prefetch hint, the last argument of every call (`prefetch.choose`:
+    """The loops' prefetch hint, the last argument of every call (`prefetch.choose`:
     measured where the kernel is available, else `L1`); it never changes a result."""
     prefetch_reason: str = ""
     """How `prefetch` was chosen (`prefetch.Choice.reason`)."""
@@ -352,7 +352,7 @@ def status() -> str:
 
 
 def prefetch_status() -> str:
-    """The one-row loop's prefetch hint and how it was chosen, e.g. 'l2 (measured: ...)'
+    """The kernel's prefetch hint and how it was chosen, e.g. 'l2 (measured: ...)'
     (resolving first): a speed figure of the kernel is a figure of this hint."""
     state = NATIVE.resolve()
     return f"{prefetch.name(state.prefetch)} ({state.prefetch_reason})"
@@ -558,9 +558,10 @@ def run(
     hint: int = prefetch.L1,
 ) -> torch.Tensor:
     """The kernel call behind `linear` and `try_linear`, on operands whose layout was
-    checked; `hint` is the one-row loop's prefetch (`Resolved.prefetch`: speed only). The storages are held for the call, so another thread re-pointing a tensor
-    (`set_`) cannot free memory the kernel is reading; each is checked to hold what the
-    kernel reads (`_reaches`)."""
+    checked; `hint` is the loops' prefetch (`Resolved.prefetch`: speed only). The storages
+    are held for the call, so another thread re-pointing a tensor (`set_`) cannot free
+    memory the kernel is reading; each is checked to hold what the kernel reads
+    (`_reaches`)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]

@@ -1,14 +1,17 @@
-"""Which software prefetch the native kernel's one-row loop issues on this machine, chosen by
+"""Which software prefetch the native kernel's loops issue on this machine, chosen by
 measurement and kept beside the library it was measured with.
 
-The one-row loop (a decode step's products, `csrc/rowmajor_gemm.c`, `row_block`) prefetches
-the next block of weight rows while it reads the current one. Where the prefetched lines wait
+Both loops of `csrc/rowmajor_gemm.c` (`row_block`, a decode step's one row, and
+`weight_block`, a few rows) prefetch the next block of weight rows while they read the
+current one. Where the prefetched lines wait
 decides how many can be in flight: into L1 (`L1`, `prefetcht0`) each holds an L1 miss buffer
 until it arrives; only as far as L2 (`L2`, `prefetcht2`) it holds one of L2's more numerous
 slots. Which streams faster is a property of the core's memory pipeline, not of the model:
 on a Zen 4 the L2 hint streamed one-row products much faster, in bf16 most (docs/benchmarks.md,
 "Figures behind design choices"); other cores are not known, so each machine measures its own
-(`measure`) rather than following a rule fitted on one.
+(`measure`) rather than following a rule fitted on one. It is measured on the one-row loop,
+which decode runs; the multi-row loop takes the same hint (on the Zen 4 the L2 hint was as
+fast or faster there too, at 4 to 16 rows).
 
 Why it is safe: a prefetch hint changes where lines wait, never what is computed, so either
 choice gives the same bits (the build's probe checks every hint against float64, and the two
@@ -63,7 +66,7 @@ Kernel = Callable[..., int]
 
 @dataclass(frozen=True)
 class Choice:
-    """The hint the one-row loop runs with, and how it was chosen."""
+    """The hint the kernel runs with, and how it was chosen."""
 
     hint: int
     """`L1` or `L2`: the last argument of every kernel call."""

@@ -100,15 +100,18 @@ needs_kernel = pytest.mark.skipif(
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_both_hints_compute_the_same_bits(dtype: torch.dtype) -> None:
-    """At a decode width (K across three 256-wide blocks, N not a multiple of the 8-row
-    block), with a bias: one row through each hint, bit-identical, and the dense function."""
+def test_both_hints_compute_the_same_bits(dtype: torch.dtype, rows: int) -> None:
+    """At a decode width (K across three 256-wide blocks, N not a multiple of either loop's
+    block), with a bias: the one-row loop (1 row) and the multi-row loop (a block and a
+    remainder; more rows than one pass of 32) through each hint, bit-identical, and the
+    dense function."""
     machine = native_gemm.NATIVE.machine()
     if machine.function is None:
         pytest.skip(f"native kernel not built here: {machine.reason}")
     generator = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 576, generator=generator).to(dtype)
+    x = torch.randn(rows, 576, generator=generator).to(dtype)
     weight = torch.randn(1003, 576, generator=generator).mul_(0.05).to(dtype)
     bias = torch.randn(1003, generator=generator).to(dtype)
     function = native_gemm._function(machine, dtype)
