@@ -41,6 +41,8 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache
 
 
 def available_bytes() -> int | None:
+    """The memory available now (`/proc/meminfo` MemAvailable), or None where it cannot be
+    read."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

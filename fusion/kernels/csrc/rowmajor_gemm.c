@@ -300,8 +300,8 @@ static int linear_rows(const float *x, int64_t ldx, const void *w, int64_t ldw, 
 /* y = x @ w^T (+ b), all float32; `hint` 1: both loops prefetch only as far as L2. */
 int fh_linear(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *b,
               float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int hint) {
-  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads, hint ? block_f32_l2 : block_f32,
-                     hint ? row_f32_l2 : row_f32);
+  return linear_rows(x, ldx, w, ldw, b, y, ldy, M, N, K, threads,
+                     hint ? block_f32_l2 : block_f32, hint ? row_f32_l2 : row_f32);
 }
 
 /* float32 -> bf16, round to nearest even; NaN -> the quiet NaN 0x7FC0: c10::BFloat16's rule,
@@ -337,8 +337,8 @@ int fh_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ld
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xf[m * K + k] = widen_bf16(x[m * ldx + k]);
   for (int64_t n = 0; b && n < N; n++) bf[n] = widen_bf16(b[n]);
-  const int code = linear_rows(xf, K, w, ldw, bf, yf, N, M, N, K, threads, hint ? block_bf16_l2 : block_bf16,
-                               hint ? row_bf16_l2 : row_bf16);
+  const int code = linear_rows(xf, K, w, ldw, bf, yf, N, M, N, K, threads,
+                               hint ? block_bf16_l2 : block_bf16, hint ? row_bf16_l2 : row_bf16);
   if (code == 0)
     for (int64_t m = 0; m < M; m++)
       for (int64_t n = 0; n < N; n++) y[m * ldy + n] = round_bf16(yf[m * N + n]);

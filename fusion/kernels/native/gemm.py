@@ -351,11 +351,11 @@ def status() -> str:
     return NATIVE.resolve().verdict
 
 
-def prefetch_status() -> str:
-    """The kernel's prefetch hint and how it was chosen, e.g. 'l2 (measured: ...)'
-    (resolving first): a speed figure of the kernel is a figure of this hint."""
+def prefetch_status() -> tuple[str, str]:
+    """The kernel's prefetch hint ('l1' or 'l2') and how it was chosen (resolving first): a
+    speed figure of the kernel is a figure of this hint."""
     state = NATIVE.resolve()
-    return f"{prefetch.name(state.prefetch)} ({state.prefetch_reason})"
+    return prefetch.name(state.prefetch), state.prefetch_reason
 
 
 def built() -> bool:

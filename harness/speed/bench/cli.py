@@ -141,7 +141,7 @@ def _run_and_print(
         f"torch {info['torch']}, transformers {info['transformers']}, triton {info['triton']}; "
         f"{info['cpu_model'] or 'cpu'} [{' '.join(info['cpu_flags'])}], ATen "
         f"{info['aten_cpu_capability']}, native kernel {info['native_kernel']} "
-        f"(prefetch {info['native_prefetch'].split()[0]}), "
+        f"(prefetch {info['native_prefetch']}), "
         f"{info['threads']} threads, {args.clock} clock; kernel policy {info['kernel_policy']}"
         + (f"; {'copy' if gpu else 'read'} bandwidth {copy_bw / 1e9:.1f} GB/s" if copy_bw else ""),
         file=sys.stderr,

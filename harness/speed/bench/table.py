@@ -229,7 +229,8 @@ def cpu_info() -> dict[str, Any]:
     """The CPU the numbers were measured on: model name, the `VECTOR_FLAGS` it has (from
     /proc/cpuinfo; empty elsewhere), the vector ISA ATen dispatches to (which
     `ATEN_CPU_CAPABILITY` can lower, e.g. to emulate an AVX2-only machine), and whether the
-    native CPU kernel runs here (`native_gemm.status()`: 'available' or why not)."""
+    native CPU kernel runs here (`native_gemm.status()`: 'available' or why not), with its
+    prefetch hint and how that was chosen (`native_gemm.prefetch_status()`)."""
     model, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -248,13 +249,14 @@ def cpu_info() -> dict[str, Any]:
     # builds the kernel on first use (once per machine)
     from fusion.kernels.native import gemm as native_gemm
 
-    return {
+    info: dict[str, Any] = {
         "cpu_model": model,
         "cpu_flags": [f for f in VECTOR_FLAGS if f in flags],
         "aten_cpu_capability": capability,
         "native_kernel": native_gemm.status(),
-        "native_prefetch": native_gemm.prefetch_status(),
     }
+    info["native_prefetch"], info["native_prefetch_reason"] = native_gemm.prefetch_status()
+    return info
 
 
 def compiled_ratios(rows: Sequence[Row]) -> list[str]:

@@ -170,10 +170,13 @@ def test_table_shows_medians_with_their_spread_and_the_cpu() -> None:
         "aten_cpu_capability",
         "native_kernel",
         "native_prefetch",
+        "native_prefetch_reason",
     }
     assert info["native_kernel"] == native_gemm.status()
-    assert info["native_prefetch"] == native_gemm.prefetch_status()
-    assert info["native_prefetch"].split()[0] in ("l1", "l2")
+    assert (info["native_prefetch"], info["native_prefetch_reason"]) == (
+        native_gemm.prefetch_status()
+    )
+    assert info["native_prefetch"] in ("l1", "l2")
     assert set(info["cpu_flags"]) <= set(bench.table.VECTOR_FLAGS)
 
 
